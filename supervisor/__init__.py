@@ -1,0 +1,3 @@
+"""Placement Supervisor: NUMA placement for LLM inference engines and their workers."""
+
+__version__ = "0.1.0"

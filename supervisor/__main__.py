@@ -1,0 +1,5 @@
+"""`python -m supervisor` is the `placement-supervisor` command."""
+
+from supervisor.cli import main
+
+raise SystemExit(main())

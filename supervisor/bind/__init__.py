@@ -1,0 +1,1 @@
+"""Binding: syscalls (affinity, memory policy, page migration), IRQ and cgroup writes."""

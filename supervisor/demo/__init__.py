@@ -1,0 +1,1 @@
+"""A demo engine and demo workers that behave like the real ones (no GPU needed)."""

@@ -1,0 +1,219 @@
+"""The daemon's state: one immutable `Snapshot`, written by one writer (no I/O).
+
+The daemon's loop owns a `StateStore`, changes it only from the event loop,
+and publishes a new frozen `Snapshot` after each change. The API handlers, the
+metrics collector and `status` read `store.snapshot` and nothing else, so they
+never touch /proc and never see a half-applied change.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Any, Literal
+
+from supervisor.placement import Placement
+from supervisor.topology.model import Topology
+
+ProcKey = int | Literal["engine"]
+"""A rank number, or "engine"."""
+
+ProcessState = Literal["starting", "running", "backoff", "failed", "stopped"]
+MemPolicyStep = Literal["bind", "preferred", "none"]
+DriftKind = Literal[
+    "thread_affinity", "memory_locality", "irq_affinity", "cpuset_changed", "process_gone"
+]
+BindTarget = Literal["process", "thread", "memory", "irq", "cgroup"]
+
+EVENTS_KEPT = 1000
+
+
+def key_label(key: ProcKey) -> str:
+    """The `rank` label of metrics and events: the rank number, or "engine"."""
+    return str(key)
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessStatus:
+    """One supervised process (the engine or a rank's worker)."""
+
+    key: ProcKey
+    state: ProcessState = "starting"
+    pid: int | None = None
+    start_time: int | None = None  # /proc/<pid>/stat field 22 (clock ticks since boot)
+    restarts: int = 0
+    backoff_s: float = 0.0  # the delay before the next start, when in backoff
+    next_start_at: float | None = None  # unix time of the next start, when in backoff
+    exit_code: int | None = None  # last exit status (negative: killed by that signal)
+    mempolicy: MemPolicyStep | None = None  # what the shim got from the kernel
+    mempolicy_reason: str | None = None
+    cgroup: str | None = None  # the process's own cgroup, when it has one
+    bound: bool = False  # every bind of the plan applied and read back
+
+
+@dataclass(frozen=True, slots=True)
+class ThreadObservation:
+    tid: int
+    name: str
+    role: str
+    cpus: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class IrqObservation:
+    irq: int
+    cpus: tuple[int, ...]  # effective affinity as the kernel reports it
+    planned: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """Live state of one process, as the last check found it."""
+
+    threads: tuple[ThreadObservation, ...] = ()
+    memory_bytes_by_node: Mapping[int, int] = field(default_factory=dict)
+    local_memory_ratio: float | None = None
+    irqs: tuple[IrqObservation, ...] = ()
+    observed_at: float = 0.0  # unix time
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """One difference between the plan and live state."""
+
+    kind: DriftKind
+    target: str  # "tid 4242", "irq 41", "memory", "cpuset"
+    expected: str
+    actual: str
+    action: Literal["observe", "enforce", "failed"] = "observe"
+
+    def to_doc(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "target": self.target,
+            "expected": self.expected,
+            "actual": self.actual,
+            "action": self.action,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """Something that happened: a spawn, exit, bind, drift finding, re-bind..."""
+
+    seq: int
+    ts: float  # unix time
+    kind: str  # spawn, exit, state, bind, bind_failed, drift, rebind, cpuset, irq, ...
+    key: ProcKey | None
+    message: str
+    fields: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_doc(self) -> dict[str, Any]:
+        return {
+            "seq": self.seq,
+            "ts": self.ts,
+            "kind": self.kind,
+            "rank": None if self.key is None else key_label(self.key),
+            "message": self.message,
+            "fields": dict(self.fields),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Counters:
+    """Monotonic counters behind the `_total` metrics of DESIGN 3.5."""
+
+    bind_failures: Mapping[tuple[str, str, str], int] = field(default_factory=dict)
+    drift_events: Mapping[tuple[str, str], int] = field(default_factory=dict)  # rank, kind
+    rebinds: Mapping[tuple[str, str], int] = field(default_factory=dict)  # rank, reason
+    restarts: Mapping[str, int] = field(default_factory=dict)  # rank
+    cpuset_changes: int = 0
+    checks: int = 0
+    check_seconds_sum: float = 0.0
+    last_check_duration_s: float = 0.0
+    last_check_at: float = 0.0  # unix time of the last finished check
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """Everything the API, metrics and status show, frozen at one instant."""
+
+    placement: Placement
+    topology: Topology
+    processes: Mapping[ProcKey, ProcessStatus]
+    observed: Mapping[ProcKey, Observation] = field(default_factory=dict)
+    drift: Mapping[ProcKey, tuple[Finding, ...]] = field(default_factory=dict)
+    counters: Counters = field(default_factory=Counters)
+    events: tuple[Event, ...] = ()
+    started_at: float = 0.0
+    stopping: bool = False
+    accelerator_kind: str = "cpu"
+    config_path: str | None = None
+
+    @property
+    def ready(self) -> bool:
+        """Every process running and bound as planned (what /readyz answers)."""
+        return not self.stopping and all(
+            p.state == "running" and p.bound for p in self.processes.values()
+        )
+
+    def keys(self) -> tuple[ProcKey, ...]:
+        """ "engine" first (when planned), then ranks in order."""
+        keys: list[ProcKey] = ["engine"] if self.placement.engine is not None else []
+        keys.extend(r.rank for r in self.placement.ranks)
+        return tuple(keys)
+
+
+class StateStore:
+    """The single writer. Call its methods from the event loop only."""
+
+    def __init__(self, initial: Snapshot) -> None:
+        self._snapshot = initial
+        self._events: deque[Event] = deque(maxlen=EVENTS_KEPT)
+        self._seq = 0
+
+    @property
+    def snapshot(self) -> Snapshot:
+        return self._snapshot
+
+    def update(self, **changes: Any) -> Snapshot:
+        """Publish a new snapshot with `changes` (dataclass field names)."""
+        self._snapshot = replace(self._snapshot, **changes)
+        return self._snapshot
+
+    def set_process(self, status: ProcessStatus) -> None:
+        procs = dict(self._snapshot.processes)
+        procs[status.key] = status
+        self.update(processes=MappingProxyType(procs))
+
+    def set_observation(
+        self, key: ProcKey, observation: Observation, findings: tuple[Finding, ...]
+    ) -> None:
+        observed = dict(self._snapshot.observed)
+        observed[key] = observation
+        drift = dict(self._snapshot.drift)
+        drift[key] = findings
+        self.update(observed=MappingProxyType(observed), drift=MappingProxyType(drift))
+
+    def emit(self, kind: str, key: ProcKey | None, message: str, **fields: Any) -> Event:
+        self._seq += 1
+        event = Event(self._seq, time.time(), kind, key, message, MappingProxyType(fields))
+        self._events.append(event)
+        self.update(events=tuple(self._events))
+        return event
+
+    def count(
+        self,
+        counter: Literal["bind_failures", "drift_events", "rebinds", "restarts"],
+        label: tuple[str, ...] | str,
+        n: int = 1,
+    ) -> None:
+        """Add `n` to a labelled counter of `Counters` ("bind_failures", ...)."""
+        counters = self._snapshot.counters
+        table: dict[Any, int] = dict(getattr(counters, counter))
+        table[label] = table.get(label, 0) + n
+        changes: dict[str, Any] = {counter: MappingProxyType(table)}
+        self.update(counters=replace(counters, **changes))

@@ -1,0 +1,1 @@
+"""Host discovery: readers through HostFS and pure parsers, into `Topology`."""

@@ -1,0 +1,154 @@
+"""The discovered host, as frozen data (no I/O).
+
+`read_topology` (supervisor.topology) builds a `Topology` through HostFS; the
+planner and everything after it only ever see these types. Ids are the
+kernel's: CPU ids, NUMA node ids, IRQ numbers, PCI addresses ("bdf",
+"0000:18:00.0").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+DeviceKind = Literal["nvidia", "amd", "ascend", "pci", "cpu"]
+"""`pci`: a device named by address in the config; `cpu`: a NUMA node standing
+in for a device on a host without accelerators (the demo)."""
+
+Locality = Literal["numa_node", "local_cpulist", "ubcore", "config", "unknown"]
+"""Where a device's NUMA node came from; `unknown` means plan by global slice."""
+
+
+@dataclass(frozen=True, slots=True)
+class Cpu:
+    """One online logical CPU."""
+
+    id: int
+    core: int  # core_id: unique within a package (and die), not globally
+    package: int
+    die: int
+    cluster: int
+    node: int  # -1 when no NUMA node lists it
+    siblings: frozenset[int]  # SMT siblings including itself (core_cpus_list)
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    """One NUMA node; `cpus` may be empty (HBM, CXL) and memory may be 0."""
+
+    id: int
+    cpus: frozenset[int]
+    mem_total_bytes: int
+    distances: tuple[tuple[int, int], ...]  # (other node, distance), node order
+
+    def distance_to(self, other: int) -> int | None:
+        for node, dist in self.distances:
+            if node == other:
+                return dist
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class Allowed:
+    """What the supervisor itself may use: affinity ∩ cgroup cpuset."""
+
+    cpus: frozenset[int]
+    mems: frozenset[int]
+    cgroup_path: str | None  # the supervisor's cpuset cgroup, e.g. "/system.slice/x"
+    cgroup_version: Literal[1, 2] | None
+
+
+@dataclass(frozen=True, slots=True)
+class Irq:
+    """One interrupt line with the device (bdf) or name that owns it."""
+
+    number: int
+    name: str  # the actions column of /proc/interrupts ("virtio3-rx", "mlx5_comp0@pci:...")
+    bdf: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Device:
+    """One accelerator (or config-named PCI device, or a CPU node stand-in).
+
+    `index` is the device's index within its kind in kernel enumeration order,
+    the number the visibility variables (CUDA_VISIBLE_DEVICES, ...) use.
+    `global_index` orders all devices of the kind on the host: global-slice
+    planning slices by it, so two supervisors seeing different devices of the
+    same host never overlap.
+    """
+
+    kind: DeviceKind
+    index: int
+    bdf: str | None
+    numa_node: int | None  # None: unknown
+    locality: Locality
+    local_cpus: frozenset[int] | None = None  # from local_cpulist when narrower than all CPUs
+    uuid: str | None = None  # NVIDIA "GPU-..." from the information file
+    name: str | None = None  # model name, when the host says
+    visible: bool = True
+    irqs: tuple[int, ...] = ()
+
+    @property
+    def label(self) -> str:
+        return f"{self.kind}{self.index}"
+
+
+@dataclass(frozen=True, slots=True)
+class Nic:
+    """A network interface (InfiniBand HCA or netdev) backed by a PCI function."""
+
+    name: str  # "mlx5_0" or "eth0"
+    kind: Literal["infiniband", "net"]
+    bdf: str | None
+    numa_node: int | None
+    irqs: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    """Everything discovery found; ordered, deterministic, comparable."""
+
+    cpus: tuple[Cpu, ...]  # online CPUs, by id
+    present: frozenset[int]
+    possible: frozenset[int]
+    nodes: tuple[Node, ...]  # online nodes, by id
+    allowed: Allowed
+    devices: tuple[Device, ...]  # all devices, visible or not, kind then index order
+    nics: tuple[Nic, ...] = ()
+    irqs: tuple[Irq, ...] = ()
+    warnings: tuple[str, ...] = field(default=())
+
+    @property
+    def online(self) -> frozenset[int]:
+        return frozenset(c.id for c in self.cpus)
+
+    def cpu(self, cpu_id: int) -> Cpu:
+        for c in self.cpus:
+            if c.id == cpu_id:
+                return c
+        raise KeyError(cpu_id)
+
+    def node(self, node_id: int) -> Node:
+        for n in self.nodes:
+            if n.id == node_id:
+                return n
+        raise KeyError(node_id)
+
+    @property
+    def visible_devices(self) -> tuple[Device, ...]:
+        return tuple(d for d in self.devices if d.visible)
+
+
+@dataclass(frozen=True, slots=True)
+class DiscoveryOptions:
+    """What discovery is told from outside: config keys and the environment.
+
+    `env` holds the visibility variables (CUDA_VISIBLE_DEVICES, ...) as the
+    caller read them; discovery never reads os.environ itself.
+    """
+
+    accelerator: Literal["auto", "nvidia", "amd", "ascend", "pci", "cpu"] = "auto"
+    pci_devices: tuple[str, ...] = ()  # config `devices = [...]`: any vendor, by address
+    cpu_ranks: int = 1  # without accelerators: at least this many `cpu` stand-in devices
+    env: tuple[tuple[str, str], ...] = ()
