@@ -1,0 +1,172 @@
+"""The TOML config: every bad input is one ConfigError naming the file and key path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from supervisor.config import check_listen, load_config, parse_config
+from supervisor.errors import ConfigError
+
+MINIMAL = {"workers": {"command": ["python3", "-m", "w", "--rank", "{rank}"]}}
+
+
+def write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_minimal_config_gets_defaults() -> None:
+    cfg = parse_config(MINIMAL, "x.toml")
+    assert cfg.engine is None
+    assert cfg.workers.command[-1] == "{rank}"
+    assert cfg.restart.policy == "on-failure"
+    assert cfg.placement.rank_roles == {"irq": 1, "comm": 1}
+    assert cfg.placement.engine_roles == {"so_compiler": 4}
+    assert cfg.api.listen == "127.0.0.1:9477"
+    assert cfg.drift.policy["memory_locality"] == "observe"
+    assert cfg.drift.policy["thread_affinity"] == "enforce"
+
+
+def test_full_config_round_trips(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        """
+accelerator = "nvidia"
+devices = ["0000:41:00.0"]
+cpu_ranks = 2
+stop_timeout_s = 5
+
+[engine]
+command = "python3 -m vllm.entrypoints.openai.api_server --port 8000"
+env = { HCCL_CONNECT_TIMEOUT = "240" }
+
+[workers]
+command = ["python3", "-m", "w", "--rank", "{rank}", "--bus", "{bus_id}"]
+
+[placement]
+strategy = "global-slice"
+on_shortage = "merge"
+rank_roles = { irq = 2, comm = 1, acl = 1, release = 1 }
+[placement.engine]
+main_cpus = 4
+roles = { so_compiler = 8 }
+
+[ready]
+http = "http://127.0.0.1:8000/health"
+timeout_s = 30
+
+[restart]
+policy = "always"
+backoff_initial_s = 0.5
+backoff_max_s = 8
+
+[threads.so_compiler]
+process = "engine"
+pattern = "so-compile-*"
+
+[drift]
+check_interval_s = 0.5
+policy = { memory_locality = "enforce" }
+
+[api]
+listen = "unix:/run/ps.sock"
+token_file = "/etc/ps/token"
+""",
+    )
+    cfg = load_config(path)
+    assert cfg.engine is not None and cfg.engine.command[0] == "python3"
+    assert cfg.engine.env == {"HCCL_CONNECT_TIMEOUT": "240"}
+    assert cfg.devices == ("0000:41:00.0",)
+    assert cfg.placement.strategy == "global-slice"
+    assert cfg.placement.rank_roles["acl"] == 1
+    assert cfg.placement.engine_main_cpus == 4
+    assert cfg.placement.engine_roles == {"so_compiler": 8}
+    assert cfg.ready is not None and cfg.ready.http is not None and cfg.ready.timeout_s == 30
+    assert cfg.threads[0].role == "so_compiler" and cfg.threads[0].process == "engine"
+    assert cfg.drift.policy["memory_locality"] == "enforce"
+    assert cfg.drift.policy["irq_affinity"] == "enforce"
+    assert cfg.api.listen == "unix:/run/ps.sock"
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ('[workers]\ncommand = "w"\n[restart]\npolcy = "always"', "restart.polcy: unknown key"),
+        (
+            '[workers]\ncommand = "w"\n[restart]\npolicy = "sometimes"',
+            "restart.policy: must be one of",
+        ),
+        (
+            '[workers]\ncommand = "w"\n[restart]\nbackoff_max_s = "x"',
+            "restart.backoff_max_s: expected a number",
+        ),
+        (
+            '[workers]\ncommand = "w"\n[restart]\ncrash_loop_limit = 0',
+            "restart.crash_loop_limit: must be >= 1",
+        ),
+        ('[workers]\ncommand = "w {gpu}"', "workers.command: bad placeholder in '{gpu}'"),
+        ("[workers]\ncommand = []", "workers.command: must not be empty"),
+        ('stop_timeout_s = 0\n[workers]\ncommand = "w"', "stop_timeout_s: must be > 0"),
+        (
+            'devices = ["41:00.0"]\n[workers]\ncommand = "w"',
+            "devices: item 0: expected a PCI address",
+        ),
+        ('[workers]\ncommand = "w"\n[api]\nlisten = "localhost"', "api.listen: expected HOST:PORT"),
+        ('[workers]\ncommand = "w"\n[placement]\nrank_roles = { main = 3 }', "`main` is not sized"),
+        (
+            '[workers]\ncommand = "w"\n[placement]\nrank_roles = { irq = true }',
+            "placement.rank_roles.irq: expected an integer",
+        ),
+        (
+            '[workers]\ncommand = "w"\n[drift.policy]\nthread_afinity = "enforce"',
+            "drift.policy.thread_afinity: unknown drift kind",
+        ),
+        (
+            '[workers]\ncommand = "w"\n[drift]\nlocal_memory_threshold = 1.5',
+            "drift.local_memory_threshold: must be between 0 and 1",
+        ),
+        (
+            '[workers]\ncommand = "w"\n[threads.comm]\npattern = "x"',
+            "threads.comm.process: is required",
+        ),
+        ('[workers]\ncommand = "w"\n[ready]\ntcp = "8000"', "ready.tcp: expected HOST:PORT"),
+        (
+            '[workers]\ncommand = "w"\n[engine]\ncommand = "e"\n[ready]\ntcp = "h:1"\nfile = "/x"',
+            "give exactly one of",
+        ),
+        (
+            '[workers]\ncommand = "w"\n[ready]\nfile = "/x"',
+            "ready: a readiness probe needs an [engine]",
+        ),
+        ('[engine]\ncommand = "e"', "workers: is required"),
+        ("workers = 3", "workers: expected a table"),
+        ('[workers]\ncommand = "w\n', "not valid TOML"),
+    ],
+)
+def test_bad_config_names_file_and_key(tmp_path: Path, text: str, needle: str) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert message.startswith(path + ": "), message
+    assert needle in message, message
+    assert info.value.exit_code == 2
+
+
+def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read config"):
+        load_config(str(tmp_path / "nope.toml"))
+
+
+@pytest.mark.parametrize("listen", ["127.0.0.1:9477", "[::1]:80", "unix:/run/x.sock", "h:0"])
+def test_listen_accepts(listen: str) -> None:
+    assert check_listen("--listen", listen) == listen
+
+
+@pytest.mark.parametrize("listen", ["127.0.0.1", ":80", "h:port", "h:70000", "unix:"])
+def test_listen_rejects(listen: str) -> None:
+    with pytest.raises(ConfigError, match="--listen"):
+        check_listen("--listen", listen)
