@@ -1,0 +1,162 @@
+"""The supervisor's allowed CPUs and memory nodes: affinity ∩ cgroup cpuset (reads via HostFS).
+
+Affinity comes from /proc/self/status (proc(5): Cpus_allowed_list,
+Mems_allowed_list). The cpuset comes from the cgroup named in
+/proc/self/cgroup (cgroups(7)): cgroup2 `cpuset.{cpus,mems}.effective`
+(Documentation/admin-guide/cgroup-v2.rst) or the v1 cpuset hierarchy's
+`cpuset.effective_{cpus,mems}` (cgroup-v1/cpusets.rst). On a hybrid host the
+hierarchy that has the cpuset controller wins.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from supervisor.cpulist import format_cpulist
+from supervisor.errors import TopologyError
+from supervisor.hostfs import HostFS
+from supervisor.topology.cpus import parse_list_text
+from supervisor.topology.model import Allowed
+
+STATUS = "proc/self/status"
+PROC_CGROUP = "proc/self/cgroup"
+V1_CPUSET_ROOT = "sys/fs/cgroup/cpuset"
+
+
+@dataclass(frozen=True, slots=True)
+class CgroupLine:
+    """One line of /proc/self/cgroup: "hierarchy-ID:controller-list:cgroup-path"."""
+
+    hierarchy: int
+    controllers: tuple[str, ...]
+    path: str
+
+
+@dataclass(frozen=True, slots=True)
+class Cpuset:
+    """The cpuset that confines the process, and where it was found."""
+
+    version: Literal[1, 2]
+    path: str  # cgroup path of the directory holding the files ("/" = hierarchy root)
+    cpus: frozenset[int] | None  # None: the hierarchy has no cpuset files at all
+    mems: frozenset[int] | None
+    files: tuple[str, ...]  # host-relative files read, for error messages
+
+
+def parse_status_allowed(text: str, rel: str = STATUS) -> tuple[frozenset[int], frozenset[int]]:
+    """Cpus_allowed_list and Mems_allowed_list of a status file."""
+    values: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            values[key.strip()] = value.strip()
+    result = []
+    for key in ("Cpus_allowed_list", "Mems_allowed_list"):
+        if key not in values:
+            raise TopologyError(f"no {key} line in {rel}", rel)
+        result.append(parse_list_text(values[key], rel, key))
+    return result[0], result[1]
+
+
+def parse_proc_cgroup(text: str, rel: str = PROC_CGROUP) -> tuple[CgroupLine, ...]:
+    lines: list[CgroupLine] = []
+    for raw in text.splitlines():
+        if not raw.strip():
+            continue
+        parts = raw.split(":", 2)
+        if len(parts) != 3 or not parts[0].isdigit():
+            raise TopologyError(f"garbled line in {rel}: {raw!r}", rel)
+        controllers = tuple(c for c in parts[1].split(",") if c)
+        lines.append(CgroupLine(int(parts[0]), controllers, parts[2]))
+    return tuple(lines)
+
+
+def _ancestors(path: str) -> list[str]:
+    """ "/a/b" -> ["a/b", "a", ""]: the cgroup and each parent up to the root.
+
+    Walking up also handles a container without a cgroup namespace, whose
+    /proc/self/cgroup names a path that does not exist inside its own mount.
+    """
+    parts = [p for p in path.split("/") if p and p not in (".", "..")]
+    return ["/".join(parts[:i]) for i in range(len(parts), -1, -1)]
+
+
+def _find_cpuset(
+    fs: HostFS, version: Literal[1, 2], mount: str, path: str, names: tuple[str, str]
+) -> Cpuset:
+    for rel in _ancestors(path):
+        d = f"{mount}/{rel}" if rel else mount
+        cpus_rel, mems_rel = f"{d}/{names[0]}", f"{d}/{names[1]}"
+        cpus_text = fs.read_optional(cpus_rel)
+        if cpus_text is None:
+            continue
+        cpus = parse_list_text(cpus_text, cpus_rel, "cpuset CPU list")
+        mems_text = fs.read_optional(mems_rel)
+        mems = None if mems_text is None else parse_list_text(mems_text, mems_rel, "cpuset mems")
+        return Cpuset(version, "/" + rel, cpus, mems, (cpus_rel, mems_rel))
+    return Cpuset(version, path or "/", None, None, ())
+
+
+def read_cpuset(fs: HostFS) -> Cpuset | None:
+    """The cpuset confining this process, or None when /proc/self/cgroup is absent."""
+    text = fs.read_optional(PROC_CGROUP)
+    if text is None:
+        return None
+    lines = parse_proc_cgroup(text)
+    for line in lines:
+        if "cpuset" in line.controllers:
+            cs = _find_cpuset(
+                fs, 1, V1_CPUSET_ROOT, line.path, ("cpuset.effective_cpus", "cpuset.effective_mems")
+            )
+            if cs.cpus is None:
+                # Without cpuset.cpu_exclusive support or on old kernels only
+                # the configured (not effective) masks exist.
+                cs = _find_cpuset(fs, 1, V1_CPUSET_ROOT, line.path, ("cpuset.cpus", "cpuset.mems"))
+            return cs
+    for line in lines:
+        if line.hierarchy == 0 and not line.controllers:
+            # Pure cgroup2 mounts at sys/fs/cgroup; hybrid hosts at sys/fs/cgroup/unified.
+            mount = (
+                "sys/fs/cgroup"
+                if fs.read_optional("sys/fs/cgroup/cgroup.controllers") is not None
+                else "sys/fs/cgroup/unified"
+            )
+            return _find_cpuset(
+                fs, 2, mount, line.path, ("cpuset.cpus.effective", "cpuset.mems.effective")
+            )
+    return None
+
+
+def read_allowed(fs: HostFS, online: frozenset[int], node_ids: frozenset[int]) -> Allowed:
+    """Allowed CPUs and nodes; an empty result is a TopologyError naming the files."""
+    status = fs.read_required(STATUS, "allowed CPUs and nodes")
+    aff_cpus, aff_mems = parse_status_allowed(status)
+    cpuset = read_cpuset(fs)
+    cpus = aff_cpus & online
+    mems = aff_mems & node_ids
+    sources = [STATUS, f"online CPUs ({format_cpulist(online)})"]
+    if cpuset is not None and cpuset.cpus is not None:
+        cpus &= cpuset.cpus
+        sources.append(f"{cpuset.files[0]} ({format_cpulist(cpuset.cpus)})")
+    if cpuset is not None and cpuset.mems is not None:
+        mems &= cpuset.mems
+    if not cpus:
+        raise TopologyError(
+            f"no allowed CPUs: Cpus_allowed_list {format_cpulist(aff_cpus)} in {STATUS}"
+            f" ∩ {' ∩ '.join(sources[1:])} is empty",
+            cpuset.files[0] if cpuset is not None and cpuset.files else STATUS,
+        )
+    if not mems:
+        raise TopologyError(
+            f"no allowed memory nodes: Mems_allowed_list {format_cpulist(aff_mems)} in {STATUS}"
+            f" ∩ online nodes {format_cpulist(node_ids)} is empty",
+            STATUS,
+        )
+    allowed = Allowed(
+        cpus=cpus,
+        mems=mems,
+        cgroup_path=None if cpuset is None else cpuset.path,
+        cgroup_version=None if cpuset is None else cpuset.version,
+    )
+    return allowed

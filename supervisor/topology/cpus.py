@@ -1,0 +1,105 @@
+"""Logical CPUs: online/possible/present masks and per-CPU topology (reads via HostFS).
+
+Files and meanings: Documentation/ABI/stable/sysfs-devices-system-cpu and
+Documentation/admin-guide/cputopology.rst. `parse_*` are pure; `read_*` go
+through HostFS and raise TopologyError naming the file and the value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from supervisor.cpulist import parse_cpulist
+from supervisor.errors import TopologyError
+from supervisor.hostfs import HostFS
+from supervisor.topology.model import Cpu
+
+CPU_DIR = "sys/devices/system/cpu"
+
+
+def parse_list_text(text: str, rel: str, what: str) -> frozenset[int]:
+    """A cpulist/nodelist file's contents, or TopologyError naming file and value."""
+    try:
+        return parse_cpulist(text)
+    except ValueError as err:
+        raise TopologyError(f"garbled {what} in {rel}: {err}", rel) from None
+
+
+def parse_int_text(text: str, rel: str, what: str) -> int:
+    """A file holding one decimal integer (may be negative), or TopologyError."""
+    body = text.strip()
+    try:
+        return int(body, 10)
+    except ValueError:
+        raise TopologyError(f"garbled {what} in {rel}: {body!r} is not an integer", rel) from None
+
+
+def read_list_file(fs: HostFS, rel: str, what: str) -> frozenset[int]:
+    """A required list file (missing or garbled -> TopologyError)."""
+    return parse_list_text(fs.read_required(rel, what), rel, what)
+
+
+def read_optional_list(fs: HostFS, rel: str, what: str) -> frozenset[int] | None:
+    """A list file that may be absent (None); garbled -> TopologyError."""
+    text = fs.read_optional(rel)
+    return None if text is None else parse_list_text(text, rel, what)
+
+
+def read_optional_int(fs: HostFS, rel: str, what: str) -> int | None:
+    """An integer file that may be absent (None); garbled -> TopologyError."""
+    text = fs.read_optional(rel)
+    return None if text is None else parse_int_text(text, rel, what)
+
+
+@dataclass(frozen=True, slots=True)
+class CpuMasks:
+    """The three system-wide CPU masks; possible and present may be wider than online."""
+
+    online: frozenset[int]
+    present: frozenset[int]
+    possible: frozenset[int]
+
+
+def read_cpu_masks(fs: HostFS) -> CpuMasks:
+    online = read_list_file(fs, f"{CPU_DIR}/online", "online CPU list")
+    if not online:
+        raise TopologyError(f"no online CPUs in {CPU_DIR}/online", f"{CPU_DIR}/online")
+    # present/possible are informative (hot-plug slots); old kernels may lack them.
+    present = read_optional_list(fs, f"{CPU_DIR}/present", "present CPU list") or online
+    possible = read_optional_list(fs, f"{CPU_DIR}/possible", "possible CPU list") or present
+    return CpuMasks(online=online, present=present | online, possible=possible | present | online)
+
+
+def read_cpu(fs: HostFS, cpu: int, online: frozenset[int], node: int) -> Cpu:
+    """One online CPU's topology files.
+
+    core_cpus_list (5.x) replaced thread_siblings_list; die_id (5.2) and
+    cluster_id (5.16) are absent on older kernels: die defaults to 0, cluster
+    to -1 (no cluster level). A CPU without a topology directory at all (some
+    VMs, CONFIG_SMP quirks) is its own core in package 0.
+    """
+    d = f"{CPU_DIR}/cpu{cpu}/topology"
+    core = read_optional_int(fs, f"{d}/core_id", "core id")
+    package = read_optional_int(fs, f"{d}/physical_package_id", "package id")
+    die = read_optional_int(fs, f"{d}/die_id", "die id")
+    cluster = read_optional_int(fs, f"{d}/cluster_id", "cluster id")
+    siblings = read_optional_list(fs, f"{d}/core_cpus_list", "core CPU list")
+    if siblings is None:
+        siblings = read_optional_list(fs, f"{d}/thread_siblings_list", "thread sibling list")
+    # Offline siblings are not usable; the CPU itself is always its own sibling.
+    sibs = ((siblings or frozenset()) & online) | {cpu}
+    return Cpu(
+        id=cpu,
+        core=cpu if core is None else core,
+        package=0 if package is None else package,
+        die=0 if die is None else die,
+        cluster=-1 if cluster is None else cluster,
+        node=node,
+        siblings=frozenset(sibs),
+    )
+
+
+def read_cpus(fs: HostFS, online: frozenset[int], node_of: Mapping[int, int]) -> tuple[Cpu, ...]:
+    """Every online CPU, by id; `node_of` maps CPU -> node (missing: -1)."""
+    return tuple(read_cpu(fs, cpu, online, node_of.get(cpu, -1)) for cpu in sorted(online))

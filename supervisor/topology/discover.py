@@ -1,0 +1,101 @@
+"""The discovery entry point: host files -> `Topology` (all reads via one HostFS).
+
+Order: CPU masks, nodes, per-CPU topology, allowed set, PCI scan,
+accelerators (or stand-ins), visibility, NICs, IRQs. Garbled or missing
+essential files raise one TopologyError naming the file and value.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import replace
+
+from supervisor.errors import TopologyError
+from supervisor.hostfs import HostFS
+from supervisor.topology.cgroup import read_allowed
+from supervisor.topology.cpus import read_cpu_masks, read_cpus
+from supervisor.topology.devices import (
+    cpu_standins,
+    read_amd,
+    read_ascend,
+    read_config_pci,
+    read_nvidia,
+)
+from supervisor.topology.interrupts import assign_irqs, read_interrupts
+from supervisor.topology.model import Device, DiscoveryOptions, Node, Topology
+from supervisor.topology.nics import read_nics
+from supervisor.topology.numa import node_of_cpus, read_nodes
+from supervisor.topology.pci import scan_pci
+from supervisor.topology.visibility import apply_visibility
+
+_KIND_ORDER = {"nvidia": 0, "amd": 1, "ascend": 2, "pci": 3, "cpu": 4}
+
+
+def _read_devices(
+    fs: HostFS, options: DiscoveryOptions, nodes: tuple[Node, ...], allowed_cpus: frozenset[int]
+) -> tuple[tuple[Device, ...], tuple[str, ...]]:
+    wanted = options.accelerator
+    devices: list[Device] = []
+    warnings: list[str] = []
+    if wanted in ("auto", "nvidia"):
+        found, warn = read_nvidia(fs, nodes)
+        devices += found
+        warnings += warn
+    if wanted in ("auto", "amd", "ascend"):
+        scan = scan_pci(fs)
+        for kind, reader in (("amd", read_amd), ("ascend", read_ascend)):
+            if wanted in ("auto", kind):
+                found, warn = reader(fs, scan, nodes)
+                devices += found
+                warnings += warn
+    if wanted in ("auto", "pci"):
+        if wanted == "pci" and not options.pci_devices:
+            raise TopologyError("accelerator = 'pci' but the config names no PCI devices")
+        found, warn = read_config_pci(fs, options.pci_devices, nodes)
+        devices += found
+        warnings += warn
+    if wanted not in ("auto", "cpu") and not devices:
+        raise TopologyError(
+            f"accelerator = {wanted!r} but no {wanted} devices were found under {fs.root}"
+        )
+    if not devices:
+        devices += cpu_standins(nodes, allowed_cpus, options.cpu_ranks)
+    devices.sort(key=lambda d: (_KIND_ORDER[d.kind], d.index))
+    return tuple(devices), tuple(warnings)
+
+
+def read_topology(fs: HostFS, options: DiscoveryOptions = DiscoveryOptions()) -> Topology:  # noqa: B008
+    """Discover the host under `fs.root`."""
+    masks = read_cpu_masks(fs)
+    nodes = read_nodes(fs, masks.online)
+    cpus = read_cpus(fs, masks.online, node_of_cpus(nodes))
+    allowed = read_allowed(fs, masks.online, frozenset(n.id for n in nodes))
+    devices, warnings = _read_devices(fs, options, nodes, allowed.cpus)
+    devices = apply_visibility(devices, dict(options.env))
+    nics = read_nics(fs, nodes)
+
+    msi_owner = {irq: d.bdf for d in devices if d.bdf for irq in d.irqs}
+    names = {n.name: n.bdf for n in nics if n.bdf}
+    irqs = assign_irqs(read_interrupts(fs), msi_owner, names)
+    by_bdf: dict[str, set[int]] = defaultdict(set)
+    for irq in irqs:
+        if irq.bdf:
+            by_bdf[irq.bdf].add(irq.number)
+    devices = tuple(
+        d if d.bdf is None else replace(d, irqs=tuple(sorted(by_bdf[d.bdf] | set(d.irqs))))
+        for d in devices
+    )
+    nics = tuple(
+        n if n.bdf is None else replace(n, irqs=tuple(sorted(by_bdf[n.bdf]))) for n in nics
+    )
+    return Topology(
+        cpus=cpus,
+        present=masks.present,
+        possible=masks.possible,
+        nodes=nodes,
+        allowed=allowed,
+        devices=devices,
+        nics=nics,
+        irqs=irqs,
+        warnings=warnings,
+    )

@@ -1,0 +1,74 @@
+"""Which devices this supervisor's engine may use: the visibility variables, CUDA meaning (pure).
+
+DESIGN 3.1: unset = all; empty or "-1" = none; else comma-separated indices
+into the kind's devices (NVIDIA also "GPU-<uuid>", any unique prefix, as
+CUDA accepts). A negative entry ends the list, as in CUDA (entries after it
+are ignored). AMD: ROCR_VISIBLE_DEVICES selects first and
+HIP_VISIBLE_DEVICES indexes into what ROCR left, as the ROCm docs describe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+
+from supervisor.errors import TopologyError
+from supervisor.topology.model import Device, DeviceKind
+
+VARIABLES: dict[DeviceKind, tuple[str, ...]] = {
+    "nvidia": ("CUDA_VISIBLE_DEVICES",),
+    "amd": ("ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES"),
+    "ascend": ("ASCEND_RT_VISIBLE_DEVICES",),
+}
+
+
+def _resolve_entry(entry: str, var: str, value: str, devices: list[Device]) -> Device:
+    if entry.isdigit():
+        pos = int(entry)
+        if pos >= len(devices):
+            raise TopologyError(
+                f"{var}={value!r}: index {pos} but only {len(devices)} "
+                f"{devices[0].kind if devices else ''} devices are visible to it"
+            )
+        return devices[pos]
+    if entry.upper().startswith("GPU-") and var == "CUDA_VISIBLE_DEVICES":
+        matches = [d for d in devices if d.uuid and d.uuid.lower().startswith(entry.lower())]
+        if len(matches) == 1:
+            return matches[0]
+        why = "matches no GPU" if not matches else f"is ambiguous ({len(matches)} GPUs)"
+        raise TopologyError(f"{var}={value!r}: {entry!r} {why}")
+    raise TopologyError(f"{var}={value!r}: {entry!r} is not a device index")
+
+
+def parse_visible(value: str, var: str, devices: list[Device]) -> list[Device]:
+    """The devices `value` selects from `devices`, in the order it names them."""
+    body = value.strip()
+    if body in {"", "-1"}:
+        return []
+    selected: list[Device] = []
+    for raw in body.split(","):
+        entry = raw.strip()
+        if entry.startswith("-"):
+            break
+        device = _resolve_entry(entry, var, value, devices)
+        if device not in selected:
+            selected.append(device)
+    return selected
+
+
+def apply_visibility(devices: tuple[Device, ...], env: Mapping[str, str]) -> tuple[Device, ...]:
+    """Devices with `visible` set; kinds without devices ignore their variables
+    (a CUDA_VISIBLE_DEVICES left in a CPU-only container is harmless)."""
+    visible: set[tuple[str, int]] = set()
+    for device in devices:
+        if device.kind not in VARIABLES:
+            visible.add((device.kind, device.index))
+    for kind, names in VARIABLES.items():
+        pool = [d for d in devices if d.kind == kind]
+        if not pool:
+            continue
+        for var in names:
+            if var in env:
+                pool = parse_visible(env[var], var, pool)
+        visible.update((d.kind, d.index) for d in pool)
+    return tuple(replace(d, visible=(d.kind, d.index) in visible) for d in devices)
