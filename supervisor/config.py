@@ -318,7 +318,9 @@ def _placement(t: _Table) -> PlanSettings:
 
 def _threads(t: _Table) -> tuple[ThreadRole, ...]:
     roles: list[ThreadRole] = []
-    for name in sorted(t.doc):
+    # File order, not sorted: the first matching pattern wins, as the
+    # operator wrote them (tomllib keeps table order).
+    for name in t.doc:
         sub = t.table(name)
         process = sub.choice("process", None, ("engine", "workers"))
         if process is None:
