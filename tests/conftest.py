@@ -17,7 +17,7 @@ def repo() -> Path:
     return REPO
 
 
-@pytest.fixture()
+@pytest.fixture
 def need_root() -> None:
     if os.geteuid() != 0:
         pytest.skip("needs root (cgroups, /proc/irq, other processes' affinity)")

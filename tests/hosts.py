@@ -203,24 +203,32 @@ def adjacent_smt(base: Path) -> Path:
     return h.build()
 
 
-CONTAINER_ALLOWED = "2-5,9,12-15,40-43"
+CONTAINER_ALLOWED = "2-5,9,12-19,30-37,40-43"
+TIGHT_CONTAINER_ALLOWED = "2-5,9,12-15,40-43"
 
 
-def container_holes(base: Path) -> Path:
-    """A container whose cgroup v2 cpuset is a non-contiguous subset: 2-5,9,12-15,40-43.
+def container_holes(base: Path, allowed: str = CONTAINER_ALLOWED) -> Path:
+    """A container whose cgroup v2 cpuset is a non-contiguous subset: 2-5,9,12-19,30-37,40-43.
 
     Host: 2 sockets x 24 cores x 2 threads (node 0 = 0-23,48-71, node 1 =
     24-47,72-95), 4 GPUs, two per node. The process's affinity (status) is
     still all CPUs; cgroup /kubepods.slice/pod-a/cri-b has
-    cpuset.cpus.effective 2-5,9,12-15,40-43 and mems 0-1. Siblings of the
-    allowed CPUs (50-53, ...) are outside the set.
+    cpuset.cpus.effective as given and mems 0-1. Siblings of the allowed
+    CPUs (50-53, ...) are outside the set, so each allowed CPU is a core of
+    its own to the planner.
     """
     h = FakeHost(base / "container_holes").cpus(2, 24, 2, "intel")
-    h.cgroup_v2("/kubepods.slice/pod-a/cri-b", CONTAINER_ALLOWED, "0-1")
+    h.cgroup_v2("/kubepods.slice/pod-a/cri-b", allowed, "0-1")
     for i, bus in enumerate(["18", "3b", "86", "af"]):
         h.nvidia_gpu(f"0000:{bus}:00.0", 0 if i < 2 else 1, model="NVIDIA A10")
     h.virtual_netdev("lo")
     return h.build()
+
+
+def tight_container(base: Path) -> Path:
+    """The same container squeezed to 2-5,9,12-15,40-43: node 1 keeps 4 CPUs for
+    2 GPUs, too few for irq + comm + main each (the shortage cases)."""
+    return container_holes(base, TIGHT_CONTAINER_ALLOWED)
 
 
 def numa_unknown(base: Path) -> Path:

@@ -8,7 +8,7 @@ through HostFS and raise TopologyError naming the file and the value.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from supervisor.cpulist import parse_cpulist
 from supervisor.errors import TopologyError
@@ -101,5 +101,19 @@ def read_cpu(fs: HostFS, cpu: int, online: frozenset[int], node: int) -> Cpu:
 
 
 def read_cpus(fs: HostFS, online: frozenset[int], node_of: Mapping[int, int]) -> tuple[Cpu, ...]:
-    """Every online CPU, by id; `node_of` maps CPU -> node (missing: -1)."""
-    return tuple(read_cpu(fs, cpu, online, node_of.get(cpu, -1)) for cpu in sorted(online))
+    """Every online CPU, by id; `node_of` maps CPU -> node (missing: -1).
+
+    SMT siblings share core, package, die and cluster by definition
+    (cputopology.rst), so each core's files are read once, through its first
+    online thread: half the reads on an SMT host, where discovery's cost is
+    almost all small-file opens.
+    """
+    cpus: dict[int, Cpu] = {}
+    for cpu in sorted(online):
+        if cpu in cpus:
+            continue
+        first = read_cpu(fs, cpu, online, node_of.get(cpu, -1))
+        cpus[cpu] = first
+        for sibling in first.siblings - {cpu}:
+            cpus[sibling] = replace(first, id=sibling, node=node_of.get(sibling, -1))
+    return tuple(cpus[c] for c in sorted(cpus))

@@ -1,0 +1,226 @@
+"""The `placement-supervisor` command line (DESIGN 3.1): the one place that exits.
+
+Subcommands: topology, plan, snapshot (here), run and status (imported only
+when called). Reads os.environ for the visibility variables only, here, and
+hands them to discovery. Exit codes: 0 ok, 2 bad config or arguments, 3
+infeasible plan or unusable topology; a user error is one line on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from supervisor.config import check_listen, load_config
+from supervisor.errors import EXIT_CONFIG, ConfigError, SupervisorError
+from supervisor.hostfs import HostFS
+from supervisor.placement import Placement, PlanSettings
+from supervisor.plan import plan
+from supervisor.render import render_plan_table
+from supervisor.snapshot import take_snapshot
+from supervisor.topology.discover import read_topology
+from supervisor.topology.model import DiscoveryOptions, Topology
+from supervisor.topology.render import render_topology_text, topology_to_doc
+
+PROG = "placement-supervisor"
+EXIT_INTERNAL = 1
+EXIT_INTERRUPTED = 130
+
+# The variables with the CUDA meaning of DESIGN 3.1; discovery never reads
+# os.environ itself, the CLI (and the daemon) hand these over.
+VISIBILITY_VARIABLES = (
+    "CUDA_VISIBLE_DEVICES",
+    "ASCEND_RT_VISIBLE_DEVICES",
+    "HIP_VISIBLE_DEVICES",
+    "ROCR_VISIBLE_DEVICES",
+)
+
+
+def visibility_env(environ: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    """The visibility variables that are set in `environ`, sorted by name."""
+    return tuple(sorted((k, environ[k]) for k in VISIBILITY_VARIABLES if k in environ))
+
+
+def discovery_options(
+    config_path: str | None, environ: Mapping[str, str]
+) -> tuple[DiscoveryOptions, PlanSettings]:
+    """What discovery and the planner are told: the config's keys, or the defaults."""
+    env = visibility_env(environ)
+    if config_path is None:
+        return DiscoveryOptions(env=env), PlanSettings()
+    config = load_config(config_path)
+    options = DiscoveryOptions(
+        accelerator=config.accelerator,
+        pci_devices=config.devices,
+        cpu_ranks=config.cpu_ranks,
+        env=env,
+    )
+    settings = config.placement
+    if config.engine is None:
+        # No [engine] table: nothing runs there, so no CPUs are set aside for it.
+        settings = dataclasses.replace(settings, engine=False)
+    return options, settings
+
+
+def discover(root: str, options: DiscoveryOptions) -> Topology:
+    """Read the host under `root` (a ConfigError if `--root` is not a directory)."""
+    if not os.path.isdir(root):
+        raise ConfigError(f"--root {root}: not a directory")
+    return read_topology(HostFS(root), options)
+
+
+def make_plan(
+    root: str, config_path: str | None, environ: Mapping[str, str]
+) -> tuple[Topology, Placement]:
+    """Discover and plan, as `plan` does (also used by tests and the bench)."""
+    options, settings = discovery_options(config_path, environ)
+    topology = discover(root, options)
+    return topology, plan(topology, settings)
+
+
+def dump_json(doc: Any) -> str:
+    """JSON with objects indented and lists of numbers on one line (CPU lists stay readable)."""
+
+    def render(value: Any, depth: int) -> str:
+        pad = "  " * (depth + 1)
+        if isinstance(value, dict):
+            if not value:
+                return "{}"
+            items = [f"{pad}{json.dumps(str(k))}: {render(v, depth + 1)}" for k, v in value.items()]
+            return "{\n" + ",\n".join(items) + "\n" + "  " * depth + "}"
+        if isinstance(value, list):
+            if all(not isinstance(v, dict | list) for v in value):
+                return json.dumps(value)
+            items = [f"{pad}{render(v, depth + 1)}" for v in value]
+            return "[\n" + ",\n".join(items) + "\n" + "  " * depth + "]"
+        return json.dumps(value)
+
+    return render(doc, 0)
+
+
+# -- subcommands ---------------------------------------------------------------
+
+
+def _cmd_topology(args: argparse.Namespace) -> int:
+    options, _ = discovery_options(None, os.environ)
+    topology = discover(args.root, options)
+    if args.json:
+        print(dump_json(topology_to_doc(topology)))
+    else:
+        print(render_topology_text(topology))
+    return 0
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    topology, placement = make_plan(args.root, args.config, os.environ)
+    if args.json:
+        for warning in topology.warnings:
+            print(f"{PROG}: warning: {warning}", file=sys.stderr)
+        print(dump_json(placement.to_doc()))
+    else:
+        for warning in topology.warnings:
+            print(f"discovery warning: {warning}")
+        print(render_plan_table(placement, topology))
+    return 0
+
+
+def _cmd_snapshot(args: argparse.Namespace) -> int:
+    options, _ = discovery_options(None, os.environ)
+    if not os.path.isdir(args.root):
+        raise ConfigError(f"--root {args.root}: not a directory")
+    count = take_snapshot(args.root, args.out, options)
+    print(f"snapshot: {count} files from {args.root} copied to {args.out}")
+    return 0
+
+
+def _delegate(module: str, function: str) -> Callable[[argparse.Namespace], int]:
+    """A subcommand implemented elsewhere, imported only when it runs."""
+
+    def run(args: argparse.Namespace) -> int:
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as err:
+            if err.name != module:
+                raise
+            print(
+                f"{PROG}: error: the {args.command} command is not available: "
+                f"module {module} is not installed",
+                file=sys.stderr,
+            )
+            return EXIT_INTERNAL
+        command: Callable[[argparse.Namespace], int] = getattr(mod, function)
+        return command(args)
+
+    return run
+
+
+def _listen(value: str) -> str:
+    try:
+        return check_listen("--listen", value)
+    except ConfigError as err:
+        raise argparse.ArgumentTypeError(str(err).removeprefix("--listen: ")) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Discover CPUs, NUMA nodes and accelerators; plan and keep CPU "
+        "placement for an inference engine and its worker ranks.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("topology", help="print what discovery finds on this host")
+    p.add_argument("--root", default="/", help="host tree root (default /)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_cmd_topology)
+
+    p = sub.add_parser("plan", help="discover and print the placement plan")
+    p.add_argument("--config", help="TOML config (default: built-in defaults)")
+    p.add_argument("--root", default="/", help="host tree root (default /)")
+    p.add_argument("--json", action="store_true", help="print the plan document")
+    p.set_defaults(func=_cmd_plan)
+
+    p = sub.add_parser("snapshot", help="copy every file discovery reads into OUT")
+    p.add_argument("out", metavar="OUT", help="directory to create")
+    p.add_argument("--root", default="/", help="host tree root (default /)")
+    p.set_defaults(func=_cmd_snapshot)
+
+    p = sub.add_parser("run", help="run the supervisor daemon")
+    p.add_argument("--config", required=True, help="TOML config")
+    p.add_argument("--listen", type=_listen, help="HOST:PORT or unix:PATH for the API")
+    p.set_defaults(func=_delegate("supervisor.daemon", "run_command"))
+
+    p = sub.add_parser("status", help="show a running daemon's placement")
+    p.add_argument("--listen", type=_listen, help="the daemon's HOST:PORT or unix:PATH")
+    p.add_argument("--json", action="store_true", help="print the placement document")
+    p.set_defaults(func=_delegate("supervisor.status", "status_command"))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; returns the exit code (argparse errors give 2)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:
+        return exit_.code if isinstance(exit_.code, int) else EXIT_CONFIG
+    try:
+        code: int = args.func(args)
+    except SupervisorError as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return err.exit_code
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # `plan | head`: the reader left; not an error of ours. Point stdout
+        # at /dev/null so the interpreter's final flush does not complain.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
+    return code

@@ -1,0 +1,179 @@
+"""The command line as people run it: a real `python -m supervisor` process for
+exit codes and messages, `main()` in-process where only the output matters."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from supervisor import cli
+from supervisor.placement import Placement
+from tests.hosts import ascend_a3, dgx_h100, no_accel_2node, tight_container
+from tests.plan_invariants import check_placement
+
+REPO = Path(__file__).resolve().parent.parent
+VISIBILITY = ("CUDA_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    base = {
+        k: v for k, v in os.environ.items() if k not in VISIBILITY and k != "ROCR_VISIBLE_DEVICES"
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "supervisor", *args],
+        cwd=REPO,
+        env={**base, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def one_error_line(proc: subprocess.CompletedProcess[str]) -> str:
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert lines[0].startswith("placement-supervisor: error: "), lines[0]
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def dgx(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return dgx_h100(tmp_path_factory.mktemp("hosts"))
+
+
+def test_plan_json_through_the_cli_keeps_the_invariants(dgx: Path) -> None:
+    proc = run_cli("plan", "--root", str(dgx), "--json")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["version"] == 1 and doc["strategy"] == "numa-affine"
+    topology, placement = cli.make_plan(str(dgx), None, {})
+    assert Placement.from_doc(doc) == placement
+    check_placement(topology, Placement.from_doc(doc))
+
+
+@pytest.mark.parametrize("build", [ascend_a3, no_accel_2node])
+def test_plan_json_on_more_hosts(tmp_path: Path, build: object) -> None:
+    root = build(tmp_path)  # type: ignore[operator]
+    proc = run_cli("plan", "--root", str(root), "--json")
+    assert proc.returncode == 0, proc.stderr
+    topology, _ = cli.make_plan(str(root), None, {})
+    check_placement(topology, Placement.from_doc(json.loads(proc.stdout)))
+
+
+def test_infeasible_plan_exits_3_with_one_line(tmp_path: Path) -> None:
+    proc = run_cli("plan", "--root", str(tight_container(tmp_path)))
+    assert proc.returncode == 3
+    line = one_error_line(proc)
+    assert "rank 2 (nvidia2 on node 1) gets 2 CPUs but needs 3 CPUs" in line
+    assert proc.stdout == ""
+
+
+def test_no_visible_accelerator_exits_3(dgx: Path) -> None:
+    proc = run_cli("plan", "--root", str(dgx), env={"CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 3
+    assert "no visible accelerator: found nvidia0" in one_error_line(proc)
+
+
+def test_visibility_is_read_from_the_environment(dgx: Path) -> None:
+    proc = run_cli("plan", "--root", str(dgx), "--json", env={"CUDA_VISIBLE_DEVICES": "6"})
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert [r["device"]["index"] for r in doc["ranks"]] == [6]
+
+
+def test_bad_visibility_value_is_one_line(dgx: Path) -> None:
+    proc = run_cli("plan", "--root", str(dgx), env={"CUDA_VISIBLE_DEVICES": "9"})
+    assert proc.returncode == 3
+    assert "CUDA_VISIBLE_DEVICES" in one_error_line(proc)
+
+
+def test_bad_config_exits_2_naming_file_and_key(dgx: Path, tmp_path: Path) -> None:
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text('[workers]\ncommand = ["true"]\n[placement]\nstrategy = "spread"\n')
+    proc = run_cli("plan", "--config", str(cfg), "--root", str(dgx))
+    assert proc.returncode == 2
+    line = one_error_line(proc)
+    assert str(cfg) in line and "placement.strategy" in line and "spread" in line
+
+
+def test_missing_root_and_bad_arguments_exit_2(tmp_path: Path) -> None:
+    proc = run_cli("plan", "--root", str(tmp_path / "nope"))
+    assert proc.returncode == 2
+    assert "--root" in one_error_line(proc)
+    proc = run_cli("plan", "--frobnicate")
+    assert proc.returncode == 2
+    assert "unrecognized arguments: --frobnicate" in proc.stderr
+    assert run_cli().returncode == 2
+    assert run_cli("run").returncode == 2  # --config is required
+
+
+def test_config_maps_to_settings(dgx: Path, tmp_path: Path) -> None:
+    cfg = tmp_path / "ok.toml"
+    cfg.write_text(
+        '[workers]\ncommand = ["w", "{rank}"]\n'
+        '[placement]\nstrategy = "global-slice"\ndevices_per_rank = 2\n'
+        "[placement.rank_roles]\nirq = 2\n"
+    )
+    topology, placement = cli.make_plan(str(dgx), str(cfg), {})
+    check_placement(topology, placement)
+    assert placement.engine is None  # no [engine] table
+    assert placement.strategy == "global-slice" and len(placement.ranks) == 4
+    assert set(placement.rank(0).slot.roles) == {"irq", "main"}
+    assert len(placement.rank(0).slot.roles["irq"]) == 2  # 2 CPUs = one SMT core
+
+
+def test_table_output_in_process(dgx: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["plan", "--root", str(dgx)]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0] == "strategy: numa-affine"
+    assert lines[1].split() == [
+        "rank", "device", "bdf", "node", "cpu-nodes", "cpus", "mems",
+        "irq", "main", "comm", "so_compiler", "strategy",
+    ]  # fmt: skip
+    assert lines[2].split()[:7] == ["0", "nvidia0", "0000:1b:00.0", "0", "0", "0-13,112-125", "0"]
+    assert lines[-1].startswith("engine ")
+
+
+def test_topology_command(dgx: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["topology", "--root", str(dgx), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert isinstance(doc, dict)
+    assert cli.main(["topology", "--root", str(dgx)]) == 0
+    assert "0000:1b:00.0" in capsys.readouterr().out
+
+
+def test_snapshot_reproduces_the_live_plan(tmp_path: Path) -> None:
+    out = tmp_path / "snap"
+    proc = run_cli("snapshot", str(out))
+    assert proc.returncode == 0, proc.stderr
+    live = run_cli("plan", "--json")
+    again = run_cli("plan", "--root", str(out), "--json")
+    assert live.returncode == again.returncode
+    assert live.stdout == again.stdout
+    assert json.loads(again.stdout)["ranks"]
+
+
+def test_missing_subcommand_module_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    run = cli._delegate("supervisor.not_written_yet", "run_command")
+    parser = cli.build_parser()
+    args = parser.parse_args(["status"])
+    assert run(args) == 1
+    err = capsys.readouterr().err
+    assert err.strip() == (
+        "placement-supervisor: error: the status command is not available: "
+        "module supervisor.not_written_yet is not installed"
+    )
+
+
+def test_listen_argument_is_validated() -> None:
+    proc = run_cli("status", "--listen", "nonsense")
+    assert proc.returncode == 2
+    assert "expected HOST:PORT or unix:PATH" in proc.stderr
