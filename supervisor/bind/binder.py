@@ -1,0 +1,142 @@
+"""The Binder: the one object that changes live processes (does I/O: syscalls, /proc reads).
+
+Thread affinity, whole-process affinity and page migration of processes other
+than the caller. The shim binds a worker from birth; the drift loop and the
+API's rebind call this object afterwards. Every failure is a `KernelError`
+subclass whose `target` names the tid or pid ("tid 4242").
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from supervisor.bind import syscalls
+from supervisor.errors import Gone, KernelError, translate_oserror
+from supervisor.hostfs import HostFS
+
+CAP_SYS_NICE = 23  # include/uapi/linux/capability.h
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessBind:
+    """What `set_process_affinity` did: per thread, the affinity read back or the error.
+
+    Threads that exited between listing and binding are in `gone`, not `failed`:
+    a thread's death is not a bind failure.
+    """
+
+    pid: int
+    bound: Mapping[int, frozenset[int]] = field(default_factory=dict)
+    failed: Mapping[int, KernelError] = field(default_factory=dict)
+    gone: tuple[int, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+
+def parse_cap_eff(status_text: str) -> int:
+    """The CapEff bit set of a /proc/<pid>/status text (0 when absent)."""
+    for line in status_text.splitlines():
+        if line.startswith("CapEff:"):
+            return int(line.split(":", 1)[1].strip(), 16)
+    return 0
+
+
+class Binder:
+    """Sets and reads CPU affinity per thread, migrates pages; reads /proc through `fs`.
+
+    `fs` must be the live host (root "/") for pids and tids to mean anything;
+    it is only used to list /proc/<pid>/task and read /proc/self/status.
+    """
+
+    __slots__ = ("fs",)
+
+    def __init__(self, fs: HostFS | None = None) -> None:
+        self.fs = fs if fs is not None else HostFS("/")
+
+    def __repr__(self) -> str:
+        return f"Binder({self.fs!r})"
+
+    # -- CPU affinity -------------------------------------------------------
+
+    def set_thread_affinity(self, tid: int, cpus: Iterable[int]) -> frozenset[int]:
+        """Pin one thread (sched_setaffinity(2) takes a tid on Linux); returns what
+        the kernel kept, read back (it may trim CPUs that went offline).
+
+        Raises Gone (ESRCH), Invalid (EINVAL: no CPU of `cpus` in the thread's
+        cpuset), Denied (EPERM: another user's thread without CAP_SYS_NICE).
+        """
+        wanted = frozenset(cpus)
+        target = f"tid {tid}"
+        try:
+            os.sched_setaffinity(tid, wanted)
+            return frozenset(os.sched_getaffinity(tid))
+        except OSError as err:
+            raise translate_oserror(target, err) from None
+
+    def get_thread_affinity(self, tid: int) -> frozenset[int]:
+        """The CPUs a thread may run on; raises Gone when it has exited."""
+        try:
+            return frozenset(os.sched_getaffinity(tid))
+        except OSError as err:
+            raise translate_oserror(f"tid {tid}", err) from None
+
+    def thread_ids(self, pid: int) -> list[int]:
+        """The tids of process `pid`, sorted; raises Gone when the process has exited."""
+        rel = f"proc/{pid}/task"
+        try:
+            names = os.listdir(self.fs.path(rel))
+        except OSError as err:
+            raise translate_oserror(f"pid {pid}", err) from None
+        return sorted(int(name) for name in names if name.isdigit())
+
+    def set_process_affinity(self, pid: int, cpus: Iterable[int]) -> ProcessBind:
+        """Pin every thread of `pid` to `cpus`, one sched_setaffinity per tid.
+
+        A process's affinity is per thread: setting it on the pid alone only
+        moves the main thread, and threads already started keep theirs.
+        Threads that exit meanwhile are skipped; other failures are collected
+        per thread, never raised. Raises Gone when the process itself is gone.
+        """
+        wanted = frozenset(cpus)
+        bound: dict[int, frozenset[int]] = {}
+        failed: dict[int, KernelError] = {}
+        gone: list[int] = []
+        for tid in self.thread_ids(pid):
+            try:
+                bound[tid] = self.set_thread_affinity(tid, wanted)
+            except Gone:
+                gone.append(tid)
+            except KernelError as err:
+                failed[tid] = err
+        if gone and not bound and not failed:
+            # Every thread vanished: the process exited while we listed it.
+            raise translate_oserror(f"pid {pid}", OSError(errno.ESRCH, os.strerror(errno.ESRCH)))
+        return ProcessBind(pid, bound, failed, tuple(gone))
+
+    # -- memory -------------------------------------------------------------
+
+    def migrate_pages(self, pid: int, from_nodes: Iterable[int], to_nodes: Iterable[int]) -> int:
+        """Move `pid`'s pages from `from_nodes` to `to_nodes` (migrate_pages(2)).
+
+        Returns the number of pages not moved (busy, pinned, or shared without
+        CAP_SYS_NICE). Synchronous: the kernel copies the pages in this call,
+        so callers rate-limit it (drift.migrate_max_bytes_per_s) and run it in
+        the executor. Raises Gone, Denied, Invalid with target "pid N".
+        """
+        return syscalls.migrate_pages(pid, from_nodes, to_nodes)
+
+    def can_migrate_other(self) -> bool:
+        """True when this process holds CAP_SYS_NICE (CapEff bit 23).
+
+        migrate_pages(2) of another process needs it unless the uids match,
+        and moving pages that other processes also map always needs it.
+        """
+        text = self.fs.read_optional("proc/self/status")
+        if text is None:
+            return False
+        return bool(parse_cap_eff(text) >> CAP_SYS_NICE & 1)

@@ -1,0 +1,275 @@
+"""Binding checks that need a multi-NUMA kernel; run INSIDE the numavm guest (as root).
+
+    ../shared/tools/numavm/run-in-vm --nodes 2 -- .venv/bin/python -u tests/vm_checks/bind_checks.py
+
+Expects the default guest: node 0 = CPUs 0-1, node 1 = CPUs 2-3, cgroup v2 at
+/sys/fs/cgroup. Prints one "PASS name: detail" or "FAIL name: detail" line per
+check and exits 1 if any failed. tests/test_bind_vm.py asserts on those lines.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from supervisor.bind.binder import Binder
+from supervisor.bind.cgroup import CgroupManager, ProcessCgroup, read_cgroup_setup
+from supervisor.bind.report import ShimReport, parse_shim_report, shim_argv
+from supervisor.hostfs import HostFS
+
+MIB = 1 << 20
+SIZE = 64 * MIB
+FAILED: list[str] = []
+
+# Allocates and touches `size` bytes of anonymous memory (4 KiB pages, its own
+# VMA), then prints its Cpus/Mems_allowed_list, the mapping's address, and the
+# per-node page counts of every anonymous mapping (heap, stack, mmap); waits for
+# a line on stdin.
+WORKER = r"""
+import mmap, re, sys
+size = int(sys.argv[1])
+buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+buf.madvise(mmap.MADV_NOHUGEPAGE)
+for off in range(0, size, mmap.PAGESIZE):
+    buf[off] = 1
+import ctypes
+addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+status = dict(l.split(":", 1) for l in open("/proc/self/status") if ":" in l)
+anon = {}
+for line in open("/proc/self/numa_maps"):
+    # Anonymous mappings only: a private file mapping's line mixes its
+    # page-cache pages (shared, wherever the file was first read) with its COW copies.
+    if " anon=" in line and " file=" not in line:
+        for node, pages in re.findall(r" N(\d+)=(\d+)", line):
+            anon[int(node)] = anon.get(int(node), 0) + int(pages)
+print(status["Cpus_allowed_list"].strip(), status["Mems_allowed_list"].strip(),
+      "%x" % addr, ",".join(f"{n}:{p}" for n, p in sorted(anon.items())), flush=True)
+sys.stdin.readline()
+"""
+
+
+def report(ok: bool, name: str, detail: str) -> None:
+    if not ok:
+        FAILED.append(name)
+    print(f"{'PASS' if ok else 'FAIL'} {name}: {detail}", flush=True)
+
+
+def check(name: str) -> Callable[[Callable[[], None]], Callable[[], None]]:
+    def wrap(fn: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                fn()
+            except Exception:
+                report(False, name, traceback.format_exc().replace("\n", " | "))
+
+        return run
+
+    return wrap
+
+
+def start_worker(
+    cpus: list[int], mems: list[int], *, cgroups: tuple[str, ...] = (), size: int = SIZE
+) -> tuple[subprocess.Popen[str], ShimReport, list[str]]:
+    r, w = os.pipe()
+    argv = shim_argv(
+        sys.executable,
+        cpus,
+        mems,
+        [sys.executable, "-c", WORKER, str(size)],
+        cgroups=cgroups,
+        report_fd=w,
+        parent_pid=os.getpid(),
+    )
+    proc = subprocess.Popen(
+        argv, pass_fds=[w], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    os.close(w)
+    data = b""
+    while chunk := os.read(r, 65536):
+        data += chunk
+    os.close(r)
+    assert proc.stdout is not None
+    return proc, parse_shim_report(data), proc.stdout.readline().split()
+
+
+def stop(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        assert proc.stdin is not None
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+    proc.wait(timeout=60)
+
+
+def mapping_pages(pid: int, addr: int) -> dict[int, int]:
+    start = None
+    with open(f"/proc/{pid}/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= addr < hi:
+                start = f"{lo:x}"
+    with open(f"/proc/{pid}/numa_maps") as f:
+        for line in f:
+            if line.split()[0] == start:
+                return {int(n): int(p) for n, p in re.findall(r" N(\d+)=(\d+)", line)}
+    return {}
+
+
+@check("shim-worker-on-node1")
+def shim_worker_on_node1() -> None:
+    proc, rep, out = start_worker([2, 3], [1])
+    try:
+        cpus, mems, _, anon = out
+        by_node = dict((int(n), int(p)) for n, p in (x.split(":") for x in anon.split(",")))
+        ok = (
+            rep.mempolicy == "bind"
+            and rep.cpus == (2, 3)
+            and rep.mems == (1,)
+            and cpus == "2-3"
+            and set(by_node) == {1}
+            and by_node[1] >= SIZE // 4096
+        )
+        report(
+            ok,
+            "shim-worker-on-node1",
+            f"report cpus={rep.cpus} mems={rep.mems} policy={rep.mempolicy}; "
+            f"child Cpus_allowed_list={cpus} Mems_allowed_list={mems} anon pages by node={by_node}",
+        )
+    finally:
+        stop(proc)
+
+
+@check("migrate-pages-other-process")
+def migrate_other() -> None:
+    proc, _, out = start_worker([0, 1], [0])
+    try:
+        addr = int(out[2], 16)
+        before = mapping_pages(proc.pid, addr)
+        binder = Binder()
+        t = time.monotonic()
+        left = binder.migrate_pages(proc.pid, {0}, {1})
+        dt = time.monotonic() - t
+        after = mapping_pages(proc.pid, addr)
+        total = sum(after.values())
+        ratio = after.get(1, 0) / total if total else 0.0
+        ok = before.get(0, 0) >= SIZE // 4096 and ratio >= 0.99 and binder.can_migrate_other()
+        report(
+            ok,
+            "migrate-pages-other-process",
+            f"before={before} after={after} ratio_node1={ratio:.4f} not_moved={left} in {dt:.2f}s",
+        )
+    finally:
+        stop(proc)
+
+
+@check("cgroup-v2-rank")
+def cgroup_v2_rank() -> None:
+    fs = HostFS("/")
+    setup, why = read_cgroup_setup(fs)
+    if setup is None or setup.version != 2:
+        report(False, "cgroup-v2-rank", f"no v2 setup: {why}")
+        return
+    mgr = CgroupManager(fs, setup, suffix="vmcheck")
+    pc: ProcessCgroup | None = None
+    proc = None
+    try:
+        pc = mgr.create("rank1", [2, 3], [1])
+        eff = mgr.read_effective(pc)
+        proc, rep, out = start_worker([2, 3], [1], cgroups=pc.dirs, size=32 * MIB)
+        cpus, mems = out[0], out[1]
+        with open(f"/proc/{proc.pid}/cgroup") as f:
+            cg = f.read().strip()
+        stat_before = mgr.read_numa_stat(pc)
+        ok1 = (
+            eff == ({2, 3}, {1})
+            and cpus == "2-3"
+            and mems == "1"
+            and rep.cgroups == pc.dirs
+            and not rep.cgroup_errors
+            and cg == f"0::/{mgr.instance}/rank1"
+            and stat_before.get(1, 0) >= 32 * MIB
+            and stat_before.get(0, 0) < 4 * MIB
+        )
+        report(
+            ok1,
+            "cgroup-v2-rank",
+            f"setup={setup.cpuset_parent} evict_self={setup.evict_self} effective={eff} "
+            f"child cpus={cpus} mems={mems} cgroup={cg} numa_stat={stat_before}",
+        )
+        # Moving the cgroup to node 0 migrates its pages (v2 always migrates).
+        mgr.update(pc, [0, 1], [0])
+        deadline = time.monotonic() + 30
+        stat_after = mgr.read_numa_stat(pc)
+        while stat_after.get(0, 0) < 32 * MIB and time.monotonic() < deadline:
+            time.sleep(0.05)
+            stat_after = mgr.read_numa_stat(pc)
+        with open(f"/proc/{proc.pid}/status") as f:
+            status = dict(line.split(":", 1) for line in f if ":" in line)
+        ok2 = (
+            stat_after.get(0, 0) >= 32 * MIB
+            and stat_after.get(1, 0) < 4 * MIB
+            and status["Cpus_allowed_list"].strip() == "0-1"
+            and status["Mems_allowed_list"].strip() == "0"
+        )
+        report(
+            ok2,
+            "cgroup-v2-update-migrates",
+            f"numa_stat after cpuset.mems 1->0: {stat_after}; "
+            f"Cpus_allowed_list={status['Cpus_allowed_list'].strip()}",
+        )
+    finally:
+        if proc is not None:
+            stop(proc)
+        if pc is not None:
+            mgr.remove(pc)
+            report(not fs.exists(pc.cpuset_dir), "cgroup-v2-remove", pc.cpuset_dir)
+        mgr.close()
+
+
+@check("mempolicy-ladder")
+def mempolicy_ladder() -> None:
+    # A cgroup confined to node 0; the plan asks for node 1: MPOL_BIND gets
+    # EINVAL (outside Mems_allowed); the worker still starts.
+    fs = HostFS("/")
+    setup, _ = read_cgroup_setup(fs)
+    assert setup is not None
+    mgr = CgroupManager(fs, setup, suffix="vmladder")
+    pc = mgr.create("confined", [0, 1], [0])
+    proc = None
+    try:
+        proc, rep, out = start_worker([0, 1], [1], cgroups=pc.dirs, size=MIB)
+        ok = (
+            rep.mempolicy in ("preferred", "none")
+            and rep.reason is not None
+            and "EINVAL" in rep.reason
+            and out[1] == "0"
+        )
+        report(
+            ok,
+            "mempolicy-ladder",
+            f"step={rep.mempolicy} reason={rep.reason!r} child Mems_allowed_list={out[1]}",
+        )
+    finally:
+        if proc is not None:
+            stop(proc)
+        mgr.remove(pc)
+        mgr.close()
+
+
+def main() -> int:
+    if os.environ.get("NUMAVM") != "1":
+        print("note: meant to run inside run-in-vm", file=sys.stderr)
+    for fn in (shim_worker_on_node1, migrate_other, cgroup_v2_rank, mempolicy_ladder):
+        fn()
+    print(f"{'FAILED ' + ' '.join(FAILED) if FAILED else 'ALL PASSED'}", flush=True)
+    return 1 if FAILED else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
