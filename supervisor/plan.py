@@ -446,11 +446,18 @@ def _carve_engine(
         count = candidates[0] if draft.mode != "error" else candidates[-1]
     if count is None:
         if draft.mode == "share" and cores:
-            draft.engine = [cores[-1]]
-            draft.engine_roles = {"main": [cores[-1]]}
+            # The engine overlays the whole node and keeps its roles apart
+            # from each other where the node has a core per role, so even a
+            # 2-CPU demo box shows a compiler pool on CPUs of its own role.
+            one_each = [(r, 1) for r, s in settings.engine_roles.items() if s > 0]
+            roles = _split_roles(
+                cores, [], list(settings.engine_roles.items()), settings.engine_main_cpus
+            ) or _split_roles(cores, [], one_each, 1)
+            draft.engine = list(cores)
+            draft.engine_roles = roles if roles is not None else {"main": list(cores)}
             draft.warnings.append(
                 f"engine: {where} has {len(cores)} allowed cores for the engine and "
-                f"{leave} devices; the engine shares its last core"
+                f"{leave} devices; the engine shares the node's cores with the ranks"
             )
             return cores
         raise PlanError(

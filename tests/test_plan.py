@@ -283,6 +283,10 @@ def test_two_cpu_demo_box_shares_and_says_so() -> None:
     assert p.shared
     assert p.engine is not None
     assert any("CPU 1 by rank 1 and engine" in w for w in p.warnings)
+    # The engine overlays the node but keeps its compiler pool on a CPU of
+    # its own role, so the demo shows so_compiler threads apart from main.
+    assert p.engine.cpus == (0, 1)
+    assert p.engine.roles == {"main": (0,), "so_compiler": (1,)}
 
 
 def test_one_cpu_box_puts_everything_on_cpu_0() -> None:
