@@ -1,0 +1,107 @@
+"""Engine readiness probes: TCP connect, HTTP GET, or a file appearing (does I/O).
+
+`wait_ready` polls one probe of the config's `[ready]` table until it passes,
+the deadline passes, or the engine exits; workers start only after it passes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import aiohttp
+
+from supervisor.config import ReadyProbe
+
+POLL_INTERVAL_S = 0.2
+ATTEMPT_TIMEOUT_S = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeResult:
+    ready: bool
+    detail: str  # the last failure, or what passed ("tcp 127.0.0.1:8000")
+    waited_s: float
+
+
+def describe_probe(probe: ReadyProbe) -> str:
+    if probe.tcp is not None:
+        return f"tcp {probe.tcp}"
+    if probe.http is not None:
+        return f"http {probe.http}"
+    return f"file {probe.file}"
+
+
+async def check_tcp(address: str, timeout_s: float) -> str | None:
+    """None when a TCP connection to HOST:PORT opens, else why not."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")  # "[::1]:8000"
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), timeout_s)
+    except TimeoutError:
+        return "connect timed out"
+    except OSError as err:
+        return err.strerror or str(err)
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return None
+
+
+async def check_http(session: aiohttp.ClientSession, url: str, timeout_s: float) -> str | None:
+    """None when GET `url` answers 2xx, else why not."""
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            if 200 <= resp.status < 300:
+                return None
+            return f"HTTP {resp.status}"
+    except TimeoutError:
+        return "request timed out"
+    except aiohttp.ClientError as err:
+        return str(err) or type(err).__name__
+
+
+async def check_file(path: str) -> str | None:
+    """None when `path` exists (checked in the default executor: it may be on NFS)."""
+    exists = await asyncio.get_running_loop().run_in_executor(None, os.path.exists, path)
+    return None if exists else "file does not exist yet"
+
+
+async def wait_ready(
+    probe: ReadyProbe,
+    alive: Callable[[], bool],
+    interval_s: float = POLL_INTERVAL_S,
+) -> ProbeResult:
+    """Poll `probe` until it passes, `probe.timeout_s` passes, or `alive()` is False."""
+    started = time.monotonic()
+    deadline = started + probe.timeout_s
+    detail = "not checked"
+    session: aiohttp.ClientSession | None = None
+    try:
+        while True:
+            if not alive():
+                return ProbeResult(False, "process exited", time.monotonic() - started)
+            attempt_s = max(0.05, min(ATTEMPT_TIMEOUT_S, deadline - time.monotonic()))
+            if probe.tcp is not None:
+                failure = await check_tcp(probe.tcp, attempt_s)
+            elif probe.http is not None:
+                if session is None:
+                    session = aiohttp.ClientSession()
+                failure = await check_http(session, probe.http, attempt_s)
+            else:
+                assert probe.file is not None
+                failure = await check_file(probe.file)
+            now = time.monotonic()
+            if failure is None:
+                return ProbeResult(True, describe_probe(probe), now - started)
+            detail = failure
+            if now >= deadline:
+                return ProbeResult(False, f"timed out: {detail}", now - started)
+            await asyncio.sleep(min(interval_s, max(0.0, deadline - now)))
+    finally:
+        if session is not None:
+            await session.close()

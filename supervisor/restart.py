@@ -1,0 +1,128 @@
+"""Restart policy: what to do when a supervised process exits (pure, no I/O).
+
+`decide_restart` takes the policy of the config, the process's restart history
+and how its last run ended, and answers restart (after a backoff), stop, or
+fail (a crash loop). Times are seconds on one monotonic clock chosen by the
+caller, so the function is deterministic and tested without sleeping.
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from supervisor.config import RestartConfig
+
+RestartAction = Literal["restart", "stop", "fail"]
+
+
+@dataclass(frozen=True, slots=True)
+class RestartHistory:
+    """What the policy remembers about one process between its runs."""
+
+    attempt: int = 0  # restarts since the last stable run: the backoff exponent
+    failures: tuple[float, ...] = ()  # monotonic times of failed starts inside the window
+
+
+@dataclass(frozen=True, slots=True)
+class RunOutcome:
+    """How one run ended.
+
+    `exit_code` is the wait status as subprocess reports it (negative: killed
+    by that signal), None when the process could not be started at all (the
+    command is missing, the shim could not exec it).
+    """
+
+    exit_code: int | None
+    ran_s: float  # from spawn to exit
+    ended_at: float  # monotonic
+
+    @property
+    def failed(self) -> bool:
+        return self.exit_code != 0
+
+
+@dataclass(frozen=True, slots=True)
+class RestartDecision:
+    action: RestartAction
+    delay_s: float  # the backoff before the next start (restart only)
+    history: RestartHistory
+    reason: str  # one phrase for the log line and the event
+
+
+def backoff_s(config: RestartConfig, attempt: int) -> float:
+    """backoff_initial_s * backoff_factor**attempt, capped at backoff_max_s."""
+    if attempt <= 0:
+        return min(config.backoff_initial_s, config.backoff_max_s)
+    # Cap the exponent before raising: factor**attempt overflows a float long
+    # before a real crash loop gets there, and the cap makes the rest moot.
+    delay = config.backoff_initial_s
+    for _ in range(attempt):
+        delay *= config.backoff_factor
+        if delay >= config.backoff_max_s:
+            return config.backoff_max_s
+    return min(delay, config.backoff_max_s)
+
+
+def record_outcome(
+    config: RestartConfig, history: RestartHistory, outcome: RunOutcome
+) -> RestartHistory:
+    """The history after a run: a stable run resets the backoff, a failure is counted."""
+    attempt = 0 if outcome.ran_s >= config.stable_after_s else history.attempt
+    window_start = outcome.ended_at - config.crash_loop_window_s
+    failures = tuple(t for t in history.failures if t > window_start)
+    if outcome.failed:
+        failures = (*failures, outcome.ended_at)
+    return RestartHistory(attempt=attempt, failures=failures)
+
+
+def decide_restart(
+    config: RestartConfig, history: RestartHistory, outcome: RunOutcome
+) -> RestartDecision:
+    """Restart with backoff, stop, or fail, per `config.policy` and the crash-loop limit.
+
+    - never: stop after a clean exit, fail after a failed one;
+    - on-failure: stop after a clean exit, else restart;
+    - always: restart after any exit.
+    A restart that would make `crash_loop_limit` failed starts within
+    `crash_loop_window_s` turns into fail: the process stays down (others keep
+    running) until someone restarts it by hand.
+    """
+    updated = record_outcome(config, history, outcome)
+    how = _describe(outcome.exit_code)
+    if config.policy == "never" or (config.policy == "on-failure" and not outcome.failed):
+        action: RestartAction = "fail" if outcome.failed else "stop"
+        return RestartDecision(action, 0.0, updated, f"{how}, policy={config.policy}")
+    if len(updated.failures) >= config.crash_loop_limit:
+        return RestartDecision(
+            "fail",
+            0.0,
+            updated,
+            f"{how}; crash loop: {len(updated.failures)} failed starts"
+            f" within {config.crash_loop_window_s:g}s",
+        )
+    delay = backoff_s(config, updated.attempt)
+    return RestartDecision(
+        "restart",
+        delay,
+        replace(updated, attempt=updated.attempt + 1),
+        f"{how}, policy={config.policy}",
+    )
+
+
+def reset_history() -> RestartHistory:
+    """The history after a manual restart (API): backoff and crash loop forgotten."""
+    return RestartHistory()
+
+
+def _describe(exit_code: int | None) -> str:
+    if exit_code is None:
+        return "could not start"
+    if exit_code < 0:
+        try:
+            name = signal.Signals(-exit_code).name
+        except ValueError:
+            name = str(-exit_code)
+        return f"killed by {name}"
+    return f"exited with status {exit_code}"
