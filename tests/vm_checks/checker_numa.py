@@ -1,0 +1,324 @@
+"""The check loop in a 2-node guest with cgroup v2; run INSIDE the numavm guest (as root).
+
+    ../shared/tools/numavm/run-in-vm --nodes 2 -- \
+        .venv/bin/python -u tests/vm_checks/checker_numa.py
+
+Default guest: node 0 = CPUs 0-1, node 1 = CPUs 2-3, cgroup2 at /sys/fs/cgroup.
+Two scenarios, each a daemon started by tests/vm_checks/checker_daemon.py:
+
+(a) cpuset: the supervisor in its own v2 cgroup `/ps-check` (cpuset and
+    memory enabled, per-rank cgroups below it); the test writes
+    `cpuset.cpus` 2-3 there, so node 0's CPUs are gone: every thread of every
+    rank must end up within 2-3 and the plan must say so; then 0-3 again:
+    rank 0 goes back to node 0.
+(b) memory: no cgroups; each worker first allocates 64 MiB under its own
+    MPOL_BIND to node 0, then binds itself to its slot's nodes (the late
+    binding of PR #18117). Rank 1 (planned on node 1) starts with most of its
+    memory remote: the check must report a low local ratio and, with
+    `memory_locality = "enforce"`, migrate it to >= 0.99.
+
+Prints "PASS name: detail" / "FAIL name: detail"; exit 1 if any failed
+(tests/test_checker_vm.py asserts on the lines).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)
+
+from supervisor.cpulist import format_cpulist, parse_cpulist  # noqa: E402
+
+LAUNCHER = os.path.join(REPO, "tests/vm_checks/checker_daemon.py")
+CGROUP = "/sys/fs/cgroup"
+SUP = f"{CGROUP}/ps-check"
+FAILED: list[str] = []
+_NODE_PAGES = re.compile(r"\bN(\d+)=(\d+)")
+
+# (b)'s worker: 64 MiB on node 0 first, then its slot's binding.
+LATE_WORKER = r"""
+import mmap, sys, time
+from supervisor.bind import syscalls
+from supervisor.worker import current_slot
+
+syscalls.set_mempolicy(syscalls.MPOL_BIND, [0])
+buf = mmap.mmap(-1, 64 << 20)
+for off in range(0, 64 << 20, 4096):
+    buf[off] = 1
+slot = current_slot()
+syscalls.set_mempolicy(syscalls.MPOL_BIND, slot.mems if slot else [0])
+print("allocated", flush=True)
+while True:
+    time.sleep(3600)
+"""
+
+
+def check(name: str, ok: bool, detail: str) -> None:
+    print(f"{'PASS' if ok else 'FAIL'} {name}: {detail}", flush=True)
+    if not ok:
+        FAILED.append(name)
+
+
+def wait(predicate: Callable[[], Any], timeout_s: float, interval_s: float = 0.25) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
+    return predicate()
+
+
+def write(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def read(path: str) -> str:
+    with open(path) as f:
+        return f.read().strip()
+
+
+class Daemon:
+    def __init__(self, name: str, config: str, port: int, join: list[str]) -> None:
+        self.port = port
+        self.log = f"/tmp/{name}.log"
+        path = f"/tmp/{name}.toml"
+        write(path, config)
+        args = [a for j in join for a in ("--join", j)]
+        self.proc = subprocess.Popen(
+            [sys.executable, LAUNCHER, *args, "--", "run", "--config", path],
+            cwd=REPO,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            stdout=subprocess.DEVNULL,
+            stderr=open(self.log, "wb"),  # noqa: SIM115 - closed with the process
+        )
+
+    def get(self, path: str) -> Any:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5) as r:
+                return json.load(r)
+        except OSError:
+            return None
+
+    def up(self) -> dict[str, Any] | None:
+        doc = self.get("/placement")
+        if doc is None or not all(r["state"] == "running" and r["pid"] for r in doc["ranks"]):
+            return None
+        return doc  # type: ignore[no-any-return]
+
+    def events(self, kind: str) -> list[dict[str, Any]]:
+        doc = self.get("/events?limit=1000") or {"events": []}
+        return [e for e in doc["events"] if e["kind"] == kind]
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if FAILED:
+            with open(self.log) as f:
+                print(f"--- {self.log} ---\n{f.read()[-5000:]}", flush=True)
+        return self.proc.returncode
+
+
+def thread_cpus(pid: int) -> set[int]:
+    """The union of every thread's Cpus_allowed_list."""
+    cpus: set[int] = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            text = read(f"/proc/{pid}/task/{tid}/status")
+        except OSError:
+            continue
+        for line in text.splitlines():
+            if line.startswith("Cpus_allowed_list:"):
+                cpus |= parse_cpulist(line.split(":", 1)[1])
+    return cpus
+
+
+def pages_by_node(pid: int) -> dict[int, int]:
+    pages: dict[int, int] = {}
+    for line in read(f"/proc/{pid}/numa_maps").splitlines():
+        for node, count in _NODE_PAGES.findall(line):
+            pages[int(node)] = pages.get(int(node), 0) + int(count)
+    return pages
+
+
+def config(port: int, *, cgroup: str, worker: list[str], drift: str) -> str:
+    return (
+        f'cpu_ranks = 2\ncgroup = "{cgroup}"\nstop_timeout_s = 5\n'
+        f"[workers]\ncommand = {json.dumps(worker)}\n"
+        "[placement]\nrank_roles = {}\n[placement.engine]\nenabled = false\n"
+        f'[api]\nlisten = "127.0.0.1:{port}"\n'
+        '[threads.comm]\nprocess = "workers"\npattern = "comm*"\n'
+        f"[drift]\ncheck_interval_s = 0.5\n{drift}"
+    )
+
+
+# -- (a) cpuset ----------------------------------------------------------------------------
+
+
+def scenario_cpuset() -> None:
+    write(f"{CGROUP}/cgroup.subtree_control", "+cpuset +memory")
+    os.makedirs(SUP, exist_ok=True)
+    write(f"{SUP}/cpuset.mems", "0-1")
+    write(f"{SUP}/cpuset.cpus", "0-3")
+    worker = [
+        "python",
+        "-m",
+        "supervisor.demo.worker",
+        "--rank",
+        "{rank}",
+        "--mem-cap-mib",
+        "16",
+        "--step-mib",
+        "8",
+    ]
+    daemon = Daemon("cpuset", config(19481, cgroup="auto", worker=worker, drift=""), 19481,
+                    [f"{SUP}/cgroup.procs"])  # fmt: skip
+    try:
+        doc = wait(daemon.up, 180)
+        check("cpuset-daemon-up", doc is not None, "both ranks running" if doc else "timed out")
+        if doc is None:
+            return
+        before = {r["rank"]: r["cpus"] for r in doc["ranks"]}
+        check("cpuset-start-plan", before == {0: [0, 1], 1: [2, 3]}, f"ranks {before}")
+        pids = {r["rank"]: r["pid"] for r in doc["ranks"]}
+
+        write(f"{SUP}/cpuset.cpus", "2-3")
+        t0 = time.monotonic()
+
+        def moved() -> dict[str, Any] | None:
+            d = daemon.get("/placement")
+            if d is None:
+                return None
+            planned = all(set(r["cpus"]) <= {2, 3} for r in d["ranks"])
+            live = all(thread_cpus(p) <= {2, 3} for p in pids.values())
+            return d if planned and live else None
+
+        doc = wait(moved, 30, 0.1)
+        took = time.monotonic() - t0
+        live = {r: format_cpulist(thread_cpus(p)) for r, p in pids.items()}
+        plan = {
+            r["rank"]: r["cpus"]
+            for r in (doc or daemon.get("/placement") or {"ranks": []})["ranks"]
+        }
+        check(
+            "cpuset-v2-ranks-move",
+            doc is not None,
+            f"after cpuset.cpus=2-3 in {took:.1f}s: plan {plan}, live threads {live}",
+        )
+        rank_cg = [d for d in os.listdir(f"{SUP}/placement-supervisor") if d.startswith("rank")]
+        cg_cpus = {d: read(f"{SUP}/placement-supervisor/{d}/cpuset.cpus") for d in rank_cg}
+        check(
+            "cpuset-v2-rank-cgroups",
+            bool(cg_cpus) and all(parse_cpulist(v) <= {2, 3} for v in cg_cpus.values()),
+            f"rank cgroups {cg_cpus}",
+        )
+        changes = (daemon.get("/placement") or {}).get("supervisor", {}).get("cpuset_changes")
+        check("cpuset-v2-counted", changes == 1, f"cpuset_changes={changes}")
+
+        write(f"{SUP}/cpuset.cpus", "0-3")
+
+        def back() -> bool:
+            return thread_cpus(pids[0]) == {0, 1} and thread_cpus(pids[1]) == {2, 3}
+
+        ok = wait(back, 30, 0.1)
+        live = {r: format_cpulist(thread_cpus(p)) for r, p in pids.items()}
+        check("cpuset-v2-grow-back", bool(ok), f"after cpuset.cpus=0-3: live threads {live}")
+        now = {r["rank"]: r["pid"] for r in (daemon.get("/placement") or {"ranks": []})["ranks"]}
+        check("cpuset-v2-no-restart", now == pids, f"pids {pids} -> {now}")
+    finally:
+        code = daemon.stop()
+        check("cpuset-clean-stop", code == 0, f"exit code {code}")
+
+
+# -- (b) memory ---------------------------------------------------------------------------------
+
+
+def scenario_memory() -> None:
+    script = "/tmp/late_worker.py"
+    write(script, LATE_WORKER)
+    drift = 'numa_maps_interval_s = 0.5\n[drift.policy]\nmemory_locality = "enforce"\n'
+    daemon = Daemon("memory", config(19482, cgroup="off", worker=["python", script], drift=drift),
+                    19482, [])  # fmt: skip
+    try:
+        doc = wait(daemon.up, 180)
+        check("memory-daemon-up", doc is not None, "both ranks running" if doc else "timed out")
+        if doc is None:
+            return
+        rank = next(r for r in doc["ranks"] if r["mems"] == [1])
+        pid = rank["pid"]
+
+        def reported() -> list[str]:
+            return [
+                e["fields"]["actual"][0]
+                for e in daemon.events("drift")
+                if e["rank"] == str(rank["rank"])
+                and e["fields"].get("drift") == "memory_locality"
+                and float(e["fields"]["actual"][0].split()[0]) < 0.5
+            ]
+
+        # The loop may catch the 64 MiB while the worker is still touching
+        # it, migrate, and see more: any report below 0.5 is the low ratio.
+        found = wait(reported, 60)
+        actual = found[0] if found else "none"
+        check("memory-ratio-reported-low", bool(found), f"rank {rank['rank']} drift: {actual}")
+
+        def ratio() -> float | None:
+            d = daemon.get("/placement")
+            if d is None:
+                return None
+            entry = next(r for r in d["ranks"] if r["rank"] == rank["rank"])
+            value: float | None = entry["observed"]["local_memory_ratio"]
+            return value
+
+        fixed = wait(lambda: (r := ratio()) is not None and r >= 0.99 and sum(
+            pages_by_node(pid).values()) * 4096 >= 64 << 20, 90)  # fmt: skip
+        pages = pages_by_node(pid)
+        total = sum(pages.values()) or 1
+        check(
+            "memory-migrated",
+            bool(fixed) and pages.get(1, 0) / total >= 0.99,
+            f"reported ratio {ratio()}, numa_maps pages by node {pages}",
+        )
+        migrations = [
+            e
+            for e in daemon.events("rebind")
+            if e["fields"].get("reason") == "memory_locality" and e["rank"] == str(rank["rank"])
+        ]
+        moved = sum(e["fields"]["remote_bytes"] for e in migrations)
+        check(
+            "memory-rebind-event",
+            moved >= 60 << 20,
+            f"{len(migrations)} migrations of rank {rank['rank']}, {moved >> 20} MiB remote moved",
+        )
+    finally:
+        code = daemon.stop()
+        check("memory-clean-stop", code == 0, f"exit code {code}")
+
+
+def main() -> int:
+    if os.environ.get("NUMAVM") != "1":
+        print("run me inside the numavm guest", file=sys.stderr)
+        return 2
+    scenario_cpuset()
+    scenario_memory()
+    return 1 if FAILED else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
