@@ -1,0 +1,75 @@
+"""The systemd unit: `systemd-analyze verify` accepts it, and it says what the daemon needs."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from supervisor.config import parse_config
+
+REPO = Path(__file__).resolve().parent.parent
+UNIT = REPO / "systemd/placement-supervisor.service"
+ANALYZE = shutil.which("systemd-analyze") or "/usr/bin/systemd-analyze"
+VENV_COMMAND = REPO / ".venv/bin/placement-supervisor"
+
+
+def directives(text: str) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith(("#", ";", "[")):
+            continue
+        key, _, value = line.partition("=")
+        out.setdefault(key.strip(), []).append(value.strip())
+    return out
+
+
+def verify(unit_text: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """Verify a copy whose ExecStart is this checkout's console script (which exists)."""
+    if not Path(ANALYZE).exists():
+        pytest.skip("systemd-analyze is not installed (run .ci/setup)")
+    if not VENV_COMMAND.exists():
+        pytest.skip(f"{VENV_COMMAND} is missing (pip install -e .)")
+    copy = tmp_path / "placement-supervisor.service"
+    copy.write_text(
+        unit_text.replace(
+            "ExecStart=/usr/local/bin/placement-supervisor", f"ExecStart={VENV_COMMAND}"
+        )
+    )
+    return subprocess.run(
+        [ANALYZE, "verify", str(copy)], capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+def test_systemd_analyze_verify_accepts_the_unit(tmp_path: Path) -> None:
+    result = verify(UNIT.read_text(), tmp_path)
+    assert result.returncode == 0, result.stderr
+    ours = [line for line in (result.stdout + result.stderr).splitlines() if "placement" in line]
+    assert ours == []
+
+
+def test_verify_would_catch_a_broken_unit(tmp_path: Path) -> None:
+    # The control: the same check does flag a mistake, so the test above can fail.
+    broken = UNIT.read_text().replace("WatchdogSec=30", "WatchdogSecs=30")
+    result = verify(broken, tmp_path)
+    assert "WatchdogSecs" in result.stdout + result.stderr
+
+
+def test_the_unit_says_what_the_daemon_needs() -> None:
+    d = directives(UNIT.read_text())
+    assert d["Type"] == ["notify"]
+    assert d["NotifyAccess"] == ["main"]
+    assert d["WatchdogSec"] == ["30"]
+    assert d["KillMode"] == ["mixed"]
+    assert d["Delegate"] == ["yes"]
+    assert d["Restart"] == ["on-failure"]
+    assert set(d["RestartPreventExitStatus"][0].split()) == {"2", "3"}
+    exec_start = d["ExecStart"][0].split()
+    assert exec_start[0].endswith("/placement-supervisor")
+    assert exec_start[1:] == ["run", "--config", "/etc/placement-supervisor/config.toml"]
+    # Workers, then the engine, each may take stop_timeout_s before KILL.
+    stop_timeout_s = parse_config({"workers": {"command": ["w"]}}).stop_timeout_s
+    assert float(d["TimeoutStopSec"][0]) > 2 * stop_timeout_s
