@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from supervisor.bind.binder import Binder
 from supervisor.bind.cgroup import CgroupManager, ProcessCgroup
-from supervisor.config import DriftConfig, DriftPolicy
+from supervisor.config import DriftConfig, DriftPolicy, discovery_options
 from supervisor.cpulist import format_cpulist
 from supervisor.drift import apply_policy, diff, target_id
 from supervisor.errors import Gone, KernelError, SupervisorError, translate_oserror
@@ -88,11 +88,13 @@ log = logging.getLogger("placement_supervisor.checker")
 
 MIGRATE_NO_GAIN_BACKOFF_S = 60.0  # a migration that did not raise the ratio waits this long
 MIGRATE_MIN_GAIN = 0.01  # ...where "raise" means by at least this much
-# Remote memory below this is not migrated by the loop (the finding stays):
-# with CAP_SYS_NICE migrate_pages(2) also moves pages other processes map,
-# and a few MiB of remote pages are mostly shared-library page cache that
-# ranks on other nodes map too; moving it for one rank takes it from another,
-# which moves it back (seen in the 2-node guest). The API's rebind ignores it.
+# Remote memory below this is not migrated by the loop (the finding stays).
+# The ratio counts only the process's own (anonymous) memory, but
+# migrate_pages(2) run with CAP_SYS_NICE moves every page the process maps on
+# the old nodes, shared libraries too; before the ratio left file pages out,
+# two ranks on different nodes moved the same library pages back and forth in
+# the 2-node guest. A small remainder is not worth that walk of the page
+# tables under the worker's mmap lock. The API's rebind ignores the floor.
 MIGRATE_MIN_REMOTE_BYTES = 32 << 20
 EVENT_TARGETS_MAX = 20  # targets named in one grouped event
 ENFORCED_KINDS = ("thread_affinity", "memory_locality", "irq_affinity")
@@ -936,7 +938,6 @@ class Checker:
             await self._replan()
 
     async def _replan(self) -> None:
-        from supervisor.daemon import discovery_options  # noqa: PLC0415 - daemon imports us
 
         loop = asyncio.get_running_loop()
         ex = self.rt.executor

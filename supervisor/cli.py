@@ -9,7 +9,6 @@ infeasible plan or unusable topology; a user error is one line on stderr.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
 import json
 import os
@@ -18,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from supervisor.config import check_listen, load_config
+from supervisor.config import discovery_options as config_discovery_options
 from supervisor.errors import EXIT_CONFIG, ConfigError, SupervisorError
 from supervisor.hostfs import HostFS
 from supervisor.placement import Placement, PlanSettings
@@ -32,40 +32,15 @@ PROG = "placement-supervisor"
 EXIT_INTERNAL = 1
 EXIT_INTERRUPTED = 130
 
-# The variables with the CUDA meaning of DESIGN 3.1; discovery never reads
-# os.environ itself, the CLI (and the daemon) hand these over.
-VISIBILITY_VARIABLES = (
-    "CUDA_VISIBLE_DEVICES",
-    "ASCEND_RT_VISIBLE_DEVICES",
-    "HIP_VISIBLE_DEVICES",
-    "ROCR_VISIBLE_DEVICES",
-)
-
-
-def visibility_env(environ: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
-    """The visibility variables that are set in `environ`, sorted by name."""
-    return tuple(sorted((k, environ[k]) for k in VISIBILITY_VARIABLES if k in environ))
-
 
 def discovery_options(
     config_path: str | None, environ: Mapping[str, str]
 ) -> tuple[DiscoveryOptions, PlanSettings]:
     """What discovery and the planner are told: the config's keys, or the defaults."""
-    env = visibility_env(environ)
     if config_path is None:
-        return DiscoveryOptions(env=env), PlanSettings()
+        return config_discovery_options(None, environ), PlanSettings()
     config = load_config(config_path)
-    options = DiscoveryOptions(
-        accelerator=config.accelerator,
-        pci_devices=config.devices,
-        cpu_ranks=config.cpu_ranks,
-        env=env,
-    )
-    settings = config.placement
-    if config.engine is None:
-        # No [engine] table: nothing runs there, so no CPUs are set aside for it.
-        settings = dataclasses.replace(settings, engine=False)
-    return options, settings
+    return config_discovery_options(config, environ), config.placement
 
 
 def discover(root: str, options: DiscoveryOptions) -> Topology:

@@ -10,11 +10,13 @@ from __future__ import annotations
 import shlex
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, TypeVar
 
 from supervisor.errors import ConfigError
 from supervisor.placement import PlanSettings, Shortage, StrategySetting
+from supervisor.topology.model import DiscoveryOptions
+from supervisor.topology.visibility import visibility_env
 
 RestartPolicy = Literal["always", "on-failure", "never"]
 DriftPolicy = Literal["observe", "enforce"]
@@ -421,7 +423,24 @@ def parse_config(doc: Mapping[str, Any], file: str = "<config>") -> Config:
     top.done()
     if cfg.ready is not None and cfg.engine is None:
         raise top.fail("ready", "a readiness probe needs an [engine]")
+    if cfg.engine is None and cfg.placement.engine:
+        # No [engine] table: nothing runs there, so no CPUs are set aside for it.
+        cfg = replace(cfg, placement=replace(cfg.placement, engine=False))
     return cfg
+
+
+def discovery_options(config: Config | None, environ: Mapping[str, str]) -> DiscoveryOptions:
+    """What discovery is told: the config's device keys (or the defaults) and the
+    visibility variables of `environ` (the caller's environment, read by the caller)."""
+    env = visibility_env(environ)
+    if config is None:
+        return DiscoveryOptions(env=env)
+    return DiscoveryOptions(
+        accelerator=config.accelerator,
+        pci_devices=config.devices,
+        cpu_ranks=config.cpu_ranks,
+        env=env,
+    )
 
 
 def _is_bdf(text: str) -> bool:

@@ -33,7 +33,7 @@ from supervisor.bind.binder import Binder
 from supervisor.bind.cgroup import CgroupManager, ProcessCgroup, detect_cgroup_setup
 from supervisor.bind.report import ShimReport, ShimReportError, parse_shim_report, shim_argv
 from supervisor.checker import check_loop as default_check_loop
-from supervisor.config import Config, ProcessConfig, check_listen, load_config
+from supervisor.config import Config, ProcessConfig, check_listen, discovery_options, load_config
 from supervisor.cpulist import format_cpulist
 from supervisor.errors import ConfigError, KernelError, SupervisorError
 from supervisor.hostfs import HostFS
@@ -48,7 +48,7 @@ from supervisor.restart import RestartHistory, RunOutcome, decide_restart
 from supervisor.sdnotify import NOTIFY_VARS, Notifier, watchdog_interval_s
 from supervisor.state import ProcessState, ProcessStatus, ProcKey, Snapshot, StateStore, key_label
 from supervisor.topology.discover import read_topology
-from supervisor.topology.model import DeviceKind, DiscoveryOptions, Topology
+from supervisor.topology.model import DeviceKind, Topology
 from supervisor.worker import SLOT_ENV, slot_env_value
 
 log = logging.getLogger("placement_supervisor.daemon")
@@ -56,12 +56,6 @@ log = logging.getLogger("placement_supervisor.daemon")
 INSTANCE_ENV = "PLACEMENT_SUPERVISOR_INSTANCE"
 REPORT_TIMEOUT_S = 30.0  # the shim binds and execs in milliseconds; this is a hung cgroup write
 EXECUTOR_THREADS = 2
-VISIBILITY_VARS = (
-    "CUDA_VISIBLE_DEVICES",
-    "ASCEND_RT_VISIBLE_DEVICES",
-    "HIP_VISIBLE_DEVICES",
-    "ROCR_VISIBLE_DEVICES",
-)
 # The variable that tells a worker which device(s) it drives, per kind, as in
 # DeepInfer's assign_visible_devices. `cpu` stand-ins and config-named `pci`
 # devices have none unless `visible_devices_env` names one.
@@ -199,16 +193,6 @@ def _rank_spec(
     defaults.update(workers.env)
     env = child_env(base_env, defaults, forced, drop)
     return ChildSpec(rank.rank, worker_argv(workers.command, rank, world_size), env, rank.slot)
-
-
-def discovery_options(config: Config, env: Mapping[str, str]) -> DiscoveryOptions:
-    visibility = tuple((name, env[name]) for name in VISIBILITY_VARS if name in env)
-    return DiscoveryOptions(
-        accelerator=config.accelerator,
-        pci_devices=config.devices,
-        cpu_ranks=config.cpu_ranks,
-        env=visibility,
-    )
 
 
 _ERRNO_NAME = re.compile(r"\bE[A-Z]{2,}\b")

@@ -54,7 +54,8 @@ def test_parse_numa_stat_v1_counts_pages() -> None:
         "unevictable=0 N0=0 N1=0\nhierarchical_total=99 N0=50 N1=49\n"
         "hierarchical_anon=99 N0=50 N1=49\n"
     )
-    assert parse_numa_stat(text, 4096) == {0: 10 * 4096, 1: 20 * 4096}
+    # anon only: file pages are shared page cache (v1's anon LRU holds shmem)
+    assert parse_numa_stat(text, 4096) == {0: 6 * 4096, 1: 14 * 4096}
 
 
 def test_parse_numa_stat_v2_counts_bytes() -> None:
@@ -62,6 +63,7 @@ def test_parse_numa_stat_v2_counts_bytes() -> None:
         "anon N0=4096 N1=8192\nfile N0=100 N1=0\nkernel_stack N0=16384 N1=0\n"
         "shmem N0=100 N1=0\nfile_mapped N0=100 N1=0\n"
     )
+    # anon + shmem, not file or kernel stacks
     assert parse_numa_stat(text, 1) == {0: 4196, 1: 8192}
 
 

@@ -21,6 +21,7 @@ def write(tmp_path: Path, text: str) -> str:
 def test_minimal_config_gets_defaults() -> None:
     cfg = parse_config(MINIMAL, "x.toml")
     assert cfg.engine is None
+    assert cfg.placement.engine is False  # no [engine]: no CPUs set aside for one
     assert cfg.workers.command[-1] == "{rank}"
     assert cfg.restart.policy == "on-failure"
     assert cfg.placement.rank_roles == {"irq": 1, "comm": 1}
@@ -78,6 +79,7 @@ token_file = "/etc/ps/token"
     )
     cfg = load_config(path)
     assert cfg.engine is not None and cfg.engine.command[0] == "python3"
+    assert cfg.placement.engine is True
     assert cfg.engine.env == {"HCCL_CONNECT_TIMEOUT": "240"}
     assert cfg.devices == ("0000:41:00.0",)
     assert cfg.placement.strategy == "global-slice"

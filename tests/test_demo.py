@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.config import load_config
-from supervisor.daemon import build_specs, discovery_options
+from supervisor.config import discovery_options, load_config
+from supervisor.daemon import build_specs
 from supervisor.demo.worker import parse_numa_maps
 from supervisor.hostfs import HostFS
 from supervisor.plan import plan

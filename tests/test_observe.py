@@ -259,11 +259,17 @@ NUMA_MAPS = """\
 
 def test_parse_numa_maps_honours_page_sizes() -> None:
     by_node = parse_numa_maps(NUMA_MAPS)
+    # The python binary's file pages are shared page cache, not allocated: left out.
     assert by_node == {
-        0: (100 + 2048 + 33) * 4096 + 1 * (1 << 30),
+        0: (2048 + 33) * 4096 + 1 * (1 << 30),
         1: 512 * 4096 + 3 * 2 * MIB,
     }
     assert parse_numa_maps("") == {}
+    # Shared anonymous memory (mmap(-1) in Python) shows as /dev/zero: allocated, counted.
+    shared = "7f00 default file=/dev/zero\\040(deleted) dirty=4 N1=4 kernelpagesize_kB=4\n"
+    assert parse_numa_maps(shared) == {1: 4 * 4096}
+    model = "7f00 default file=/models/w.safetensors mapped=9 N1=9 kernelpagesize_kB=4\n"
+    assert parse_numa_maps(model) == {}
     # Without kernelpagesize_kB (old kernels), the default page size counts.
     assert parse_numa_maps("7f00 default anon=2 N3=2\n", default_page_bytes=16384) == {3: 32768}
 

@@ -91,17 +91,20 @@ def parse_proc_cgroup(text: str) -> list[CgroupEntry]:
 
 
 def parse_numa_stat(text: str, unit_bytes: int) -> dict[int, int]:
-    """Resident bytes per node from memory.numa_stat: the `anon` and `file` lines summed.
+    """Allocated (not file) bytes per node from memory.numa_stat.
 
-    v2 writes "anon N0=<bytes> N1=<bytes>" (unit_bytes=1); v1 writes
-    "anon=<pages> N0=<pages>" (unit_bytes=page size). anon + file is what the
-    cgroup has resident (v1 "total" adds unevictable, which anon/file already
-    count on v2; the hierarchical_* lines of v1 would count children twice).
+    v2 writes "anon N0=<bytes> N1=<bytes>" (unit_bytes=1) and counts shmem
+    apart in a `shmem` line; v1 writes "anon=<pages> N0=<pages>" (unit_bytes
+    = page size), whose anon LRU already holds shmem. So: v1 `anon`, v2
+    `anon` + `shmem`, the memory the process allocated (heap, stacks, shared
+    anonymous and pinned buffers). `file` is page cache other processes share
+    and the check loop must not tug between nodes; v1's hierarchical_* lines
+    would count children twice.
     """
     result: dict[int, int] = {}
     for line in text.splitlines():
         fields = line.split()
-        if not fields or fields[0].partition("=")[0] not in ("anon", "file"):
+        if not fields or fields[0].partition("=")[0] not in ("anon", "shmem"):
             continue
         for item in fields[1:]:
             key, sep, value = item.partition("=")
@@ -394,7 +397,7 @@ class CgroupManager:
         return cpus, mems
 
     def read_numa_stat(self, pc: ProcessCgroup) -> dict[int, int]:
-        """Resident bytes per node of the cgroup (anon + file of memory.numa_stat).
+        """Allocated (anon + shmem, not file) bytes per node of the cgroup's memory.numa_stat.
 
         v1 counts pages, v2 bytes. {} when the cgroup has no memory controller.
         """

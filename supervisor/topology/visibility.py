@@ -22,6 +22,21 @@ VARIABLES: dict[DeviceKind, tuple[str, ...]] = {
 }
 
 
+# The variables with the CUDA meaning of DESIGN 3.1. Discovery never reads
+# os.environ itself: the CLI and the daemon hand these over.
+VISIBILITY_VARIABLES = (
+    "CUDA_VISIBLE_DEVICES",
+    "ASCEND_RT_VISIBLE_DEVICES",
+    "HIP_VISIBLE_DEVICES",
+    "ROCR_VISIBLE_DEVICES",
+)
+
+
+def visibility_env(environ: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    """The visibility variables that are set in `environ`, sorted by name (pure)."""
+    return tuple(sorted((k, environ[k]) for k in VISIBILITY_VARIABLES if k in environ))
+
+
 def _resolve_entry(entry: str, var: str, value: str, devices: list[Device]) -> Device:
     if entry.isdigit():
         pos = int(entry)
