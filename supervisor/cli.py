@@ -1,4 +1,4 @@
-"""The `placement-supervisor` command line (DESIGN 3.1): the one place that exits.
+"""The `placement-supervisor` command line (DESIGN 3.1): the one place that exits (does I/O).
 
 Subcommands: topology, plan, snapshot (here), run and status (imported only
 when called). Reads os.environ for the visibility variables only, here, and
@@ -173,6 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("status", help="show a running daemon's placement")
     p.add_argument("--listen", type=_listen, help="the daemon's HOST:PORT or unix:PATH")
+    p.add_argument(
+        "--config", metavar="FILE", help="find the daemon where this config's [api] listens"
+    )
     p.add_argument("--json", action="store_true", help="print the placement document")
     p.set_defaults(func=_delegate("supervisor.status", "status_command"))
     return parser

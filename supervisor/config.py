@@ -7,7 +7,9 @@ No environment is read here: visibility variables are resolved by the caller.
 
 from __future__ import annotations
 
+import math
 import shlex
+import string
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -22,6 +24,8 @@ RestartPolicy = Literal["always", "on-failure", "never"]
 DriftPolicy = Literal["observe", "enforce"]
 AcceleratorSetting = Literal["auto", "nvidia", "amd", "ascend", "pci", "cpu"]
 DEFAULT_LISTEN = "127.0.0.1:9477"
+MAX_CPU_RANKS = 1024  # stand-in ranks on a host without accelerators; more is a typo
+MIN_CHECK_INTERVAL_S = 0.05  # below this the check loop would only measure itself
 COMMAND_FIELDS = ("rank", "local_rank", "device_index", "bus_id", "world_size")
 
 
@@ -159,12 +163,14 @@ class _Table:
         value: bool = self._get(key, (bool,), "true or false")
         return value
 
-    def integer(self, key: str, default: int, minimum: int = 0) -> int:
+    def integer(self, key: str, default: int, minimum: int = 0, maximum: int | None = None) -> int:
         if key not in self.doc:
             return default
         value: int = self._get(key, (int,), "an integer")
         if value < minimum:
             raise self.fail(key, f"must be >= {minimum}, got {value}")
+        if maximum is not None and value > maximum:
+            raise self.fail(key, f"must be <= {maximum}, got {value}")
         return value
 
     def number(
@@ -173,6 +179,8 @@ class _Table:
         if key not in self.doc:
             return default
         value = float(self._get(key, (int, float), "a number"))
+        if not math.isfinite(value):  # TOML allows nan and inf; no duration is either
+            raise self.fail(key, f"must be a finite number, got {value}")
         if value < minimum or (strict and value == minimum):
             bound = ">" if strict else ">="
             raise self.fail(key, f"must be {bound} {minimum}, got {value}")
@@ -237,15 +245,23 @@ class _Table:
 
 
 def _check_template(table: _Table, key: str, argv: tuple[str, ...]) -> None:
+    """Placeholders are plain `{name}`: no attribute, index, conversion or format
+    spec (`{rank:>99999999}` would allocate at every spawn)."""
+    allowed = ", ".join("{" + n + "}" for n in COMMAND_FIELDS)
     for word in argv:
         try:
-            word.format(**{name: 0 for name in COMMAND_FIELDS})
-        except (KeyError, IndexError, ValueError) as err:
+            fields = list(string.Formatter().parse(word))
+        except ValueError as err:
             raise table.fail(
-                key,
-                f"bad placeholder in {word!r}: {err}; allowed: "
-                + ", ".join("{" + n + "}" for n in COMMAND_FIELDS),
+                key, f"bad placeholder in {word!r}: {err}; allowed: {allowed}"
             ) from None
+        for _, name, spec, conversion in fields:
+            if name is None:
+                continue
+            if name not in COMMAND_FIELDS or spec or conversion:
+                shown = "{" + name + ("!" + conversion if conversion else "")
+                shown += (":" + spec if spec else "") + "}"
+                raise table.fail(key, f"bad placeholder {shown} in {word!r}; allowed: {allowed}")
 
 
 def _process(top: _Table, key: str, *, template: bool) -> ProcessConfig:
@@ -313,8 +329,11 @@ def _placement(t: _Table) -> PlanSettings:
     )
     engine.done()
     t.done()
-    if "main" in settings.rank_roles or "main" in settings.engine_roles:
-        raise t.fail("rank_roles", "`main` is not sized: it holds every CPU no other role takes")
+    main_sized = "`main` is not sized: it holds every CPU no other role takes"
+    if "main" in settings.rank_roles:
+        raise t.fail("rank_roles", main_sized)
+    if "main" in settings.engine_roles:
+        raise engine.fail("roles", main_sized + " (size it with main_cpus)")
     return settings
 
 
@@ -349,7 +368,7 @@ def _drift(t: _Table) -> DriftConfig:
     if threshold > 1.0:
         raise t.fail("local_memory_threshold", f"must be between 0 and 1, got {threshold}")
     cfg = DriftConfig(
-        check_interval_s=t.number("check_interval_s", d.check_interval_s, 0.0, strict=True),
+        check_interval_s=t.number("check_interval_s", d.check_interval_s, MIN_CHECK_INTERVAL_S),
         numa_maps_interval_s=t.number("numa_maps_interval_s", d.numa_maps_interval_s, 0.0),
         local_memory_threshold=threshold,
         migrate_max_bytes_per_s=t.integer("migrate_max_bytes_per_s", d.migrate_max_bytes_per_s, 0),
@@ -408,7 +427,7 @@ def parse_config(doc: Mapping[str, Any], file: str = "<config>") -> Config:
         workers=workers,
         accelerator=accelerator,
         devices=devices,
-        cpu_ranks=top.integer("cpu_ranks", 1, 1),
+        cpu_ranks=top.integer("cpu_ranks", 1, 1, MAX_CPU_RANKS),
         visible_devices_env=top.text("visible_devices_env", None),
         placement=_placement(top.table("placement")),
         ready=_ready(top.table("ready")),
@@ -467,4 +486,6 @@ def load_config(path: str) -> Config:
         raise ConfigError(f"{path}: cannot read config: {err.strerror or err}") from None
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"{path}: not valid TOML: {err}") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text (TOML must be): {err.reason}") from None
     return parse_config(doc, path)

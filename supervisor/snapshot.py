@@ -114,7 +114,10 @@ def take_snapshot(src_root: str, out_dir: str, options: DiscoveryOptions) -> int
     read_topology(fs, options)
     log = fs.log
     assert log is not None
-    os.makedirs(out_dir, exist_ok=True)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"snapshot: cannot create {out_dir}: {err.strerror or err}") from None
     mirror = _Mirror(src_root, out_dir)
     try:
         # Files and links first: they lay down the real directories and the

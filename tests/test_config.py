@@ -109,7 +109,7 @@ token_file = "/etc/ps/token"
             '[workers]\ncommand = "w"\n[restart]\ncrash_loop_limit = 0',
             "restart.crash_loop_limit: must be >= 1",
         ),
-        ('[workers]\ncommand = "w {gpu}"', "workers.command: bad placeholder in '{gpu}'"),
+        ('[workers]\ncommand = "w {gpu}"', "workers.command: bad placeholder {gpu} in '{gpu}'"),
         ("[workers]\ncommand = []", "workers.command: must not be empty"),
         ('stop_timeout_s = 0\n[workers]\ncommand = "w"', "stop_timeout_s: must be > 0"),
         (
@@ -145,6 +145,27 @@ token_file = "/etc/ps/token"
         ),
         ('[engine]\ncommand = "e"', "workers: is required"),
         ("workers = 3", "workers: expected a table"),
+        (
+            'stop_timeout_s = nan\n[workers]\ncommand = "w"',
+            "stop_timeout_s: must be a finite number",
+        ),
+        (
+            '[workers]\ncommand = "w"\n[restart]\nbackoff_max_s = inf',
+            "backoff_max_s: must be a finite",
+        ),
+        (
+            '[workers]\ncommand = "w"\n[drift]\ncheck_interval_s = 0.001',
+            "check_interval_s: must be >= 0.05",
+        ),
+        ('cpu_ranks = 100000\n[workers]\ncommand = "w"', "cpu_ranks: must be <= 1024"),
+        ('[workers]\ncommand = "w {rank!r}"', "bad placeholder {rank!r}"),
+        ('[workers]\ncommand = "w {rank:>99999999}"', "bad placeholder {rank:>99999999}"),
+        ('[workers]\ncommand = "w {rank.real}"', "bad placeholder {rank.real}"),
+        ('[workers]\ncommand = "w {"', "bad placeholder in '{': Single '{'"),
+        (
+            '[workers]\ncommand = "w"\n[placement.engine]\nroles = { main = 1 }',
+            "placement.engine.roles: `main` is not sized",
+        ),
         ('[workers]\ncommand = "w\n', "not valid TOML"),
     ],
 )
@@ -156,6 +177,13 @@ def test_bad_config_names_file_and_key(tmp_path: Path, text: str, needle: str) -
     assert message.startswith(path + ": "), message
     assert needle in message, message
     assert info.value.exit_code == 2
+
+
+def test_non_utf8_file_is_a_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.toml"
+    path.write_bytes(b'[workers]\ncommand = "caf\xe9"\n')
+    with pytest.raises(ConfigError, match="not UTF-8 text"):
+        load_config(str(path))
 
 
 def test_missing_file_is_a_config_error(tmp_path: Path) -> None:

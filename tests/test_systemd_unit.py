@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.config import parse_config
+from supervisor.config import load_config, parse_config
 
 REPO = Path(__file__).resolve().parent.parent
 UNIT = REPO / "systemd/placement-supervisor.service"
+CONFIGS = REPO / "configs"
 ANALYZE = shutil.which("systemd-analyze") or "/usr/bin/systemd-analyze"
 VENV_COMMAND = REPO / ".venv/bin/placement-supervisor"
 
@@ -70,6 +71,9 @@ def test_the_unit_says_what_the_daemon_needs() -> None:
     exec_start = d["ExecStart"][0].split()
     assert exec_start[0].endswith("/placement-supervisor")
     assert exec_start[1:] == ["run", "--config", "/etc/placement-supervisor/config.toml"]
-    # Workers, then the engine, each may take stop_timeout_s before KILL.
-    stop_timeout_s = parse_config({"workers": {"command": ["w"]}}).stop_timeout_s
-    assert float(d["TimeoutStopSec"][0]) > 2 * stop_timeout_s
+    # Workers, then the engine, each may take stop_timeout_s before KILL: the
+    # default and every shipped config must fit before systemd's own SIGKILL.
+    timeouts = [parse_config({"workers": {"command": ["w"]}}).stop_timeout_s]
+    timeouts += [load_config(str(p)).stop_timeout_s for p in sorted(CONFIGS.glob("*.toml"))]
+    assert len(timeouts) >= 5
+    assert float(d["TimeoutStopSec"][0]) > 2 * max(timeouts)
