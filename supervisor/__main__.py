@@ -1,4 +1,4 @@
-"""`python -m supervisor` is the `placement-supervisor` command."""
+"""`python -m supervisor` is the `placement-supervisor` command (runs `cli.main`: its I/O)."""
 
 from supervisor.cli import main
 

@@ -1,4 +1,4 @@
-"""The HTTP API of DESIGN 3.4 (aiohttp), embedded in the daemon's event loop.
+"""The HTTP API of DESIGN 3.4 (aiohttp) in the daemon's event loop (does I/O: sockets).
 
 Handlers read `store.snapshot` only (never /proc) and render it through the
 pure `*_doc` functions below; a rendered body is cached per snapshot object,

@@ -100,6 +100,11 @@ EVENT_TARGETS_MAX = 20  # targets named in one grouped event
 ENFORCED_KINDS = ("thread_affinity", "memory_locality", "irq_affinity")
 
 
+def _more_suffix(total: int, shown: int) -> str:
+    """The " (+N more)" of an event that names only the first `shown` of `total` targets."""
+    return f" (+{total - shown} more)" if total > shown else ""
+
+
 class IrqKeeperLike(Protocol):
     """What the loop needs of `supervisor.irqs.IrqKeeper` (blocking; run in the executor).
 
@@ -794,7 +799,7 @@ class Checker:
                 f"{f.target} expected {f.expected} got {f.actual}: {outcomes[f.target]}"
                 for f in shown
             )
-            more = f" (+{len(found) - len(shown)} more)" if len(found) > len(shown) else ""
+            more = _more_suffix(len(found), len(shown))
             self.store.emit(
                 "drift",
                 key,
@@ -824,7 +829,7 @@ class Checker:
         self.store.count("rebinds", (label, reason), len(done))
         shown = done[:EVENT_TARGETS_MAX]
         names = ", ".join(f"{b.tid} ({b.name}) -> {b.role} {format_cpulist(b.cpus)}" for b in shown)
-        more = f" (+{len(done) - len(shown)} more)" if len(done) > len(shown) else ""
+        more = _more_suffix(len(done), len(shown))
         self.store.emit(
             "rebind",
             key,

@@ -1,4 +1,4 @@
-"""HostFS: the one seam between the supervisor and the host's /proc, /sys, /dev.
+"""HostFS: the one seam between the supervisor and the host's /proc, /sys, /dev (file I/O).
 
 Every path is relative to a root ("/" on a live host, a fixture or snapshot
 directory in tests and `--root`). It does plain file I/O and nothing else;

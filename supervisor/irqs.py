@@ -465,17 +465,8 @@ class IrqKeeper:
         # A managed IRQ is the kernel spreading a multi-queue device's vectors
         # itself (Documentation/core-api/irq/managed_irq.rst): expected, skipped.
         why = "kernel-managed" if err.reason == "managed" else err.errno_name
-        self._post(self.store.count, "bind_failures", (label, "irq", err.reason))
-        self._post(
-            self.store.emit,
-            "bind_failed",
-            key,
-            f"{label}: irq {a.irq} ({a.owner}) not bound: {why}",
-            target="irq",
-            reason=err.reason,
-            irq=a.irq,
-            owner=a.owner,
-            errno=err.errno_name,
+        self._post_bind_failed(
+            key, a, err, f"{label}: irq {a.irq} ({a.owner}) not bound: {why}", owner=a.owner
         )
         log.warning(
             "irq bind failed %s",
@@ -491,23 +482,35 @@ class IrqKeeper:
         # it once and stop trying for this run.
         self._off_reason = str(err)
         label = key_label(key)
-        self._post(self.store.count, "bind_failures", (label, "irq", err.reason))
-        self._post(
-            self.store.emit,
-            "bind_failed",
+        self._post_bind_failed(
             key,
+            a,
+            err,
             f"IRQ binding off for this run: irq {a.irq}: {err.errno_name} "
             "(/proc/irq is read-only or we lack privilege)",
-            target="irq",
-            reason=err.reason,
-            irq=a.irq,
-            errno=err.errno_name,
         )
         log.warning(
             "irq binding off %s",
             format_fields(
                 rank=label, irq=a.irq, errno=err.errno_name, action="disable irq binding"
             ),
+        )
+
+    def _post_bind_failed(
+        self, key: ProcKey, a: IrqAssignment, err: KernelError, message: str, **fields: object
+    ) -> None:
+        """Count a refused IRQ bind and emit its `bind_failed` event (safe from a pool thread)."""
+        self._post(self.store.count, "bind_failures", (key_label(key), "irq", err.reason))
+        self._post(
+            self.store.emit,
+            "bind_failed",
+            key,
+            message,
+            target="irq",
+            reason=err.reason,
+            irq=a.irq,
+            **fields,
+            errno=err.errno_name,
         )
 
     # -- irqbalance ---------------------------------------------------------------

@@ -200,6 +200,11 @@ def _families(snap: Snapshot | None) -> Iterator[Metric]:
     ready = GaugeMetricFamily(
         "placement_ready", "1 when every process is running and bound (what /readyz answers)."
     )
+    # A summary without quantiles: the count and total of all checks.
+    check_duration = SummaryMetricFamily(
+        "placement_check_duration_seconds",
+        "Placement checks finished (_count) and the seconds they took (_sum).",
+    )
 
     if snap is not None:
         counters = snap.counters
@@ -269,19 +274,7 @@ def _families(snap: Snapshot | None) -> Iterator[Metric]:
             drift_events.add_metric(list(labels2), n)
         for labels2, n in sorted(rebind_counts.items()):
             rebinds.add_metric(list(labels2), n)
-
-        # A summary without quantiles: the count and total of all checks.
-        check_duration = SummaryMetricFamily(
-            "placement_check_duration_seconds",
-            "Placement checks finished (_count) and the seconds they took (_sum).",
-            count_value=counters.checks,
-            sum_value=counters.check_seconds_sum,
-        )
-    else:
-        check_duration = SummaryMetricFamily(
-            "placement_check_duration_seconds",
-            "Placement checks finished (_count) and the seconds they took (_sum).",
-        )
+        check_duration.add_metric([], counters.checks, counters.check_seconds_sum)
 
     yield info
     yield ready

@@ -19,8 +19,9 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 from supervisor.errors import KernelError, translate_oserror
 from supervisor.hostfs import HostFS
@@ -102,6 +103,17 @@ def _pidfd_open(pid: int) -> int | None:
             return None
         raise
     return fd
+
+
+def _deliver(target: str, send: Callable[[], None]) -> bool:
+    """Send one signal; False when the process is already gone, other errors translated."""
+    try:
+        send()
+    except ProcessLookupError:
+        return False
+    except OSError as err:
+        raise translate_oserror(target, err) from None
+    return True
 
 
 class ChildProcess:
@@ -194,16 +206,12 @@ class ChildProcess:
         """Signal the process itself; False when it has already exited."""
         if self._popen.returncode is not None:
             return False
-        try:
-            if self._pidfd is not None:
-                signal.pidfd_send_signal(self._pidfd, sig)
-            else:
-                os.kill(self.pid, sig)
-        except ProcessLookupError:
-            return False
-        except OSError as err:
-            raise translate_oserror(f"pid {self.pid}", err) from None
-        return True
+        send = (
+            partial(signal.pidfd_send_signal, self._pidfd, sig)
+            if self._pidfd is not None
+            else partial(os.kill, self.pid, sig)
+        )
+        return _deliver(f"pid {self.pid}", send)
 
     def signal_group(self, sig: int) -> bool:
         """Signal the whole process group; False when it has already been reaped."""
@@ -212,13 +220,7 @@ class ChildProcess:
         return self._signal_group_unchecked(sig)
 
     def _signal_group_unchecked(self, sig: int) -> bool:
-        try:
-            os.killpg(self.pgid, sig)
-        except ProcessLookupError:
-            return False
-        except OSError as err:
-            raise translate_oserror(f"process group {self.pgid}", err) from None
-        return True
+        return _deliver(f"process group {self.pgid}", partial(os.killpg, self.pgid, sig))
 
     async def stop(self, timeout_s: float, sig: int = signal.SIGTERM) -> int:
         """TERM the group, KILL it after `timeout_s`, and reap; returns the exit status."""

@@ -1,4 +1,4 @@
-"""The `status` command: ask a running daemon for GET /placement and print it.
+"""The `status` command: GET /placement from a running daemon, print it (does I/O: HTTP).
 
 I/O: one HTTP request over TCP or the unix socket (stdlib http.client, so the
 command stays light). `render_status(doc)` is the pure table renderer.

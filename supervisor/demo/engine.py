@@ -1,4 +1,4 @@
-"""Demo engine: a stand-in for an inference engine's host process (CPU work, a TCP port).
+"""Demo engine: a stand-in for an inference engine's host process (CPU work; I/O: a TCP port).
 
 `python -m supervisor.demo.engine --port 9478` runs what makes an engine's
 CPU placement matter: a structured-output compiler thread pool (threads named
