@@ -60,9 +60,9 @@ class Actions(Protocol):
     action cannot run now, e.g. while stopping (409, with its message).
     """
 
-    async def rebind(self, rank: int | None) -> dict[str, Any]: ...
+    async def rebind(self, rank: ProcKey | None) -> dict[str, Any]: ...
 
-    async def restart(self, rank: int) -> dict[str, Any]: ...
+    async def restart(self, rank: ProcKey) -> dict[str, Any]: ...
 
 
 class ListenError(SupervisorError):
@@ -218,7 +218,7 @@ class Route:
     content_type: str = "application/json"
 
 
-_RANK_QUERY = Param("rank", "query", "A rank number; without it, every process.")
+_RANK_QUERY = Param("rank", "query", "A rank number or engine; without it, every process.")
 ROUTES: tuple[Route, ...] = (
     Route(
         "GET",
@@ -276,7 +276,7 @@ ROUTES: tuple[Route, ...] = (
         "_post_restart",
         "Restart one rank's worker.",
         changing=True,
-        params=(Param("rank", "path", "The rank number.", required=True),),
+        params=(Param("rank", "path", "The rank number, or engine.", required=True),),
         responses={200: "the restart was started", 400: "bad rank", 404: "unknown rank"},
     ),
 )
@@ -367,9 +367,11 @@ def _json_response(doc: Any, status: int = 200) -> web.Response:
     return web.Response(status=status, body=_dumps(doc), content_type="application/json")
 
 
-def _parse_rank(text: str | None, where: str) -> int:
+def _parse_rank(text: str | None, where: str) -> ProcKey:
+    if text == "engine":
+        return "engine"
     if text is None or not _NUMBER_RE.fullmatch(text):
-        raise _ApiError(400, f"{where}: expected a rank number (0, 1, ...), got {text!r}")
+        raise _ApiError(400, f"{where}: expected a rank number (0, 1, ...) or engine, got {text!r}")
     return int(text)
 
 
@@ -685,7 +687,7 @@ class ApiServer:
         request: web.Request,
         what: str,
         rank_text: str | None,
-        action: Callable[[int | None], Awaitable[dict[str, Any]]],
+        action: Callable[[ProcKey | None], Awaitable[dict[str, Any]]],
     ) -> web.Response:
         via = self._authorize(request)  # before anything else is looked at
         rank = None if rank_text is None else _parse_rank(rank_text, "rank")
@@ -711,7 +713,7 @@ class ApiServer:
         )
 
     async def _post_restart(self, request: web.Request) -> web.Response:
-        async def restart(rank: int | None) -> dict[str, Any]:
+        async def restart(rank: ProcKey | None) -> dict[str, Any]:
             assert rank is not None  # the route always has one
             return await self._actions.restart(rank)
 

@@ -14,8 +14,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import logging
 import os
+import re
 import signal
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -373,14 +375,14 @@ class DaemonActions:
         # process affinity of the plan (the shim's binding, after the fact).
         self.rebinder: Callable[[ProcKey | None], Awaitable[dict[str, Any]]] | None = None
 
-    async def rebind(self, rank: int | None) -> dict[str, Any]:
+    async def rebind(self, rank: ProcKey | None) -> dict[str, Any]:
         if rank is not None:
             self.daemon.runner(rank)  # KeyError -> 404
         if self.rebinder is not None:
             return await self.rebinder(rank)
         return await rebind_processes(self.daemon, rank, "api")
 
-    async def restart(self, rank: int) -> dict[str, Any]:
+    async def restart(self, rank: ProcKey) -> dict[str, Any]:
         return await self.daemon.restart_rank(rank)
 
 
@@ -462,12 +464,25 @@ class ManagedCgroups:
         self.manager.close()
 
 
-def cgroups_for(config: Config, fs: HostFS, env: Mapping[str, str]) -> ManagedCgroups | None:
-    """Per-process cgroups when `cgroup = "auto"` and a writable subtree exists.
+def instance_suffix(config: Config, env: Mapping[str, str]) -> str:
+    """The per-instance cgroup dir suffix (pure).
 
-    INSTANCE_ENV names the instance dir's suffix, so that two supervisors on
-    one host (or tests) keep apart; without it the dir is "placement-supervisor".
+    INSTANCE_ENV when set; else the config file's name plus a hash of its
+    absolute path, so that two supervisors on one host (two single-GPU
+    services, each with its own config) never write each other's cgroups on
+    a shared v1 hierarchy, while a restarted supervisor finds its own again.
     """
+    explicit = env.get(INSTANCE_ENV)
+    if explicit is not None or config.path is None:
+        return explicit or ""
+    path = os.path.abspath(config.path)
+    stem = re.sub(r"[^A-Za-z0-9_.-]", "_", os.path.splitext(os.path.basename(path))[0])
+    return f"{stem}-{hashlib.sha256(path.encode()).hexdigest()[:8]}"
+
+
+def cgroups_for(config: Config, fs: HostFS, env: Mapping[str, str]) -> ManagedCgroups | None:
+    """Per-process cgroups when `cgroup = "auto"` and a writable subtree exists,
+    in a dir of this instance's own (`instance_suffix`)."""
     if config.cgroup == "off":
         return None
     setup = detect_cgroup_setup(fs)
@@ -476,7 +491,7 @@ def cgroups_for(config: Config, fs: HostFS, env: Mapping[str, str]) -> ManagedCg
             "cgroups none %s", format_fields(reason="no writable cgroup subtree", action="skip")
         )
         return None
-    suffix = env.get(INSTANCE_ENV, "")
+    suffix = instance_suffix(config, env)
     try:
         manager = CgroupManager(fs, setup, suffix=suffix)
     except ValueError as err:
