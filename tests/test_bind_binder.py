@@ -14,41 +14,16 @@ from supervisor.bind.binder import Binder, parse_cap_eff
 from supervisor.cpulist import parse_cpulist
 from supervisor.errors import Gone, Invalid
 from supervisor.hostfs import HostFS
-
-THREADED_CHILD = """
-import sys, threading
-stop = threading.Event()
-for i in range(3):
-    threading.Thread(target=stop.wait, name=f"t{i}", daemon=True).start()
-print("ready", flush=True)
-sys.stdin.readline()
-"""
+from tests.children import ThreadedChild, mems_allowed, status_field
 
 
 @pytest.fixture
-def threaded_child() -> Iterator[subprocess.Popen[str]]:
-    child = subprocess.Popen(
-        [sys.executable, "-c", THREADED_CHILD],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert child.stdout is not None
-    assert child.stdout.readline().strip() == "ready"
-    yield child
-    child.kill()
-    child.wait()
+def threaded_child() -> Iterator[ThreadedChild]:
+    with ThreadedChild(["t0", "t1", "t2"]) as child:
+        yield child
 
 
-def status_field(path: str, key: str) -> str:
-    with open(path) as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return line.split(":", 1)[1].strip()
-    raise AssertionError(f"{key} not in {path}")
-
-
-def test_set_process_affinity_binds_every_thread(threaded_child: subprocess.Popen[str]) -> None:
+def test_set_process_affinity_binds_every_thread(threaded_child: ThreadedChild) -> None:
     binder = Binder()
     target = max(os.sched_getaffinity(0))
     tids = binder.thread_ids(threaded_child.pid)
@@ -59,12 +34,12 @@ def test_set_process_affinity_binds_every_thread(threaded_child: subprocess.Pope
     for tid in tids:
         assert result.bound[tid] == {target}
         # What the kernel shows for the thread, not what we asked for.
-        shown = status_field(f"/proc/{threaded_child.pid}/task/{tid}/status", "Cpus_allowed_list")
+        shown = status_field(f"{threaded_child.pid}/task/{tid}", "Cpus_allowed_list")
         assert parse_cpulist(shown) == {target}
         assert binder.get_thread_affinity(tid) == {target}
 
 
-def test_set_thread_affinity_one_thread_only(threaded_child: subprocess.Popen[str]) -> None:
+def test_set_thread_affinity_one_thread_only(threaded_child: ThreadedChild) -> None:
     binder = Binder()
     allowed = frozenset(os.sched_getaffinity(0))
     tids = binder.thread_ids(threaded_child.pid)
@@ -85,7 +60,7 @@ def test_gone_thread_and_process_name_the_target() -> None:
     assert info.value.target == f"pid {child.pid}"
 
 
-def test_cpus_outside_the_cpuset_are_invalid(threaded_child: subprocess.Popen[str]) -> None:
+def test_cpus_outside_the_cpuset_are_invalid(threaded_child: ThreadedChild) -> None:
     binder = Binder()
     online = parse_cpulist(Path("/sys/devices/system/cpu/online").read_text())
     with pytest.raises(Invalid) as info:
@@ -96,8 +71,8 @@ def test_cpus_outside_the_cpuset_are_invalid(threaded_child: subprocess.Popen[st
     assert all(err.reason == "invalid" for err in result.failed.values())
 
 
-def test_migrate_pages_of_a_child(threaded_child: subprocess.Popen[str]) -> None:
-    node = min(parse_cpulist(status_field("/proc/self/status", "Mems_allowed_list")))
+def test_migrate_pages_of_a_child(threaded_child: ThreadedChild) -> None:
+    node = min(mems_allowed())
     assert Binder().migrate_pages(threaded_child.pid, {node}, {node}) == 0
 
 

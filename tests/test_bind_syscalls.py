@@ -16,8 +16,8 @@ import pytest
 
 from supervisor.bind import syscalls
 from supervisor.bind.syscalls import _nodemask
-from supervisor.cpulist import parse_cpulist
 from supervisor.errors import Gone, Invalid, KernelError
+from tests.children import mems_allowed
 
 T = TypeVar("T")
 
@@ -39,14 +39,6 @@ def in_thread(fn: Callable[[], T]) -> T:
     if "error" in box:
         raise box["error"]  # type: ignore[misc]
     return box["value"]  # type: ignore[return-value]
-
-
-def mems_allowed() -> frozenset[int]:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("Mems_allowed_list:"):
-                return parse_cpulist(line.split(":", 1)[1])
-    raise AssertionError("no Mems_allowed_list")
 
 
 def test_nodemask_has_one_spare_bit_in_maxnode() -> None:

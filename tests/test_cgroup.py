@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,15 +13,17 @@ import pytest
 
 from supervisor.bind.cgroup import (
     CgroupManager,
+    CgroupSetup,
     ProcessCgroup,
     parse_numa_stat,
     parse_proc_cgroup,
     read_cgroup_setup,
 )
-from supervisor.bind.report import parse_shim_report, shim_argv
 from supervisor.cpulist import parse_cpulist
 from supervisor.errors import KernelError
 from supervisor.hostfs import HostFS
+from tests.children import close_process, start_shimmed
+from tests.daemon_support import wait_until
 
 MIB = 1 << 20
 
@@ -31,6 +32,16 @@ def write(root: Path, rel: str, text: str) -> None:
     path = root / rel
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
+
+
+def v2_root_setup(tmp_path: Path, controllers: str) -> CgroupSetup:
+    """The setup read from a v2-only tree in which this process sits in the root cgroup."""
+    write(tmp_path, "proc/self/cgroup", "0::/\n")
+    write(tmp_path, "sys/fs/cgroup/cgroup.controllers", f"{controllers}\n")
+    write(tmp_path, "sys/fs/cgroup/cgroup.subtree_control", "")
+    setup, _ = read_cgroup_setup(HostFS(str(tmp_path)))
+    assert setup is not None
+    return setup
 
 
 # -- pure parsers ----------------------------------------------------------------
@@ -86,11 +97,7 @@ def test_detect_v2_delegated(tmp_path: Path) -> None:
 
 
 def test_detect_v2_root_needs_no_eviction(tmp_path: Path) -> None:
-    write(tmp_path, "proc/self/cgroup", "0::/\n")
-    write(tmp_path, "sys/fs/cgroup/cgroup.controllers", "cpuset pids\n")
-    write(tmp_path, "sys/fs/cgroup/cgroup.subtree_control", "")
-    setup, _ = read_cgroup_setup(HostFS(str(tmp_path)))
-    assert setup is not None
+    setup = v2_root_setup(tmp_path, "cpuset pids")
     assert not setup.evict_self
     assert setup.memory_parent is None
     assert setup.controllers == ("cpuset",)
@@ -158,31 +165,20 @@ def children() -> Iterator[list[subprocess.Popen[str]]]:
     procs: list[subprocess.Popen[str]] = []
     yield procs
     for proc in procs:
-        proc.kill()
-        proc.wait()
+        close_process(proc)
 
 
 def spawn_in(
     pc: ProcessCgroup, cpus: list[int], size: int
 ) -> tuple[subprocess.Popen[str], str, str]:
-    r, w = os.pipe()
-    argv = shim_argv(
-        sys.executable,
+    proc, report = start_shimmed(
         cpus,
         [0],
         [sys.executable, "-c", CHILD, str(size)],
-        cgroups=pc.dirs,
-        report_fd=w,
+        shim={"cgroups": pc.dirs},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
     )
-    proc = subprocess.Popen(
-        argv, pass_fds=[w], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
-    os.close(w)
-    data = b""
-    while chunk := os.read(r, 65536):
-        data += chunk
-    os.close(r)
-    report = parse_shim_report(data)
     assert report.cgroups == pc.dirs, report
     assert report.cgroup_errors == ()
     assert proc.stdout is not None
@@ -217,19 +213,14 @@ def test_rank_cgroup_lifecycle(
         # update: the running member follows the new cpuset.
         other = cpus[0]
         manager.update(pc, [other], [0])
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            if os.sched_getaffinity(proc.pid) == {other}:
-                break
-            time.sleep(0.01)
+        wait_until(lambda: os.sched_getaffinity(proc.pid) == {other}, 5, 0.01)
         assert os.sched_getaffinity(proc.pid) == {other}
         assert manager.read_effective(pc) == ({other}, {0})
         proc.kill()
         proc.wait()
     finally:
         for p in children:
-            p.kill()
-            p.wait()
+            close_process(p)
         manager.remove(pc)
     for rel in (pc.cpuset_dir, pc.memory_dir):
         if rel is not None:
@@ -257,11 +248,7 @@ def test_update_rejects_empty_sets(manager: CgroupManager) -> None:
 
 
 def test_bad_names_are_refused(tmp_path: Path) -> None:
-    write(tmp_path, "proc/self/cgroup", "0::/\n")
-    write(tmp_path, "sys/fs/cgroup/cgroup.controllers", "cpuset\n")
-    write(tmp_path, "sys/fs/cgroup/cgroup.subtree_control", "")
-    setup, _ = read_cgroup_setup(HostFS(str(tmp_path)))
-    assert setup is not None
+    setup = v2_root_setup(tmp_path, "cpuset")
     with pytest.raises(ValueError, match="suffix"):
         CgroupManager(HostFS(str(tmp_path)), setup, suffix="a/b")
     mgr = CgroupManager(HostFS(str(tmp_path)), setup)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import time
 import tomllib
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -27,80 +26,18 @@ from supervisor.daemon import Daemon, prepare
 from supervisor.hostfs import HostFS
 from supervisor.placement import Placement, RankPlacement, Slot
 from supervisor.state import ProcKey
-from tests.daemon_support import free_port, to_toml
+from tests.children import NAMED_THREADS_CHILD, write_child
+from tests.daemon_support import DEMO_WORKER, free_port, merge_config, to_toml
+from tests.daemon_support import until as _until
 
 FS = HostFS("/")
-REPO = Path(__file__).resolve().parent.parent
 Scenario = Callable[[Daemon, Checker], Awaitable[None]]
 
 pytestmark = pytest.mark.skipif(
     len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs to move threads between"
 )
 
-# A worker with named threads. argv: out-dir, key, spec file (JSON):
-# {"threads": [names], "pin": {"name": n, "cpus": [..]}, "late": name}.
-# Writes <out>/<key>-<pid>.json = {"pid", "threads": {name: tid}} once its
-# threads run, and again after starting `late` when <out>/<key>.late appears.
-CHILD = r"""
-import json, os, sys, threading, time
-from supervisor.worker import set_thread_name
-
-out, key = sys.argv[1], sys.argv[2]
-with open(sys.argv[3]) as f:
-    spec = json.load(f)
-tids = {"main": threading.get_native_id()}
-lock = threading.Lock()
-started = threading.Semaphore(0)
-
-def body(name, cpus=None):
-    set_thread_name(name)
-    if cpus is not None:
-        os.sched_setaffinity(0, cpus)
-    with lock:
-        tids[name] = threading.get_native_id()
-    started.release()
-    while True:
-        time.sleep(3600)
-
-def start(name, cpus=None):
-    threading.Thread(target=body, args=(name, cpus), daemon=True).start()
-    started.acquire()
-
-def report():
-    path = os.path.join(out, f"{key}-{os.getpid()}.json")
-    with lock:
-        doc = {"pid": os.getpid(), "threads": dict(tids)}
-    with open(path + ".tmp", "w") as f:
-        json.dump(doc, f)
-    os.rename(path + ".tmp", path)
-
-for name in spec.get("threads", []):
-    start(name)
-pin = spec.get("pin")
-if pin:
-    start(pin["name"], pin["cpus"])
-report()
-late = spec.get("late")
-trigger = os.path.join(out, f"{key}.late")
-while late and not os.path.exists(trigger):
-    time.sleep(0.02)
-if late:
-    start(late)
-    report()
-while True:
-    time.sleep(3600)
-"""
-
-
 # -- running the daemon with the checker ------------------------------------------------
-
-
-def write_child(tmp_path: Path) -> tuple[Path, Path]:
-    script = tmp_path / "named_child.py"
-    script.write_text(CHILD)
-    out = tmp_path / "out"
-    out.mkdir()
-    return script, out
 
 
 def child_doc(script: Path, out: Path, spec: dict[str, Any], **extra: Any) -> dict[str, Any]:
@@ -118,12 +55,7 @@ def child_doc(script: Path, out: Path, spec: dict[str, Any], **extra: Any) -> di
             "release": {"process": "workers", "pattern": "release*"},
         },
     }
-    for key, value in extra.items():
-        if isinstance(value, dict) and isinstance(doc.get(key), dict):
-            doc[key] = {**doc[key], **value}
-        else:
-            doc[key] = value
-    return doc
+    return merge_config(doc, extra)
 
 
 def config_of(doc: dict[str, Any], tmp_path: Path) -> Config:
@@ -199,14 +131,8 @@ def run_with_checker(
 
 
 async def until(predicate: Callable[[], Any], timeout_s: float = 15.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"not within {timeout_s}s: {predicate}")
-        await asyncio.sleep(0.02)
+    """A check scenario's step waits 15 s unless it says otherwise."""
+    return await _until(predicate, timeout_s)
 
 
 async def checks_pass(daemon: Daemon, n: int) -> None:
@@ -262,7 +188,7 @@ def events(daemon: Daemon, kind: str, key: ProcKey | None = None) -> list[Any]:
 
 @pytest.mark.timeout(90)
 def test_a_thread_pushed_off_its_cpus_is_put_back_and_counted(tmp_path: Path) -> None:
-    script, out = write_child(tmp_path)
+    script, out = write_child(tmp_path, NAMED_THREADS_CHILD)
     config = config_of(child_doc(script, out, {"threads": ["comm"]}), tmp_path)
     slot = rank_slot((0,), comm=(1,))
 
@@ -296,7 +222,7 @@ def test_a_thread_pushed_off_its_cpus_is_put_back_and_counted(tmp_path: Path) ->
 
 @pytest.mark.timeout(90)
 def test_under_observe_drift_is_reported_and_left_alone(tmp_path: Path) -> None:
-    script, out = write_child(tmp_path)
+    script, out = write_child(tmp_path, NAMED_THREADS_CHILD)
     doc = child_doc(
         script, out, {"threads": ["comm"]}, drift={"policy": {"thread_affinity": "observe"}}
     )
@@ -335,7 +261,7 @@ def test_under_observe_drift_is_reported_and_left_alone(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(90)
 def test_late_threads_are_bound_and_pinned_threads_respected(tmp_path: Path) -> None:
-    script, out = write_child(tmp_path)
+    script, out = write_child(tmp_path, NAMED_THREADS_CHILD)
     spec = {"threads": ["release"], "pin": {"name": "pinned", "cpus": [0]}, "late": "comm-late"}
     config = config_of(child_doc(script, out, spec), tmp_path)
     # main spans both CPUs so that a thread can pin itself inside it.
@@ -363,7 +289,7 @@ def test_late_threads_are_bound_and_pinned_threads_respected(tmp_path: Path) -> 
 
 @pytest.mark.timeout(90)
 def test_enforce_pinned_moves_a_pinned_thread(tmp_path: Path) -> None:
-    script, out = write_child(tmp_path)
+    script, out = write_child(tmp_path, NAMED_THREADS_CHILD)
     spec = {"pin": {"name": "pinned", "cpus": [0]}}
     config = config_of(child_doc(script, out, spec, drift={"enforce_pinned": True}), tmp_path)
 
@@ -385,17 +311,7 @@ def test_demo_threads_run_on_their_roles(tmp_path: Path) -> None:
             "cgroup": "off",
             "stop_timeout_s": 5,
             "engine": {"command": ["python", "-m", "supervisor.demo.engine", "--port", str(port)]},
-            "workers": {
-                "command": [
-                    "python",
-                    "-m",
-                    "supervisor.demo.worker",
-                    "--rank",
-                    "{rank}",
-                    "--mem-cap-mib",
-                    "16",
-                ]
-            },
+            "workers": {"command": [*DEMO_WORKER, "--mem-cap-mib", "16"]},
             "ready": {"tcp": f"127.0.0.1:{port}", "timeout_s": 60},
         }
     )
@@ -453,7 +369,7 @@ def test_demo_threads_run_on_their_roles(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(90)
 def test_a_refused_bind_is_counted_once_and_isolated(tmp_path: Path) -> None:
-    script, out = write_child(tmp_path)
+    script, out = write_child(tmp_path, NAMED_THREADS_CHILD)
     config = config_of(child_doc(script, out, {"threads": ["comm"]}), tmp_path)
     # comm's CPU does not exist here: sched_setaffinity(2) answers EINVAL.
     missing = max(os.sched_getaffinity(0)) + 64

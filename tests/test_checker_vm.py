@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.vm import PYTHON, run_in_vm
+from tests.vm import run_checks_in_vm
 
 EXPECTED = (
     "cpuset-v2-ranks-move",  # cpuset.cpus 2-3: every thread of every rank within 2-3
@@ -24,16 +24,4 @@ EXPECTED = (
 @pytest.mark.vm
 @pytest.mark.timeout(900)
 def test_check_loop_in_a_two_node_guest() -> None:
-    done = run_in_vm(
-        ["--nodes", "2"], [PYTHON, "-u", "tests/vm_checks/checker_numa.py"], timeout_s=600
-    )
-    status = {
-        line.split()[1].rstrip(":"): line.split()[0]
-        for line in done.stdout.splitlines()
-        if line.startswith(("PASS ", "FAIL "))
-    }
-    for name in EXPECTED:
-        assert status.get(name) == "PASS", (
-            f"{name}: {status.get(name)}\n{done.stdout}\n{done.stderr}"
-        )
-    assert done.returncode == 0, done.stdout + done.stderr
+    run_checks_in_vm("tests/vm_checks/checker_numa.py", EXPECTED)

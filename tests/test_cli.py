@@ -6,17 +6,16 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from supervisor import cli
 from supervisor.placement import Placement
+from tests.daemon_support import run_supervisor
 from tests.hosts import ascend_a3, dgx_h100, no_accel_2node, tight_container
 from tests.plan_invariants import check_placement
 
-REPO = Path(__file__).resolve().parent.parent
 VISIBILITY = ("CUDA_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
 
 
@@ -24,15 +23,7 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
     base = {
         k: v for k, v in os.environ.items() if k not in VISIBILITY and k != "ROCR_VISIBLE_DEVICES"
     }
-    return subprocess.run(
-        [sys.executable, "-m", "supervisor", *args],
-        cwd=REPO,
-        env={**base, **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    return run_supervisor(*args, env={**base, **(env or {})}, timeout_s=120)
 
 
 def one_error_line(proc: subprocess.CompletedProcess[str]) -> str:

@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import signal
-import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -37,7 +36,8 @@ from supervisor.placement import DeviceRef, Placement, RankPlacement, Slot
 from supervisor.probe import wait_ready
 from supervisor.state import ProcessStatus, ProcKey
 from supervisor.worker import SLOT_ENV, parse_slot_env
-from tests.daemon_support import child_config, free_port, report_of, reports, write_child
+from tests.children import report_of, reports, status_field, write_child
+from tests.daemon_support import child_config, free_port, until
 
 FS = HostFS("/")
 Scenario = Callable[[Daemon], Awaitable[None]]
@@ -216,17 +216,6 @@ def loop_debug_run(main: Callable[[], Awaitable[None]]) -> None:
     assert slow.messages == []
 
 
-async def until(predicate: Callable[[], Any], timeout_s: float = 20.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"not within {timeout_s}s: {predicate}")
-        await asyncio.sleep(0.02)
-
-
 def status(daemon: Daemon, key: ProcKey) -> ProcessStatus:
     return daemon.store.snapshot.processes[key]
 
@@ -240,13 +229,6 @@ def events(daemon: Daemon, kind: str, key: ProcKey | None = None) -> list[Any]:
     return [
         e for e in daemon.store.snapshot.events if e.kind == kind and (key is None or e.key == key)
     ]
-
-
-def proc_status_field(pid: int, name: str) -> str:
-    for line in FS.read_text(f"proc/{pid}/status").splitlines():
-        if line.startswith(name + ":"):
-            return line.split(":", 1)[1].strip()
-    raise KeyError(name)
 
 
 @pytest.fixture
@@ -303,7 +285,7 @@ def test_a_killed_worker_comes_back_rebound_after_backoff(child: tuple[Path, Pat
         report = await until(lambda: report_of(out, "0", new))
         planned = sorted(daemon.placement.slot(0).cpus)
         assert report["cpus"] == planned
-        assert proc_status_field(new, "Cpus_allowed_list") == format_cpulist(planned)
+        assert status_field(new, "Cpus_allowed_list") == format_cpulist(planned)
         assert status(daemon, 0).restarts == 1
         assert status(daemon, 1).pid == other  # the other rank never noticed
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.vm import PYTHON, run_in_vm
+from tests.vm import run_checks_in_vm
 
 EXPECTED = (
     "daemon up",
@@ -29,16 +29,4 @@ EXPECTED = (
 @pytest.mark.vm
 @pytest.mark.timeout(900)
 def test_demo_worker_on_node_1_keeps_all_anonymous_memory_on_node_1() -> None:
-    done = run_in_vm(
-        ["--nodes", "2"], [PYTHON, "-u", "tests/vm_checks/daemon_numa.py"], timeout_s=600
-    )
-    status = {}
-    for line in done.stdout.splitlines():
-        verdict, _, rest = line.partition(" ")
-        if verdict in ("PASS", "FAIL"):
-            status[rest.split(": ", 1)[0]] = verdict
-    for name in EXPECTED:
-        assert status.get(name) == "PASS", (
-            f"{name}: {status.get(name)}\n{done.stdout}\n{done.stderr}"
-        )
-    assert done.returncode == 0, done.stdout + done.stderr
+    run_checks_in_vm("tests/vm_checks/daemon_numa.py", EXPECTED)

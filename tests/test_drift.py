@@ -21,7 +21,7 @@ from supervisor.hostfs import HostFS
 from supervisor.observe import ThreadScanner, observe_process
 from supervisor.placement import Slot
 from supervisor.state import Finding, IrqObservation, Observation, ThreadObservation
-from tests.test_observe import ThreadedChild
+from tests.children import ThreadedChild
 
 SLOT = Slot(
     cpus=tuple(range(8)),

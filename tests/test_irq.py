@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
-import struct
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +22,7 @@ from supervisor.bind.irq import (
 )
 from supervisor.errors import Gone, ManagedIrq
 from supervisor.hostfs import HostFS
+from tests.irqbalance import FakeIrqbalance, serve_fake_irqbalance
 
 # virtio3 (0000:00:04.0) on this machine; any PCI device with writable MSI IRQs will do.
 PREFERRED_DEVICE = "0000:00:04.0"
@@ -177,56 +175,11 @@ def test_fixture_tree_bind_and_restore(tmp_path: Path) -> None:
 # -- irqbalance ------------------------------------------------------------------
 
 
-class FakeIrqbalance:
-    """A unix-socket server speaking irqbalance's control protocol (irqbalance.c
-    sock_handle): one request per connection, SCM_CREDENTIALS with uid 0 required."""
-
-    def __init__(self, path: str) -> None:
-        self.requests: list[tuple[str, int | None]] = []
-        self.banned: list[int] = []
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
-        self.sock.bind(path)
-        self.sock.listen(4)
-        self.thread = threading.Thread(target=self.serve, daemon=True)
-        self.thread.start()
-
-    def serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            with conn:
-                msg, anc, _, _ = conn.recvmsg(500, socket.CMSG_SPACE(12))
-                uid = None
-                for level, kind, data in anc:
-                    if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
-                        uid = struct.unpack("3i", data[:12])[1]
-                text = msg.decode()
-                self.requests.append((text, uid))
-                if uid != 0:
-                    continue
-                if text.startswith("settings ban irqs "):
-                    rest = text.removeprefix("settings ban irqs ")
-                    self.banned = [] if rest.startswith("NONE") else [int(w) for w in rest.split()]
-                elif text.startswith("setup"):
-                    irqs = "".join(f"IRQ {i} LOAD 0 DIFF 0 CLASS 3 " for i in self.banned)
-                    conn.sendall(f"SLEEP 10 {irqs}BANNED 00000000".encode())
-
-    def close(self) -> None:
-        self.sock.close()
-
-
 @pytest.fixture
 def fake_irqbalance(tmp_path: Path) -> Iterator[tuple[HostFS, FakeIrqbalance]]:
-    pid = 4321
-    (tmp_path / f"proc/{pid}").mkdir(parents=True)
-    (tmp_path / f"proc/{pid}/comm").write_text("irqbalance\n")
-    (tmp_path / "proc/1").mkdir()
+    (tmp_path / "proc/1").mkdir(parents=True)
     (tmp_path / "proc/1/comm").write_text("init\n")
-    (tmp_path / "run/irqbalance").mkdir(parents=True)
-    server = FakeIrqbalance(str(tmp_path / f"run/irqbalance/irqbalance{pid}.sock"))
+    server = serve_fake_irqbalance(tmp_path, 4321)
     yield HostFS(str(tmp_path)), server
     server.close()
 

@@ -32,7 +32,7 @@ from supervisor.state import Observation, Snapshot, StateStore
 from supervisor.topology.discover import read_topology
 from supervisor.topology.model import Allowed, Cpu, Device, Irq, Nic, Node, Topology
 from tests.hosts import dgx_a100_nps4, dgx_h100, gb200_tray, no_accel_2node
-from tests.test_irq import FakeIrqbalance
+from tests.irqbalance import FakeIrqbalance, serve_fake_irqbalance
 
 
 def _host(builder: Callable[[Path], Path], tmp_path: Path) -> tuple[Topology, Placement]:
@@ -346,11 +346,7 @@ def test_stale_effective_affinity_reports_the_pending_target(tmp_path: Path) -> 
 
 @pytest.fixture
 def balanced_tree(tree: Path) -> Iterator[tuple[Path, FakeIrqbalance]]:
-    pid = 4321
-    (tree / f"proc/{pid}").mkdir(parents=True)
-    (tree / f"proc/{pid}/comm").write_text("irqbalance\n")
-    (tree / "run/irqbalance").mkdir(parents=True)
-    server = FakeIrqbalance(str(tree / f"run/irqbalance/irqbalance{pid}.sock"))
+    server = serve_fake_irqbalance(tree, 4321)
     server.banned = [99]  # banned by someone else before we start
     yield tree, server
     server.close()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.vm import PYTHON, REPO, run_in_vm
+from tests.vm import run_checks_in_vm
 
 KEEPER = (
     "keeper-nic-irqs-on-node1",  # the node-1 NIC's MSI-X IRQs on the rank's node-1 irq CPUs
@@ -19,25 +19,7 @@ DAEMON = (
 )
 
 
-def _daemon_wired() -> bool:
-    return "IrqKeeper" in (REPO / "supervisor/daemon.py").read_text()
-
-
 @pytest.mark.vm
 @pytest.mark.timeout(900)
 def test_irqs_in_a_two_node_guest() -> None:
-    done = run_in_vm(
-        ["--nodes", "2"], [PYTHON, "-u", "tests/vm_checks/irqs_checks.py"], timeout_s=600
-    )
-    status = {
-        line.split()[1].rstrip(":"): line.split()[0]
-        for line in done.stdout.splitlines()
-        if line.startswith(("PASS ", "FAIL ", "SKIP "))
-    }
-    wanted = KEEPER + (DAEMON if _daemon_wired() else ())
-    for name in wanted:
-        assert status.get(name) == "PASS", (
-            f"{name}: {status.get(name)}\n{done.stdout}\n{done.stderr}"
-        )
-    assert "FAIL" not in status.values(), done.stdout + done.stderr
-    assert done.returncode == 0, done.stdout + done.stderr
+    run_checks_in_vm("tests/vm_checks/irqs_checks.py", KEEPER + DAEMON)

@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import os
-import select
-import shutil
-import subprocess
-import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -16,7 +11,6 @@ import pytest
 
 from supervisor.config import ThreadRole
 from supervisor.cpulist import parse_cpulist
-from supervisor.drift import diff
 from supervisor.errors import Gone
 from supervisor.hostfs import HostFS
 from supervisor.observe import (
@@ -33,121 +27,17 @@ from supervisor.observe import (
 )
 from supervisor.placement import Slot
 from supervisor.threads import LiveThread
-from tests.vm import PYTHON, run_in_vm
+from tests.children import ThreadedChild
+from tests.vm import run_checks_in_vm
 
 MIB = 1 << 20
-
-# The child: starts one thread per name (each names its OS thread with
-# prctl through supervisor.worker), optionally touches `touch_bytes` of
-# anonymous memory, prints {"pid", "threads": {name: tid}} and then obeys
-# "spawn NAME" / "stop NAME" lines on stdin (answering with a JSON line)
-# until stdin closes.
-CHILD = r"""
-import json, mmap, sys, threading
-from supervisor.worker import set_thread_name
-
-spec = json.loads(sys.argv[1])
-touch = spec["touch_bytes"]
-buf = None
-if touch:
-    buf = mmap.mmap(-1, touch)
-    chunk = b"\x01" * (1 << 20)  # small: the chunk itself is resident too
-    for off in range(0, touch, len(chunk)):
-        buf.write(chunk[: min(len(chunk), touch - off)])
-stops = {}
-tids = {}
-lock = threading.Lock()
-
-def start(name):
-    up = threading.Event()
-    stop = threading.Event()
-    def run():
-        set_thread_name(name)
-        with lock:
-            tids[name] = threading.get_native_id()
-        up.set()
-        stop.wait()
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    up.wait()
-    stops[name] = (stop, t)
-
-for name in spec["names"]:
-    start(name)
-print(json.dumps({"threads": tids}), flush=True)
-for line in sys.stdin:
-    cmd, _, name = line.strip().partition(" ")
-    if cmd == "spawn":
-        start(name)
-        print(json.dumps({"tid": tids[name]}), flush=True)
-    elif cmd == "stop":
-        stop, t = stops.pop(name)
-        stop.set()
-        t.join()
-        print(json.dumps({"tid": tids.pop(name)}), flush=True)
-"""
-
-
-class ThreadedChild:
-    """A real process with named threads (and touched memory), for observation tests."""
-
-    def __init__(
-        self,
-        names: Sequence[str],
-        touch_bytes: int = 0,
-        timeout_s: float = 60.0,
-        wrapper: Sequence[str] = (),
-    ) -> None:
-        spec = json.dumps({"names": list(names), "touch_bytes": touch_bytes})
-        self.proc = subprocess.Popen(
-            [*wrapper, sys.executable, "-c", CHILD, spec],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        self.pid = self.proc.pid
-        try:
-            self.threads: dict[str, int] = self._reply(timeout_s)["threads"]
-        except BaseException:
-            self.close()
-            raise
-
-    def _reply(self, timeout_s: float) -> dict[str, object]:
-        assert self.proc.stdout is not None
-        deadline = time.monotonic() + timeout_s
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"child {self.pid} did not answer within {timeout_s}s")
-            ready, _, _ = select.select([self.proc.stdout], [], [], left)
-            if ready:
-                line = self.proc.stdout.readline()
-                if not line:
-                    raise RuntimeError(f"child {self.pid} exited: {self.proc.wait()}")
-                reply: dict[str, object] = json.loads(line)
-                return reply
-
-    def command(self, line: str, timeout_s: float = 30.0) -> int:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-        tid = self._reply(timeout_s)["tid"]
-        assert isinstance(tid, int)
-        return tid
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-        for stream in (self.proc.stdin, self.proc.stdout):
-            if stream is not None:
-                stream.close()
-
-    def __enter__(self) -> ThreadedChild:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+OBSERVE_NUMA = (
+    "node1-and-numactl",  # the guest has node 1 and numactl (else nothing below ran)
+    "numa-maps-pages-on-node1",  # 64 MiB under numactl --membind=1: >= 64 MiB on N1
+    "ratio-local-to-node1",  # local_memory_ratio(by_node, [1]) > 0.5
+    "observed-ratio-low",  # observe_process against a node-0 slot: ratio < 0.5
+    "memory-locality-finding",  # diff() finds exactly one memory_locality drift
+)
 
 
 @pytest.fixture
@@ -293,39 +183,10 @@ def test_numa_maps_of_a_child_touching_64_mib() -> None:
     assert local_memory_ratio(big_bytes, [1]) == 0.0
 
 
-def test_numa_maps_sees_memory_on_another_node() -> None:
-    """Inside the 2-node guest (see test_numa_maps_in_vm); skipped on one node."""
-    if not os.path.isdir("/sys/devices/system/node/node1") or shutil.which("numactl") is None:
-        pytest.skip("needs NUMA node 1 and numactl (runs inside the numavm guest)")
-    cpus = tuple(sorted(os.sched_getaffinity(0)))
-    slot = Slot(cpus, (0,), {"main": cpus})  # planned on node 0, memory bound to node 1
-    with ThreadedChild([], touch_bytes=64 * MIB, wrapper=["numactl", "--membind=1"]) as remote:
-        by_node = read_numa_maps(LIVE, remote.pid)
-        obs = observe_process(LIVE, remote.pid, slot, "workers", read_numa_maps=True)
-    assert by_node.get(1, 0) >= 64 * MIB
-    ratio = local_memory_ratio(by_node, [1])
-    assert ratio is not None and ratio > 0.5
-    assert obs.local_memory_ratio is not None and obs.local_memory_ratio < 0.5
-    (finding,) = diff(slot, obs, threshold=0.9)
-    assert finding.kind == "memory_locality"
-
-
 @pytest.mark.vm
 def test_numa_maps_in_vm() -> None:
-    proc = run_in_vm(
-        ["--nodes", "2"],
-        [
-            PYTHON,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            f"{__file__}::test_numa_maps_sees_memory_on_another_node",
-        ],
-        timeout_s=300,
-    )
-    assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout + proc.stderr
+    """A child bound to node 1 by numactl, planned on node 0: inside the 2-node guest."""
+    run_checks_in_vm("tests/vm_checks/observe_numa.py", OBSERVE_NUMA, timeout_s=300)
 
 
 def test_read_numa_maps_gone_process() -> None:

@@ -22,6 +22,7 @@ from supervisor.procs import (
     read_until_eof,
     spawn,
 )
+from tests.daemon_support import wait_until
 
 T = TypeVar("T")
 FS = HostFS("/")
@@ -47,15 +48,6 @@ def state_of(pid: int) -> str | None:
 
 def gone_or_zombie(pid: int) -> bool:
     return state_of(pid) in (None, "Z", "X")
-
-
-def poll(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
 
 
 def test_parse_proc_stat_with_a_hostile_comm() -> None:
@@ -141,7 +133,7 @@ def test_a_crashed_childs_leftover_group_members_are_killed() -> None:
 
     exit_code, grandchild = run(main)
     assert exit_code == 1
-    assert poll(lambda: gone_or_zombie(grandchild))
+    assert wait_until(lambda: gone_or_zombie(grandchild), 10.0, 0.02)
 
 
 def test_a_reaped_child_is_never_signalled_again() -> None:

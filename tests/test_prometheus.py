@@ -18,14 +18,10 @@ without error (`health: ok`).
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import signal
-import socket
 import subprocess
 import sys
-import time
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -40,6 +36,7 @@ from supervisor.metrics import build_registry
 from supervisor.state import StateStore
 from supervisor.status import http_request
 from tests.api_fixture import realistic_snapshot
+from tests.daemon_support import free_port, get_json, run_supervisor, stop_process, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 PROM_DIR = REPO / "configs" / "prometheus"
@@ -140,23 +137,12 @@ def test_dashboard_shape_and_names() -> None:
 # -- a real Prometheus -------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def http_json(url: str, timeout_s: float = 5.0) -> Any:
-    with urllib.request.urlopen(url, timeout=timeout_s) as resp:
-        return json.loads(resp.read())
-
-
 def wait_for(what: str, probe: Callable[[], Any], deadline_s: float, procs: list[Proc]) -> Any:
     """Poll `probe` until it returns a truthy value; fail naming `what` at the deadline."""
-    end = time.monotonic() + deadline_s
     last: Any = None
-    while time.monotonic() < end:
+
+    def answered() -> Any:
+        nonlocal last
         for p in procs:
             if p.popen.poll() is not None:
                 pytest.fail(f"{p.name} exited with {p.popen.returncode}:\n{p.output()}")
@@ -164,11 +150,13 @@ def wait_for(what: str, probe: Callable[[], Any], deadline_s: float, procs: list
             last = probe()
         except (OSError, ValueError) as err:
             last = err
-        else:
-            if last:
-                return last
-        time.sleep(0.2)
-    pytest.fail(f"timed out waiting for {what}; last: {last!r}")
+            return None
+        return last
+
+    value = wait_until(answered, deadline_s, 0.2)
+    if not value:
+        pytest.fail(f"timed out waiting for {what}; last: {last!r}")
+    return value
 
 
 @dataclass
@@ -181,13 +169,7 @@ class Proc:
         return self.log.read_text(errors="replace")[-4000:]
 
     def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.popen.pid, signal.SIGKILL)
-                self.popen.wait(timeout=10)
+        stop_process(self.popen, 20, group=True)
 
 
 def start(name: str, argv: list[str], tmp: Path, **kw: Any) -> Proc:
@@ -207,7 +189,7 @@ class Stack:
 
     def query(self, expr: str) -> list[Any]:
         url = f"{self.prometheus}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
-        doc = http_json(url)
+        doc = get_json(url)
         assert doc["status"] == "success", (expr, doc)
         result: list[Any] = doc["data"]["result"]
         return result
@@ -270,7 +252,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         s = Stack(base, {"daemon": daemon_addr, "harness": harness_addr}, procs)
 
         def targets_up() -> bool:
-            doc = http_json(f"{base}/api/v1/targets")
+            doc = get_json(f"{base}/api/v1/targets")
             health = {t["labels"]["instance"]: t["health"] for t in doc["data"]["activeTargets"]}
             return all(health.get(addr) == "up" for addr in s.instances.values())
 
@@ -303,13 +285,15 @@ def missing_until_deadline(
     stack: Stack, checks: list[tuple[str, str]], deadline_s: float
 ) -> list[tuple[str, str]]:
     """Poll until every (label, expr) returns data; returns those that never did."""
-    end = time.monotonic() + deadline_s
     missing = checks
-    while True:
+
+    def none_missing() -> bool:
+        nonlocal missing
         missing = [(label, expr) for label, expr in missing if not stack.query(expr)]
-        if not missing or time.monotonic() > end:
-            return missing
-        time.sleep(1.0)
+        return not missing
+
+    wait_until(none_missing, deadline_s, 1.0)
+    return missing
 
 
 TARGETS = ["harness", "daemon"]
@@ -331,7 +315,7 @@ def test_every_dashboard_query_returns_data(stack: Stack, target: str) -> None:
         url = f"{stack.prometheus}/api/v1/label/{m.group(2)}/values?" + urllib.parse.urlencode(
             {"match[]": selector}
         )
-        values = wait_for(f"variable {var['name']}", lambda u=url: http_json(u)["data"], 30, [])
+        values = wait_for(f"variable {var['name']}", lambda u=url: get_json(u)["data"], 30, [])
         if var["name"] == "host":
             assert instance in values
     missing = missing_until_deadline(stack, checks, 45)
@@ -342,7 +326,7 @@ def test_every_dashboard_query_returns_data(stack: Stack, target: str) -> None:
 @pytest.mark.parametrize("target", TARGETS)
 def test_every_alert_rule_evaluates_and_watches_existing_series(stack: Stack, target: str) -> None:
     instance = stack.instances[target]
-    doc = http_json(f"{stack.prometheus}/api/v1/rules?type=alert")
+    doc = get_json(f"{stack.prometheus}/api/v1/rules?type=alert")
     rules = [r for g in doc["data"]["groups"] for r in g["rules"]]
     names = set(re.findall(r"^\s*- alert: (\w+)", (PROM_DIR / "alerts.yml").read_text(), re.M))
     assert {r["name"] for r in rules} == names
@@ -354,7 +338,7 @@ def test_every_alert_rule_evaluates_and_watches_existing_series(stack: Stack, ta
     assert not missing, f"{target}: alerts whose series are missing: {missing}"
 
     def evaluated() -> bool:
-        doc = http_json(f"{stack.prometheus}/api/v1/rules?type=alert")
+        doc = get_json(f"{stack.prometheus}/api/v1/rules?type=alert")
         rules = [r for g in doc["data"]["groups"] for r in g["rules"]]
         return all(r["health"] == "ok" and r.get("lastEvaluation") for r in rules)
 
@@ -368,9 +352,7 @@ def test_every_alert_rule_evaluates_and_watches_existing_series(stack: Stack, ta
         found = stack.query(f'ALERTS{{instance="{instance}"}}')
         return {a["metric"]["alertname"] for a in found}
 
-    end = time.monotonic() + 20
-    while alerts() != expected and time.monotonic() < end:
-        time.sleep(0.5)
+    wait_until(lambda: alerts() == expected, 20, 0.5)
     assert alerts() == expected
 
 
@@ -389,14 +371,7 @@ def test_status_against_the_demo_daemon(stack: Stack) -> None:
     """`placement-supervisor status` on the real daemon: every process's pid and state."""
     listen = stack.instances["daemon"]
     doc = json.loads(http_request(parse_listen(listen), "GET", "/placement")[2])
-    proc = subprocess.run(
-        [PYTHON, "-m", "supervisor", "status", "--listen", listen],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    proc = run_supervisor("status", "--listen", listen)
     assert proc.returncode == 0, proc.stderr
     rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines()[2:] if line}
     for entry in [doc["engine"], *doc["ranks"]]:

@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -18,6 +17,8 @@ from hypothesis import strategies as st
 from supervisor.bind.report import ShimReport, ShimReportError, parse_shim_report, shim_argv
 from supervisor.cpulist import parse_cpulist
 from supervisor.shim import to_json
+from tests.children import mems_allowed, read_all, start_shimmed
+from tests.daemon_support import wait_until
 
 # The child's very first action: print what the kernel says about itself.
 PROBE = r"""
@@ -34,22 +35,6 @@ def allowed_cpus() -> list[int]:
     return sorted(os.sched_getaffinity(0))
 
 
-def mems_allowed() -> frozenset[int]:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("Mems_allowed_list:"):
-                return parse_cpulist(line.split(":", 1)[1])
-    raise AssertionError
-
-
-def read_all(fd: int) -> bytes:
-    data = b""
-    while chunk := os.read(fd, 65536):
-        data += chunk
-    os.close(fd)
-    return data
-
-
 def launch(
     cpus: Sequence[int],
     mems: Sequence[int],
@@ -58,24 +43,16 @@ def launch(
     isolated: bool = True,
     **kwargs: object,
 ) -> tuple[subprocess.CompletedProcess[str], ShimReport]:
-    r, w = os.pipe()
-    argv = shim_argv(
-        sys.executable,
+    proc, report = start_shimmed(
         cpus,
         mems,
         command,
-        report_fd=w,
-        isolated=isolated,
-        **kwargs,  # type: ignore[arg-type]
+        shim={"isolated": isolated, **kwargs},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
     )
-    proc = subprocess.Popen(
-        argv, pass_fds=[w], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    os.close(w)
-    data = read_all(r)
     out, err = proc.communicate(timeout=60)
-    done = subprocess.CompletedProcess(argv, proc.returncode, out, err)
-    return done, parse_shim_report(data)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), report
 
 
 @pytest.mark.parametrize("isolated", [True, False], ids=["isolated", "module"])
@@ -258,9 +235,7 @@ def test_worker_gets_sigterm_when_its_parent_dies(tmp_path: Path, reaped_pids: l
     assert pid_alive(worker)
     middle.kill()
     middle.wait()
-    deadline = time.monotonic() + 20
-    while pid_alive(worker) and time.monotonic() < deadline:
-        time.sleep(0.02)  # polling with a deadline
+    wait_until(lambda: not pid_alive(worker), 20, 0.02)
     assert not pid_alive(worker)
     assert marker.read_text() == "TERM"
 

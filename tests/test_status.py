@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
-import sys
 from argparse import Namespace
 from collections.abc import Iterator
 from dataclasses import replace
@@ -19,8 +16,7 @@ from supervisor.cpulist import format_cpulist
 from supervisor.state import Finding
 from supervisor.status import render_status, status_command
 from tests.api_fixture import ServerThread, realistic_snapshot
-
-REPO = Path(__file__).resolve().parent.parent
+from tests.daemon_support import free_port, run_supervisor
 
 
 @pytest.fixture(scope="module")
@@ -69,9 +65,7 @@ def test_json_is_the_raw_document(server: ServerThread, capsys: pytest.CaptureFi
 def test_unreachable_daemon_is_one_line_and_exit_1(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # closed again: nobody listens there
+    port = free_port()  # closed again: nobody listens there
     assert status_command(Namespace(listen=f"127.0.0.1:{port}", json=False)) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1
@@ -112,23 +106,9 @@ def test_render_shows_backoff_failure_and_not_ready() -> None:
 
 
 def test_the_cli_subcommand(server: ServerThread) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "supervisor", "status", "--listen", str(server.tcp)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    proc = run_supervisor("status", "--listen", str(server.tcp))
     assert proc.returncode == 0, proc.stderr
     assert str(server.store.snapshot.processes[0].pid) in proc.stdout
-    proc = subprocess.run(
-        [sys.executable, "-m", "supervisor", "status", "--listen", str(server.tcp), "--json"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    proc = run_supervisor("status", "--listen", str(server.tcp), "--json")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["ranks"][0]["pid"] == server.store.snapshot.processes[0].pid

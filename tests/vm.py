@@ -1,9 +1,14 @@
 """Run a test body inside the numavm QEMU guest (a real multi-NUMA kernel).
 
-`run_in_vm(["--nodes", "2"], "python3 -m pytest ...")` boots the guest with
-the repository as its working directory and returns (exit code, output).
-The guest sees the host's root filesystem read-only with a tmpfs overlay, so
-the repo's .venv works there unchanged.
+`run_in_vm(["--nodes", "2"], [PYTHON, "-m", "pytest", ...])` boots the guest
+with the repository as its working directory and returns the completed
+process. The guest sees the host's root filesystem read-only with a tmpfs
+overlay, so the repo's .venv works there unchanged.
+
+Both sides of the guest check scripts (tests/vm_checks/*.py): inside the
+guest a `Checklist` prints one "PASS name: detail" / "FAIL name: detail" (or
+"SKIP name: why") line per check; on the host `run_checks_in_vm` boots the
+guest, runs one script and asserts that every expected check passed.
 """
 
 from __future__ import annotations
@@ -11,6 +16,8 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import traceback
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -56,3 +63,71 @@ def run_in_vm(
         timeout=timeout_s + 60,
         check=False,
     )
+
+
+# -- guest check scripts ----------------------------------------------------------------------
+
+VERDICTS = ("PASS", "FAIL", "SKIP")
+
+
+class Checklist:
+    """Inside the guest: one verdict line per check on stdout, and the failures."""
+
+    def __init__(self) -> None:
+        self.failed: list[str] = []
+
+    def check(self, name: str, ok: bool, detail: str) -> bool:
+        print(f"{'PASS' if ok else 'FAIL'} {name}: {detail}", flush=True)
+        if not ok:
+            self.failed.append(name)
+        return ok
+
+    def skip(self, name: str, why: str) -> None:
+        print(f"SKIP {name}: {why}", flush=True)
+
+    def guarded(self, name: str) -> Callable[[Callable[[], None]], Callable[[], None]]:
+        """A check function whose exception is a FAIL of `name`, not the script's end."""
+
+        def wrap(fn: Callable[[], None]) -> Callable[[], None]:
+            def run() -> None:
+                try:
+                    fn()
+                except Exception:
+                    self.check(name, False, traceback.format_exc().replace("\n", " | "))
+
+            return run
+
+        return wrap
+
+    def exit_code(self) -> int:
+        return 1 if self.failed else 0
+
+
+def parse_verdicts(stdout: str) -> dict[str, str]:
+    """{check name: "PASS" | "FAIL" | "SKIP"} from a guest script's output (the last line wins)."""
+    status: dict[str, str] = {}
+    for line in stdout.splitlines():
+        verdict, _, rest = line.partition(" ")
+        if verdict in VERDICTS:
+            status[rest.split(": ", 1)[0]] = verdict
+    return status
+
+
+def run_checks_in_vm(
+    script: str,
+    expected: Sequence[str],
+    *,
+    vm_args: Sequence[str] = ("--nodes", "2"),
+    timeout_s: float = 600.0,
+) -> subprocess.CompletedProcess[str]:
+    """Run the guest check `script` (a path from the repo root); every name in
+    `expected` must PASS, none may FAIL, and the script must exit 0."""
+    done = run_in_vm(list(vm_args), [PYTHON, "-u", script], timeout_s=timeout_s)
+    status = parse_verdicts(done.stdout)
+    for name in expected:
+        assert status.get(name) == "PASS", (
+            f"{name}: {status.get(name)}\n{done.stdout}\n{done.stderr}"
+        )
+    assert "FAIL" not in status.values(), done.stdout + done.stderr
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done

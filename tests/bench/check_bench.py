@@ -20,15 +20,14 @@ Children and cgroups are always cleaned up.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 
 from supervisor.config import ThreadRole
 from supervisor.drift import diff
@@ -36,7 +35,8 @@ from supervisor.hostfs import HostFS
 from supervisor.observe import ThreadScanner, observe_process, read_numa_maps, read_threads
 from supervisor.placement import Slot
 from supervisor.threads import RoleMatcher
-from tests.test_observe import CHILD, ThreadedChild
+from tests.cgroup_v1 import V1_MEMORY, v1_cgroup
+from tests.children import ThreadedChild
 
 FS = HostFS("/")
 ROLES = (
@@ -191,26 +191,6 @@ def subprocess_cycle_estimate(
     return estimate, note
 
 
-@contextmanager
-def memory_cgroup(name: str) -> Iterator[str]:
-    """A v1 memory cgroup, removed afterwards (its tasks must be gone by then)."""
-    path = f"/sys/fs/cgroup/memory/{name}"
-    os.mkdir(path)
-    try:
-        yield path
-    finally:
-        deadline = time.monotonic() + 10.0
-        while True:
-            try:
-                os.rmdir(path)
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    print(f"  warning: could not remove {path}", file=sys.stderr)
-                    break
-                time.sleep(0.05)  # the killed child is still being torn down
-
-
 def parse_v1_numa_stat_total(text: str) -> dict[int, int]:
     """Pages per node of the `total=` line of a v1 memory.numa_stat, in bytes."""
     page = os.sysconf("SC_PAGE_SIZE")
@@ -229,32 +209,16 @@ def bench_locality(gib: int, repeat: int) -> None:
         print(f"\n== locality read at {gib} GiB: skipped (needs root and a v1 memory cgroup)")
         return
     name = f"check-bench-{os.getpid()}-{gib}g"
-    with memory_cgroup(name) as cg:
+    with v1_cgroup(V1_MEMORY, name) as cg:
         # The child joins the cgroup before it allocates, so all its pages are charged there.
-        spec = json.dumps({"names": [], "touch_bytes": gib * GIB})
-        script = f'echo $$ > {cg}/cgroup.procs && exec "$0" -c "$1" "$2"'
-        proc = subprocess.Popen(
-            ["sh", "-c", script, sys.executable, CHILD, spec],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        try:
-            assert proc.stdout is not None
-            if not proc.stdout.readline():
-                raise RuntimeError("locality child exited early")
-            pid = proc.pid
-            stat_rel = f"{cg.lstrip('/')}/memory.numa_stat"
+        join = f'echo $$ > {cg}/cgroup.procs && exec "$0" "$@"'
+        with ThreadedChild([], touch_bytes=gib * GIB, wrapper=["sh", "-c", join]) as child:
+            pid = child.pid
+            stat_rel = f"{str(cg).lstrip('/')}/memory.numa_stat"
             maps_s = median_s(lambda: read_numa_maps(FS, pid), repeat)
             stat_s = median_s(lambda: parse_v1_numa_stat_total(FS.read_text(stat_rel)), repeat)
             maps_bytes = sum(read_numa_maps(FS, pid).values())
             stat_bytes = sum(parse_v1_numa_stat_total(FS.read_text(stat_rel)).values())
-        finally:
-            proc.kill()
-            proc.wait()
-            for stream in (proc.stdin, proc.stdout):
-                if stream is not None:
-                    stream.close()
     print(f"\n== locality read at {gib} GiB resident ==")
     stat_label = "cgroup memory.numa_stat read+parse"
     print(f"  {stat_label:38s}{fmt_ms(stat_s)}    1.0x  ({stat_bytes / GIB:.2f} GiB)")

@@ -19,14 +19,11 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -41,8 +38,8 @@ from supervisor.procs import ChildProcess, read_proc_stat, spawn
 from supervisor.state import ProcessStatus, Snapshot, StateStore
 from supervisor.topology.discover import read_topology
 from supervisor.topology.model import DiscoveryOptions
+from tests.daemon_support import REPO, DaemonProcess, entries, wait_until
 
-REPO = Path(__file__).resolve().parent.parent.parent
 FS = HostFS("/")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -110,62 +107,24 @@ async def spawn_rounds(rounds: int) -> dict[str, Any]:
     }
 
 
-def placement(port: int) -> dict[str, Any] | None:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/placement", timeout=2) as resp:
-            doc: dict[str, Any] = json.load(resp)
-            return doc
-    except OSError:
-        return None
-
-
 def cpu_ticks(pid: int) -> int:
     stat = read_proc_stat(FS, pid)
     return 0 if stat is None else stat.utime_ticks + stat.stime_ticks
 
 
 def daemon_cpu(window_s: float) -> dict[str, Any]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     env = dict(os.environ, PLACEMENT_SUPERVISOR_INSTANCE=f"bench-{os.getpid()}")
-    daemon = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "supervisor",
-            "run",
-            "--config",
-            str(REPO / "supervisor/demo/demo.toml"),
-            "--listen",
-            f"127.0.0.1:{port}",
-        ],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 60
-        doc = None
-        while time.monotonic() < deadline:
-            doc = placement(port)
-            procs = [doc["engine"], *doc["ranks"]] if doc else []
-            if procs and all(p["state"] == "running" for p in procs):
-                break
-            time.sleep(0.2)
-        else:
+    log = Path(tempfile.mkdtemp(prefix="daemon-bench-")) / "daemon.log"
+    with DaemonProcess(REPO / "supervisor/demo/demo.toml", log, env=env) as daemon:
+        doc = wait_until(daemon.running, 60, 0.2)
+        if not doc:
             raise SystemExit("the demo did not come up within 60 s")
-        assert doc is not None
-        children = [p["pid"] for p in [doc["engine"], *doc["ranks"]]]
+        children = [e["pid"] for e in entries(doc)]
         # Settle: the workers allocate for their first seconds.
         time.sleep(2.0)
         d0, c0, t0 = cpu_ticks(daemon.pid), sum(map(cpu_ticks, children)), time.monotonic()
         time.sleep(window_s)
         d1, c1, t1 = cpu_ticks(daemon.pid), sum(map(cpu_ticks, children)), time.monotonic()
-    finally:
-        daemon.send_signal(signal.SIGTERM)
-        daemon.wait(timeout=60)
     elapsed = t1 - t0
     daemon_s = (d1 - d0) / CLK_TCK
     demo_s = (c1 - c0) / CLK_TCK

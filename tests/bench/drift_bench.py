@@ -2,7 +2,7 @@
 
 Run as root on a host with a cgroup v1 cpuset hierarchy and CPUs 0-1:
 `.venv/bin/python -m tests.bench.drift_bench [--quick]`. The daemon runs as a
-real subprocess confined to a fresh v1 cpuset (tests/test_cpuset.py's helpers),
+real subprocess confined to a fresh v1 cpuset (tests/daemon_support.py's confined_daemon),
 with real workers in per-rank cgroups; everything is removed afterwards.
 
 (a) reaction: the cpuset alternates 0-1 <-> 1 (children first on the shrink,
@@ -32,14 +32,13 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.cpulist import format_cpulist
-from tests.test_cpuset import (
+from tests.cgroup_v1 import v1_available, write_v1_cpus
+from tests.daemon_support import (
     DaemonProcess,
-    all_on,
     confined_daemon,
     poll,
     rank_pids,
-    v1_available,
-    write_v1_cpus,
+    thread_cpus_as_planned,
 )
 
 TARGET_P99_INTERVALS = 2.0
@@ -78,15 +77,24 @@ def reaction(tmp: Path, changes: int, interval_s: float) -> list[float]:
         daemon,
         cg,
     ):
-        poll(lambda: running(daemon, 2), 60, "ranks running")
-        poll(lambda: all_on(daemon.placement() or {}, {0: "0", 1: "1"}), 10, "start placement")
+        poll(lambda: running(daemon, 2), 60, what="ranks running")
+        poll(
+            lambda: thread_cpus_as_planned(daemon.placement() or {}, {0: "0", 1: "1"}),
+            10,
+            what="start placement",
+        )
         times: list[float] = []
         for i in range(changes):
             shrink = i % 2 == 0
             want = {0: "1", 1: "1"} if shrink else {0: "0", 1: "1"}
             t0 = time.perf_counter()
             write_v1_cpus(cg, {1} if shrink else {0, 1})
-            poll(lambda want=want: all_on(daemon.placement() or {}, want), 10, f"change {i}", 0.005)
+            poll(
+                lambda want=want: thread_cpus_as_planned(daemon.placement() or {}, want),
+                10,
+                0.005,
+                what=f"change {i}",
+            )
             times.append(time.perf_counter() - t0)
             time.sleep(interval_s * (0.13 * (i % 7)))  # land changes at varied phases of the loop
         return times
@@ -100,13 +108,13 @@ def idle_cost(
         daemon,
         _,
     ):
-        doc = poll(lambda: running(daemon, ranks), 120, "ranks running", 0.5)
+        doc = poll(lambda: running(daemon, ranks), 120, 0.5, what="ranks running")
         pids = rank_pids(doc)
         poll(
             lambda: all(len(os.listdir(f"/proc/{p}/task")) > threads for p in pids.values()),
             60,
-            "worker threads started",
             0.5,
+            what="worker threads started",
         )
         time.sleep(3 * min(interval_s, 2.0))  # warm: first scans list and name every thread
         pid = daemon.proc.pid

@@ -14,19 +14,20 @@ import re
 import subprocess
 import sys
 import time
-import traceback
-from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from supervisor.bind.binder import Binder
 from supervisor.bind.cgroup import CgroupManager, ProcessCgroup, read_cgroup_setup
-from supervisor.bind.report import ShimReport, parse_shim_report, shim_argv
+from supervisor.bind.report import ShimReport
 from supervisor.hostfs import HostFS
+from tests.children import start_shimmed
+from tests.daemon_support import wait_until
+from tests.vm import Checklist
 
 MIB = 1 << 20
 SIZE = 64 * MIB
-FAILED: list[str] = []
+CHECKS = Checklist()
 
 # Allocates and touches `size` bytes of anonymous memory (4 KiB pages, its own
 # VMA), then prints its Cpus/Mems_allowed_list, the mapping's address, and the
@@ -55,48 +56,19 @@ sys.stdin.readline()
 """
 
 
-def report(ok: bool, name: str, detail: str) -> None:
-    if not ok:
-        FAILED.append(name)
-    print(f"{'PASS' if ok else 'FAIL'} {name}: {detail}", flush=True)
-
-
-def check(name: str) -> Callable[[Callable[[], None]], Callable[[], None]]:
-    def wrap(fn: Callable[[], None]) -> Callable[[], None]:
-        def run() -> None:
-            try:
-                fn()
-            except Exception:
-                report(False, name, traceback.format_exc().replace("\n", " | "))
-
-        return run
-
-    return wrap
-
-
 def start_worker(
     cpus: list[int], mems: list[int], *, cgroups: tuple[str, ...] = (), size: int = SIZE
 ) -> tuple[subprocess.Popen[str], ShimReport, list[str]]:
-    r, w = os.pipe()
-    argv = shim_argv(
-        sys.executable,
+    proc, report = start_shimmed(
         cpus,
         mems,
         [sys.executable, "-c", WORKER, str(size)],
-        cgroups=cgroups,
-        report_fd=w,
-        parent_pid=os.getpid(),
+        shim={"cgroups": cgroups, "parent_pid": os.getpid()},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
     )
-    proc = subprocess.Popen(
-        argv, pass_fds=[w], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
-    os.close(w)
-    data = b""
-    while chunk := os.read(r, 65536):
-        data += chunk
-    os.close(r)
     assert proc.stdout is not None
-    return proc, parse_shim_report(data), proc.stdout.readline().split()
+    return proc, report, proc.stdout.readline().split()
 
 
 def stop(proc: subprocess.Popen[str]) -> None:
@@ -121,7 +93,7 @@ def mapping_pages(pid: int, addr: int) -> dict[int, int]:
     return {}
 
 
-@check("shim-worker-on-node1")
+@CHECKS.guarded("shim-worker-on-node1")
 def shim_worker_on_node1() -> None:
     proc, rep, out = start_worker([2, 3], [1])
     try:
@@ -135,9 +107,9 @@ def shim_worker_on_node1() -> None:
             and set(by_node) == {1}
             and by_node[1] >= SIZE // 4096
         )
-        report(
-            ok,
+        CHECKS.check(
             "shim-worker-on-node1",
+            ok,
             f"report cpus={rep.cpus} mems={rep.mems} policy={rep.mempolicy}; "
             f"child Cpus_allowed_list={cpus} Mems_allowed_list={mems} anon pages by node={by_node}",
         )
@@ -145,7 +117,7 @@ def shim_worker_on_node1() -> None:
         stop(proc)
 
 
-@check("migrate-pages-other-process")
+@CHECKS.guarded("migrate-pages-other-process")
 def migrate_other() -> None:
     proc, _, out = start_worker([0, 1], [0])
     try:
@@ -159,21 +131,21 @@ def migrate_other() -> None:
         total = sum(after.values())
         ratio = after.get(1, 0) / total if total else 0.0
         ok = before.get(0, 0) >= SIZE // 4096 and ratio >= 0.99 and binder.can_migrate_other()
-        report(
-            ok,
+        CHECKS.check(
             "migrate-pages-other-process",
+            ok,
             f"before={before} after={after} ratio_node1={ratio:.4f} not_moved={left} in {dt:.2f}s",
         )
     finally:
         stop(proc)
 
 
-@check("cgroup-v2-rank")
+@CHECKS.guarded("cgroup-v2-rank")
 def cgroup_v2_rank() -> None:
     fs = HostFS("/")
     setup, why = read_cgroup_setup(fs)
     if setup is None or setup.version != 2:
-        report(False, "cgroup-v2-rank", f"no v2 setup: {why}")
+        CHECKS.check("cgroup-v2-rank", False, f"no v2 setup: {why}")
         return
     mgr = CgroupManager(fs, setup, suffix="vmcheck")
     pc: ProcessCgroup | None = None
@@ -196,19 +168,16 @@ def cgroup_v2_rank() -> None:
             and stat_before.get(1, 0) >= 32 * MIB
             and stat_before.get(0, 0) < 4 * MIB
         )
-        report(
-            ok1,
+        CHECKS.check(
             "cgroup-v2-rank",
+            ok1,
             f"setup={setup.cpuset_parent} evict_self={setup.evict_self} effective={eff} "
             f"child cpus={cpus} mems={mems} cgroup={cg} numa_stat={stat_before}",
         )
         # Moving the cgroup to node 0 migrates its pages (v2 always migrates).
         mgr.update(pc, [0, 1], [0])
-        deadline = time.monotonic() + 30
+        wait_until(lambda: mgr.read_numa_stat(pc).get(0, 0) >= 32 * MIB, 30)
         stat_after = mgr.read_numa_stat(pc)
-        while stat_after.get(0, 0) < 32 * MIB and time.monotonic() < deadline:
-            time.sleep(0.05)
-            stat_after = mgr.read_numa_stat(pc)
         with open(f"/proc/{proc.pid}/status") as f:
             status = dict(line.split(":", 1) for line in f if ":" in line)
         ok2 = (
@@ -217,9 +186,9 @@ def cgroup_v2_rank() -> None:
             and status["Cpus_allowed_list"].strip() == "0-1"
             and status["Mems_allowed_list"].strip() == "0"
         )
-        report(
-            ok2,
+        CHECKS.check(
             "cgroup-v2-update-migrates",
+            ok2,
             f"numa_stat after cpuset.mems 1->0: {stat_after}; "
             f"Cpus_allowed_list={status['Cpus_allowed_list'].strip()}",
         )
@@ -228,11 +197,11 @@ def cgroup_v2_rank() -> None:
             stop(proc)
         if pc is not None:
             mgr.remove(pc)
-            report(not fs.exists(pc.cpuset_dir), "cgroup-v2-remove", pc.cpuset_dir)
+            CHECKS.check("cgroup-v2-remove", not fs.exists(pc.cpuset_dir), pc.cpuset_dir)
         mgr.close()
 
 
-@check("mempolicy-ladder")
+@CHECKS.guarded("mempolicy-ladder")
 def mempolicy_ladder() -> None:
     # A cgroup confined to node 0; the plan asks for node 1: MPOL_BIND gets
     # EINVAL (outside Mems_allowed); the worker still starts.
@@ -250,9 +219,9 @@ def mempolicy_ladder() -> None:
             and "EINVAL" in rep.reason
             and out[1] == "0"
         )
-        report(
-            ok,
+        CHECKS.check(
             "mempolicy-ladder",
+            ok,
             f"step={rep.mempolicy} reason={rep.reason!r} child Mems_allowed_list={out[1]}",
         )
     finally:
@@ -267,8 +236,9 @@ def main() -> int:
         print("note: meant to run inside run-in-vm", file=sys.stderr)
     for fn in (shim_worker_on_node1, migrate_other, cgroup_v2_rank, mempolicy_ladder):
         fn()
-    print(f"{'FAILED ' + ' '.join(FAILED) if FAILED else 'ALL PASSED'}", flush=True)
-    return 1 if FAILED else 0
+    failed = CHECKS.failed
+    print(f"{'FAILED ' + ' '.join(failed) if failed else 'ALL PASSED'}", flush=True)
+    return CHECKS.exit_code()
 
 
 if __name__ == "__main__":

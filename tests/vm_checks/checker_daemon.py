@@ -5,8 +5,7 @@
 Writes its own pid into each `--join` file (cgroup v1 `cgroup.procs` or
 `tasks`, or a v2 `cgroup.procs`), then execs `python -m supervisor` with the
 rest of the arguments: same pid, so the daemon starts already confined. Used
-by tests/test_cpuset.py, tests/vm_checks/checker_numa.py and
-tests/bench/drift_bench.py.
+by tests/daemon_support.py's DaemonProcess (`join=`).
 """
 
 from __future__ import annotations

@@ -26,23 +26,27 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
-import subprocess
 import sys
 import time
-import urllib.request
-from collections.abc import Callable
 from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 
 from supervisor.cpulist import format_cpulist, parse_cpulist  # noqa: E402
+from tests import children  # noqa: E402
+from tests.daemon_support import (  # noqa: E402
+    DEMO_WORKER,
+    INSTANCE_ENV,
+    DaemonProcess,
+    wait_until,
+)
+from tests.vm import Checklist  # noqa: E402
 
-LAUNCHER = os.path.join(REPO, "tests/vm_checks/checker_daemon.py")
 CGROUP = "/sys/fs/cgroup"
 SUP = f"{CGROUP}/ps-check"
-FAILED: list[str] = []
+INSTANCE = "vmcheck"  # the daemon's per-rank cgroups: {SUP}/placement-supervisor-vmcheck/rank*
+CHECKS = Checklist()
 _NODE_PAGES = re.compile(r"\bN(\d+)=(\d+)")
 
 # (b)'s worker: 64 MiB on node 0 first, then its slot's binding.
@@ -63,22 +67,6 @@ while True:
 """
 
 
-def check(name: str, ok: bool, detail: str) -> None:
-    print(f"{'PASS' if ok else 'FAIL'} {name}: {detail}", flush=True)
-    if not ok:
-        FAILED.append(name)
-
-
-def wait(predicate: Callable[[], Any], timeout_s: float, interval_s: float = 0.25) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval_s)
-    return predicate()
-
-
 def write(path: str, text: str) -> None:
     with open(path, "w") as f:
         f.write(text)
@@ -89,64 +77,30 @@ def read(path: str) -> str:
         return f.read().strip()
 
 
-class Daemon:
-    def __init__(self, name: str, config: str, port: int, join: list[str]) -> None:
-        self.port = port
-        self.log = f"/tmp/{name}.log"
-        path = f"/tmp/{name}.toml"
-        write(path, config)
-        args = [a for j in join for a in ("--join", j)]
-        self.proc = subprocess.Popen(
-            [sys.executable, LAUNCHER, *args, "--", "run", "--config", path],
-            cwd=REPO,
-            env=dict(os.environ, PYTHONUNBUFFERED="1"),
-            stdout=subprocess.DEVNULL,
-            stderr=open(self.log, "wb"),  # noqa: SIM115 - closed with the process
-        )
+def start_daemon(name: str, config: str, join: list[str]) -> DaemonProcess:
+    path = f"/tmp/{name}.toml"
+    write(path, config)
+    env = dict(os.environ, **{INSTANCE_ENV: INSTANCE})
+    return DaemonProcess(path, f"/tmp/{name}.log", env=env, join=join)
 
-    def get(self, path: str) -> Any:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5) as r:
-                return json.load(r)
-        except OSError:
-            return None
 
-    def up(self) -> dict[str, Any] | None:
-        doc = self.get("/placement")
-        if doc is None or not all(r["state"] == "running" and r["pid"] for r in doc["ranks"]):
-            return None
-        return doc  # type: ignore[no-any-return]
+def wait_up(daemon: DaemonProcess, check_name: str) -> dict[str, Any] | None:
+    """GET /placement once both ranks run (None after 180 s: a FAIL of `check_name`)."""
+    doc: dict[str, Any] | None = wait_until(daemon.running, 180, 0.25)
+    CHECKS.check(check_name, doc is not None, "both ranks running" if doc else "timed out")
+    return doc
 
-    def events(self, kind: str) -> list[dict[str, Any]]:
-        doc = self.get("/events?limit=1000") or {"events": []}
-        return [e for e in doc["events"] if e["kind"] == kind]
 
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if FAILED:
-            with open(self.log) as f:
-                print(f"--- {self.log} ---\n{f.read()[-5000:]}", flush=True)
-        return self.proc.returncode
+def stop_daemon(daemon: DaemonProcess, check_name: str) -> None:
+    code = daemon.stop(timeout_s=60)
+    CHECKS.check(check_name, code == 0, f"exit code {code}")
+    if CHECKS.failed:
+        print(f"--- {daemon.log} ---\n{daemon.tail(5000)}", flush=True)
 
 
 def thread_cpus(pid: int) -> set[int]:
     """The union of every thread's Cpus_allowed_list."""
-    cpus: set[int] = set()
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            text = read(f"/proc/{pid}/task/{tid}/status")
-        except OSError:
-            continue
-        for line in text.splitlines():
-            if line.startswith("Cpus_allowed_list:"):
-                cpus |= parse_cpulist(line.split(":", 1)[1])
-    return cpus
+    return set().union(*(parse_cpulist(c) for c in children.thread_cpus(pid).values()))
 
 
 def pages_by_node(pid: int) -> dict[int, int]:
@@ -157,12 +111,11 @@ def pages_by_node(pid: int) -> dict[int, int]:
     return pages
 
 
-def config(port: int, *, cgroup: str, worker: list[str], drift: str) -> str:
+def config(*, cgroup: str, worker: list[str], drift: str) -> str:
     return (
         f'cpu_ranks = 2\ncgroup = "{cgroup}"\nstop_timeout_s = 5\n'
         f"[workers]\ncommand = {json.dumps(worker)}\n"
         "[placement]\nrank_roles = {}\n[placement.engine]\nenabled = false\n"
-        f'[api]\nlisten = "127.0.0.1:{port}"\n'
         '[threads.comm]\nprocess = "workers"\npattern = "comm*"\n'
         f"[drift]\ncheck_interval_s = 0.5\n{drift}"
     )
@@ -171,31 +124,22 @@ def config(port: int, *, cgroup: str, worker: list[str], drift: str) -> str:
 # -- (a) cpuset ----------------------------------------------------------------------------
 
 
+@CHECKS.guarded("cpuset-scenario")
 def scenario_cpuset() -> None:
     write(f"{CGROUP}/cgroup.subtree_control", "+cpuset +memory")
     os.makedirs(SUP, exist_ok=True)
     write(f"{SUP}/cpuset.mems", "0-1")
     write(f"{SUP}/cpuset.cpus", "0-3")
-    worker = [
-        "python",
-        "-m",
-        "supervisor.demo.worker",
-        "--rank",
-        "{rank}",
-        "--mem-cap-mib",
-        "16",
-        "--step-mib",
-        "8",
-    ]
-    daemon = Daemon("cpuset", config(19481, cgroup="auto", worker=worker, drift=""), 19481,
-                    [f"{SUP}/cgroup.procs"])  # fmt: skip
+    worker = [*DEMO_WORKER, "--mem-cap-mib", "16", "--step-mib", "8"]
+    daemon = start_daemon(
+        "cpuset", config(cgroup="auto", worker=worker, drift=""), [f"{SUP}/cgroup.procs"]
+    )
     try:
-        doc = wait(daemon.up, 180)
-        check("cpuset-daemon-up", doc is not None, "both ranks running" if doc else "timed out")
+        doc = wait_up(daemon, "cpuset-daemon-up")
         if doc is None:
             return
         before = {r["rank"]: r["cpus"] for r in doc["ranks"]}
-        check("cpuset-start-plan", before == {0: [0, 1], 1: [2, 3]}, f"ranks {before}")
+        CHECKS.check("cpuset-start-plan", before == {0: [0, 1], 1: [2, 3]}, f"ranks {before}")
         pids = {r["rank"]: r["pid"] for r in doc["ranks"]}
 
         write(f"{SUP}/cpuset.cpus", "2-3")
@@ -209,55 +153,56 @@ def scenario_cpuset() -> None:
             live = all(thread_cpus(p) <= {2, 3} for p in pids.values())
             return d if planned and live else None
 
-        doc = wait(moved, 30, 0.1)
+        doc = wait_until(moved, 30, 0.1)
         took = time.monotonic() - t0
         live = {r: format_cpulist(thread_cpus(p)) for r, p in pids.items()}
         plan = {
             r["rank"]: r["cpus"]
             for r in (doc or daemon.get("/placement") or {"ranks": []})["ranks"]
         }
-        check(
+        CHECKS.check(
             "cpuset-v2-ranks-move",
             doc is not None,
             f"after cpuset.cpus=2-3 in {took:.1f}s: plan {plan}, live threads {live}",
         )
-        rank_cg = [d for d in os.listdir(f"{SUP}/placement-supervisor") if d.startswith("rank")]
-        cg_cpus = {d: read(f"{SUP}/placement-supervisor/{d}/cpuset.cpus") for d in rank_cg}
-        check(
+        inst = f"{SUP}/placement-supervisor-{INSTANCE}"
+        rank_cg = [d for d in os.listdir(inst) if d.startswith("rank")]
+        cg_cpus = {d: read(f"{inst}/{d}/cpuset.cpus") for d in rank_cg}
+        CHECKS.check(
             "cpuset-v2-rank-cgroups",
             bool(cg_cpus) and all(parse_cpulist(v) <= {2, 3} for v in cg_cpus.values()),
             f"rank cgroups {cg_cpus}",
         )
         changes = (daemon.get("/placement") or {}).get("supervisor", {}).get("cpuset_changes")
-        check("cpuset-v2-counted", changes == 1, f"cpuset_changes={changes}")
+        CHECKS.check("cpuset-v2-counted", changes == 1, f"cpuset_changes={changes}")
 
         write(f"{SUP}/cpuset.cpus", "0-3")
 
         def back() -> bool:
             return thread_cpus(pids[0]) == {0, 1} and thread_cpus(pids[1]) == {2, 3}
 
-        ok = wait(back, 30, 0.1)
+        ok = wait_until(back, 30, 0.1)
         live = {r: format_cpulist(thread_cpus(p)) for r, p in pids.items()}
-        check("cpuset-v2-grow-back", bool(ok), f"after cpuset.cpus=0-3: live threads {live}")
+        CHECKS.check("cpuset-v2-grow-back", bool(ok), f"after cpuset.cpus=0-3: live threads {live}")
         now = {r["rank"]: r["pid"] for r in (daemon.get("/placement") or {"ranks": []})["ranks"]}
-        check("cpuset-v2-no-restart", now == pids, f"pids {pids} -> {now}")
+        CHECKS.check("cpuset-v2-no-restart", now == pids, f"pids {pids} -> {now}")
     finally:
-        code = daemon.stop()
-        check("cpuset-clean-stop", code == 0, f"exit code {code}")
+        stop_daemon(daemon, "cpuset-clean-stop")
 
 
 # -- (b) memory ---------------------------------------------------------------------------------
 
 
+@CHECKS.guarded("memory-scenario")
 def scenario_memory() -> None:
     script = "/tmp/late_worker.py"
     write(script, LATE_WORKER)
     drift = 'numa_maps_interval_s = 0.5\n[drift.policy]\nmemory_locality = "enforce"\n'
-    daemon = Daemon("memory", config(19482, cgroup="off", worker=["python", script], drift=drift),
-                    19482, [])  # fmt: skip
+    daemon = start_daemon(
+        "memory", config(cgroup="off", worker=["python", script], drift=drift), []
+    )
     try:
-        doc = wait(daemon.up, 180)
-        check("memory-daemon-up", doc is not None, "both ranks running" if doc else "timed out")
+        doc = wait_up(daemon, "memory-daemon-up")
         if doc is None:
             return
         rank = next(r for r in doc["ranks"] if r["mems"] == [1])
@@ -274,9 +219,11 @@ def scenario_memory() -> None:
 
         # The loop may catch the 64 MiB while the worker is still touching
         # it, migrate, and see more: any report below 0.5 is the low ratio.
-        found = wait(reported, 60)
+        found = wait_until(reported, 60, 0.25)
         actual = found[0] if found else "none"
-        check("memory-ratio-reported-low", bool(found), f"rank {rank['rank']} drift: {actual}")
+        CHECKS.check(
+            "memory-ratio-reported-low", bool(found), f"rank {rank['rank']} drift: {actual}"
+        )
 
         def ratio() -> float | None:
             d = daemon.get("/placement")
@@ -286,11 +233,18 @@ def scenario_memory() -> None:
             value: float | None = entry["observed"]["local_memory_ratio"]
             return value
 
-        fixed = wait(lambda: (r := ratio()) is not None and r >= 0.99 and sum(
-            pages_by_node(pid).values()) * 4096 >= 64 << 20, 90)  # fmt: skip
+        fixed = wait_until(
+            lambda: (
+                (r := ratio()) is not None
+                and r >= 0.99
+                and sum(pages_by_node(pid).values()) * 4096 >= 64 << 20
+            ),
+            90,
+            0.25,
+        )
         pages = pages_by_node(pid)
         total = sum(pages.values()) or 1
-        check(
+        CHECKS.check(
             "memory-migrated",
             bool(fixed) and pages.get(1, 0) / total >= 0.99,
             f"reported ratio {ratio()}, numa_maps pages by node {pages}",
@@ -301,14 +255,13 @@ def scenario_memory() -> None:
             if e["fields"].get("reason") == "memory_locality" and e["rank"] == str(rank["rank"])
         ]
         moved = sum(e["fields"]["remote_bytes"] for e in migrations)
-        check(
+        CHECKS.check(
             "memory-rebind-event",
             moved >= 60 << 20,
             f"{len(migrations)} migrations of rank {rank['rank']}, {moved >> 20} MiB remote moved",
         )
     finally:
-        code = daemon.stop()
-        check("memory-clean-stop", code == 0, f"exit code {code}")
+        stop_daemon(daemon, "memory-clean-stop")
 
 
 def main() -> int:
@@ -317,7 +270,7 @@ def main() -> int:
         return 2
     scenario_cpuset()
     scenario_memory()
-    return 1 if FAILED else 0
+    return CHECKS.exit_code()
 
 
 if __name__ == "__main__":

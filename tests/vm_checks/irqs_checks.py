@@ -4,24 +4,18 @@
 
 Expects the default guest: node 0 = CPUs 0-1, node 1 = CPUs 2-3, a virtio-net
 NIC with MSI-X IRQs at 0000:41:00.0 on node 1. Prints one "PASS name: detail"
-or "FAIL name: detail" line per check (and "SKIP name: why") and exits 1 if
-any failed. tests/test_irqs_vm.py asserts on those lines.
+or "FAIL name: detail" line per check (tests/vm.py's Checklist) and exits 1
+if any failed. tests/test_irqs_vm.py asserts on those lines.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import time
-import traceback
-import urllib.request
-from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -34,30 +28,12 @@ from supervisor.plan import plan
 from supervisor.state import Snapshot, StateStore
 from supervisor.topology.discover import read_topology
 from supervisor.topology.model import DiscoveryOptions
+from tests.daemon_support import DaemonProcess, wait_until
+from tests.vm import Checklist
 
-REPO = Path(__file__).resolve().parent.parent.parent
 NIC = "0000:41:00.0"  # virtio-net on node 1
 NODE1_CPUS = {2, 3}
-FAILED: list[str] = []
-
-
-def report(ok: bool, name: str, detail: str) -> None:
-    if not ok:
-        FAILED.append(name)
-    print(f"{'PASS' if ok else 'FAIL'} {name}: {detail}", flush=True)
-
-
-def check(name: str) -> Callable[[Callable[[], None]], Callable[[], None]]:
-    def wrap(fn: Callable[[], None]) -> Callable[[], None]:
-        def run() -> None:
-            try:
-                fn()
-            except Exception:
-                report(False, name, traceback.format_exc().replace("\n", " | "))
-
-        return run
-
-    return wrap
+CHECKS = Checklist()
 
 
 def msi_irqs(bdf: str) -> list[int]:
@@ -82,7 +58,7 @@ def describe(irqs: list[int]) -> str:
     )
 
 
-@check("keeper-nic-irqs-on-node1")
+@CHECKS.guarded("keeper-nic-irqs-on-node1")
 def keeper_alone() -> None:
     irqs = msi_irqs(NIC)
     before = snapshot_irqs(irqs)
@@ -98,9 +74,9 @@ def keeper_alone() -> None:
         bound = [o.irq for o in outcomes if o.status == "bound"]
         on_cpus = all(parse_cpulist(affinity(irq)) == irq_cpus for irq in irqs)
         delivered = all(set(read_irq_delivery(fs, irq) or ()) <= irq_cpus for irq in irqs)
-        report(
-            bound == irqs and irq_cpus <= NODE1_CPUS and on_cpus and delivered,
+        CHECKS.check(
             "keeper-nic-irqs-on-node1",
+            bound == irqs and irq_cpus <= NODE1_CPUS and on_cpus and delivered,
             f"rank cpus={sorted(rank.slot.cpus)} irq={sorted(irq_cpus)} bound={bound} "
             f"msix={irqs} now {describe(irqs)}",
         )
@@ -109,40 +85,28 @@ def keeper_alone() -> None:
             f.write("0")
         seen = {o.irq: o.cpus for o in keeper.observe()[0]}
         fixed = keeper.enforce(0)
-        report(
+        CHECKS.check(
+            "keeper-enforce-after-move",
             seen[victim] == (0,)
             and [o.irq for o in fixed] == [victim]
             and parse_cpulist(affinity(victim)) == irq_cpus,
-            "keeper-enforce-after-move",
             f"moved {victim} to 0, observed {seen[victim]}, re-written {[o.irq for o in fixed]}, "
             f"now {affinity(victim)}",
         )
     finally:
         keeper.restore()
     after = snapshot_irqs(irqs)
-    report(after == before, "keeper-restore", f"before {before} after {after}")
+    CHECKS.check("keeper-restore", after == before, f"before {before} after {after}")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def irq_cpus_of(rank: dict[str, Any]) -> set[int]:
+    return set(rank["roles"].get("irq") or rank["roles"]["main"])
 
 
-def get_json(url: str) -> object:
-    with urllib.request.urlopen(url, timeout=5) as r:
-        return json.load(r)
-
-
-@check("daemon-nic-irqs-on-rank-irq-cpus")
+@CHECKS.guarded("daemon-nic-irqs-on-rank-irq-cpus")
 def daemon_run() -> None:
-    daemon_src = (REPO / "supervisor/daemon.py").read_text()
-    if "IrqKeeper" not in daemon_src and "irq_keeper" not in daemon_src:
-        print("SKIP daemon-nic-irqs-on-rank-irq-cpus: daemon.py does not create an IrqKeeper")
-        return
     irqs = msi_irqs(NIC)
     before = snapshot_irqs(irqs)
-    port = free_port()
     workdir = Path(tempfile.mkdtemp(prefix="irqs-vm-"))
     config = workdir / "irqs.toml"
     config.write_text(
@@ -158,40 +122,30 @@ def daemon_run() -> None:
         "enabled = false\n"
         "[drift]\n"
         "check_interval_s = 0.5\n"
-        "[api]\n"
-        f'listen = "127.0.0.1:{port}"\n'
     )
-    with open(workdir / "daemon.log", "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "supervisor", "run", "--config", str(config)],
-            cwd=REPO,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+    daemon = DaemonProcess(config, workdir / "daemon.log")
     try:
         # The plan: rank 0 on the NIC's node; its irq role CPUs.
-        deadline = time.monotonic() + 120
-        doc: dict[str, object] | None = None
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                got = get_json(f"http://127.0.0.1:{port}/placement")
-            except OSError:
-                time.sleep(0.2)
-                continue
-            assert isinstance(got, dict)
-            doc = got
+        last: list[dict[str, Any]] = []
+
+        def bound() -> bool:
+            if daemon.proc.poll() is not None:
+                return True  # exited: nothing more to wait for
+            got = daemon.get("/placement")
+            if got is None:
+                return False
+            last[:] = [got]
             ranks = got["ranks"]
-            assert isinstance(ranks, list)
-            if ranks and ranks[0].get("state") == "running":
-                irq_cpus = set(ranks[0]["roles"].get("irq") or ranks[0]["roles"]["main"])
-                if all(parse_cpulist(affinity(i)) == irq_cpus for i in irqs):
-                    break
-            time.sleep(0.2)
-        assert doc is not None, f"no API answer; log: {(workdir / 'daemon.log').read_text()}"
-        ranks = doc["ranks"]
-        assert isinstance(ranks, list)
-        rank = ranks[0]
-        irq_cpus = set(rank["roles"].get("irq") or rank["roles"]["main"])
+            return (
+                bool(ranks)
+                and ranks[0].get("state") == "running"
+                and all(parse_cpulist(affinity(i)) == irq_cpus_of(ranks[0]) for i in irqs)
+            )
+
+        wait_until(bound, 120, 0.2)
+        assert last, f"no API answer; log: {daemon.tail(1 << 20)}"
+        rank = last[0]["ranks"][0]
+        irq_cpus = irq_cpus_of(rank)
         applied = {i: affinity(i) for i in irqs}
         ok = (
             rank["device"]["bus_id"] == NIC
@@ -199,65 +153,50 @@ def daemon_run() -> None:
             and all(parse_cpulist(v) == irq_cpus for v in applied.values())
             and all(set(read_irq_delivery(HostFS("/"), i) or ()) <= irq_cpus for i in irqs)
         )
-        report(
-            ok,
+        CHECKS.check(
             "daemon-nic-irqs-on-rank-irq-cpus",
+            ok,
             f"rank cpus={rank['cpus']} irq={sorted(irq_cpus)} now {describe(irqs)}",
         )
+
         # The API shows them once the check loop has run (observed.irqs).
-        shown: list[object] = []
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            got = get_json(f"http://127.0.0.1:{port}/placement")
-            assert isinstance(got, dict)
-            observed = got["ranks"][0].get("observed") or {}
-            shown = observed.get("irqs") or []
-            if shown:
-                break
-            time.sleep(0.3)
-        ids = sorted(int(e["irq"]) for e in shown)  # type: ignore[index]
-        if not shown:
-            print("SKIP daemon-api-observed-irqs: no observed.irqs (check loop not wired yet)")
-            FAILED.append("")  # not a failure; prints the daemon's log below
-        else:
-            report(ids == irqs, "daemon-api-observed-irqs", f"observed.irqs={shown}")
+        def observed_irqs() -> list[dict[str, Any]]:
+            got = daemon.get("/placement") or {"ranks": [{}]}
+            return list((got["ranks"][0].get("observed") or {}).get("irqs") or [])
+
+        shown = wait_until(observed_irqs, 30, 0.3)
+        ids = sorted(int(e["irq"]) for e in shown)
+        CHECKS.check(
+            "daemon-api-observed-irqs", bool(shown) and ids == irqs, f"observed.irqs={shown}"
+        )
+        if shown:
             # Moved by hand: the check loop sees it and (policy enforce) puts it back.
             victim = irqs[0]
             with open(f"/proc/irq/{victim}/smp_affinity_list", "w") as f:
                 f.write("0")
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline and parse_cpulist(affinity(victim)) != irq_cpus:
-                time.sleep(0.2)
-            events = get_json(f"http://127.0.0.1:{port}/events")
-            text = json.dumps(events)
-            report(
-                parse_cpulist(affinity(victim)) == irq_cpus and f"irq {victim}" in text,
+            wait_until(lambda: parse_cpulist(affinity(victim)) == irq_cpus, 30, 0.2)
+            text = json.dumps(daemon.get("/events"))
+            CHECKS.check(
                 "daemon-enforces-moved-irq",
+                parse_cpulist(affinity(victim)) == irq_cpus and f"irq {victim}" in text,
                 f"irq {victim} moved to 0, now {affinity(victim)}",
             )
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            code = proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            code = proc.wait()
+        code = daemon.stop(timeout_s=60)
     after = snapshot_irqs(irqs)
-    report(
-        after == before and code == 0,
+    CHECKS.check(
         "daemon-restore-on-sigterm",
+        after == before and code == 0,
         f"exit {code}; before {before} after {after}",
     )
-    if FAILED:
-        print((workdir / "daemon.log").read_text()[-6000:], flush=True)
-    if "" in FAILED:
-        FAILED.remove("")
+    if CHECKS.failed:
+        print(daemon.tail(6000), flush=True)
 
 
 def main() -> int:
     keeper_alone()
     daemon_run()
-    return 1 if FAILED else 0
+    return CHECKS.exit_code()
 
 
 if __name__ == "__main__":
