@@ -238,17 +238,17 @@ def _populate(
 class RecordingActions:
     """A fake `Actions`: records calls, answers like the daemon, KeyError for unknown ranks."""
 
-    def __init__(self, ranks: tuple[int, ...]) -> None:
+    def __init__(self, ranks: tuple[ProcKey, ...]) -> None:
         self.ranks = ranks
-        self.calls: list[tuple[str, int | None]] = []
+        self.calls: list[tuple[str, ProcKey | None]] = []
 
-    async def rebind(self, rank: int | None) -> dict[str, Any]:
+    async def rebind(self, rank: ProcKey | None) -> dict[str, Any]:
         if rank is not None and rank not in self.ranks:
             raise KeyError(rank)
         self.calls.append(("rebind", rank))
         return {"rebound": list(self.ranks) if rank is None else [rank]}
 
-    async def restart(self, rank: int) -> dict[str, Any]:
+    async def restart(self, rank: ProcKey) -> dict[str, Any]:
         if rank not in self.ranks:
             raise KeyError(rank)
         self.calls.append(("restart", rank))
@@ -275,7 +275,7 @@ async def _serve(listen: str, interval_s: float) -> None:
     snap = realistic_snapshot()
     store = StateStore(snap)
     store.emit("spawn", 0, "spawned rank 0", pid=snap.processes[0].pid)
-    server = ApiServer(store, RecordingActions((0, 1, 2, 3)), ApiConfig(listen=listen))
+    server = ApiServer(store, RecordingActions(("engine", 0, 1, 2, 3)), ApiConfig(listen=listen))
     await server.start()
     print(json.dumps({"addresses": list(server.addresses)}), flush=True)
     stop = asyncio.Event()
@@ -322,7 +322,7 @@ class ServerThread:
         **server_kwargs: Any,
     ) -> None:
         self.store = StateStore(snapshot)
-        self.actions = actions or RecordingActions(tuple(r.rank for r in snapshot.placement.ranks))
+        self.actions = actions or RecordingActions(snapshot.keys())
         self.loop = asyncio.new_event_loop()
         self.loop.set_debug(True)
         self.loop.slow_callback_duration = slow_callback_s

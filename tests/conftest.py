@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,3 +22,33 @@ def repo() -> Path:
 def need_root() -> None:
     if os.geteuid() != 0:
         pytest.skip("needs root (cgroups, /proc/irq, other processes' affinity)")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _remove_test_cgroups() -> Iterator[None]:
+    """Daemons started by tests use the instance `test-<pid>` (daemon_env); one
+    that a test SIGKILLs cannot remove its cgroup dirs, so the session does."""
+    yield
+    from tests.cgroup_v1 import V1_CPUSET, V1_MEMORY, own_memory_cgroup, remove_v1_tree  # noqa: PLC0415
+
+    name = f"placement-supervisor-test-{os.getpid()}"
+    memory = own_memory_cgroup()
+    for parent, hierarchy in ((V1_CPUSET, V1_CPUSET), (memory, V1_MEMORY)):
+        if parent is not None and (parent / name).exists():
+            remove_v1_tree(parent / name, hierarchy)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """In CI (`CI` set, as .ci/run is run) a skip is a failure.
+
+    Tests skip where this machine lacks something (root, a second CPU, the
+    numavm guest, prometheus); CI runs on a machine that has it all, so a
+    skip there means the test silently proved nothing.
+    """
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    if os.environ.get("CI") and report.skipped and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+        report.outcome = "failed"
+        report.longrepr = f"skipped in CI, where every test must run: {reason}"

@@ -236,7 +236,7 @@ def test_rebind_needs_the_token_over_tcp(server: ServerThread) -> None:
     assert server.actions.calls == []
     code, _, doc = get(server.tcp, "/rebind", method="POST", headers=bearer(TOKEN))
     assert code == 200
-    assert doc == {"rebound": [0, 1, 2, 3]}
+    assert doc == {"rebound": ["engine", 0, 1, 2, 3]}
     assert server.actions.calls == [("rebind", None)]
 
 
@@ -269,10 +269,15 @@ def test_restart_and_rank_errors(server: ServerThread) -> None:
     auth = bearer(TOKEN)
     code, _, doc = get(server.tcp, "/ranks/2/restart", method="POST", headers=auth)
     assert (code, doc) == (200, {"restarting": 2})
+    # The engine is a process like the ranks: it can be restarted and re-bound too.
+    code, _, doc = get(server.tcp, "/ranks/engine/restart", method="POST", headers=auth)
+    assert (code, doc) == (200, {"restarting": "engine"})
+    code, _, doc = get(server.tcp, "/rebind?rank=engine", method="POST", headers=auth)
+    assert (code, doc) == (200, {"rebound": ["engine"]})
     for path, status in [
         ("/ranks/9/restart", 404),
         ("/ranks/x/restart", 400),
-        ("/ranks/engine/restart", 400),
+        ("/ranks/Engine/restart", 400),
         ("/ranks/-1/restart", 400),
         ("/rebind?rank=7", 404),
         ("/rebind?rank=-1", 400),
@@ -282,7 +287,7 @@ def test_restart_and_rank_errors(server: ServerThread) -> None:
         code, _, doc = get(server.tcp, path, method="POST", headers=auth)
         assert code == status, path
         assert_error(doc, status)
-    assert server.actions.calls == [("restart", 2)]
+    assert server.actions.calls == [("restart", 2), ("restart", "engine"), ("rebind", "engine")]
 
 
 def test_unknown_route_and_wrong_method(server: ServerThread) -> None:
