@@ -25,3 +25,21 @@ EXPECTED = (
 @pytest.mark.timeout(900)
 def test_check_loop_in_a_two_node_guest() -> None:
     run_checks_in_vm("tests/vm_checks/checker_numa.py", EXPECTED)
+
+
+HOTPLUG_EXPECTED = (
+    "hotplug-daemon-up",
+    "hotplug-start-plan",
+    "hotplug-offline-replans",  # cpu3 offline: rank 1 re-planned and re-bound onto CPU 2
+    "hotplug-rank0-untouched",
+    "hotplug-counted",
+    "hotplug-online-restores",  # cpu3 back: rank 1 on 2-3 again
+    "hotplug-no-restart",
+    "hotplug-clean-stop",
+)
+
+
+@pytest.mark.vm
+@pytest.mark.timeout(600)
+def test_cpu_hotplug_in_a_two_node_guest() -> None:
+    run_checks_in_vm("tests/vm_checks/checker_hotplug.py", HOTPLUG_EXPECTED)
