@@ -49,6 +49,20 @@ needs_promtool = pytest.mark.skipif(shutil.which("promtool") is None, reason="no
 needs_prometheus = pytest.mark.skipif(shutil.which("prometheus") is None, reason="no prometheus")
 
 
+# DESIGN 3.5: the names every dashboard, alert and scrape may rely on.
+REQUIRED_METRICS = (
+    "placement_local_memory_ratio",
+    "placement_memory_bytes",
+    "placement_bind_failures_total",
+    "placement_drift_events_total",
+    "placement_rebinds_total",
+    "placement_cpuset_changes_total",
+    "placement_restarts_total",
+    "placement_up",
+    "placement_check_duration_seconds",
+)
+
+
 def promtool(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         ["promtool", *args], cwd=PROM_DIR, capture_output=True, text=True, timeout=120, check=False
@@ -119,18 +133,7 @@ def test_dashboard_shape_and_names() -> None:
             assert names and names <= exported, (p["title"], names - exported)
     # The required metrics of DESIGN 3.5 each have a panel.
     shown = " ".join(e for _, e in dashboard_exprs())
-    for name in (
-        "placement_local_memory_ratio",
-        "placement_memory_bytes",
-        "placement_bind_failures_total",
-        "placement_drift_events_total",
-        "placement_rebinds_total",
-        "placement_cpuset_changes_total",
-        "placement_restarts_total",
-        "placement_up",
-        "placement_check_duration_seconds",
-        "placement_process_state",
-    ):
+    for name in (*REQUIRED_METRICS, "placement_process_state"):
         assert name in shown, name
 
 
@@ -377,19 +380,6 @@ def test_status_against_the_demo_daemon(stack: Stack) -> None:
     for entry in [doc["engine"], *doc["ranks"]]:
         label = "engine" if "rank" not in entry else str(entry["rank"])
         assert rows[label][1:3] == [str(entry["pid"]), entry["state"]], proc.stdout
-
-
-REQUIRED_METRICS = (
-    "placement_local_memory_ratio",
-    "placement_memory_bytes",
-    "placement_bind_failures_total",
-    "placement_drift_events_total",
-    "placement_rebinds_total",
-    "placement_cpuset_changes_total",
-    "placement_restarts_total",
-    "placement_up",
-    "placement_check_duration_seconds",
-)
 
 
 @needs_promtool
