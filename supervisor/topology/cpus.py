@@ -71,7 +71,9 @@ def read_cpu_masks(fs: HostFS) -> CpuMasks:
     return CpuMasks(online=online, present=present | online, possible=possible | present | online)
 
 
-def read_cpu(fs: HostFS, cpu: int, online: frozenset[int], node: int) -> Cpu:
+def read_cpu(
+    fs: HostFS, cpu: int, online: frozenset[int], node: int, package: int | None = None
+) -> Cpu:
     """One online CPU's topology files.
 
     core_cpus_list (5.x) replaced thread_siblings_list; die_id (5.2) and
@@ -81,7 +83,8 @@ def read_cpu(fs: HostFS, cpu: int, online: frozenset[int], node: int) -> Cpu:
     """
     d = f"{CPU_DIR}/cpu{cpu}/topology"
     core = read_optional_int(fs, f"{d}/core_id", "core id")
-    package = read_optional_int(fs, f"{d}/physical_package_id", "package id")
+    if package is None:
+        package = read_optional_int(fs, f"{d}/physical_package_id", "package id")
     die = read_optional_int(fs, f"{d}/die_id", "die id")
     cluster = read_optional_int(fs, f"{d}/cluster_id", "cluster id")
     siblings = read_optional_list(fs, f"{d}/core_cpus_list", "core CPU list")
@@ -105,15 +108,21 @@ def read_cpus(fs: HostFS, online: frozenset[int], node_of: Mapping[int, int]) ->
 
     SMT siblings share core, package, die and cluster by definition
     (cputopology.rst), so each core's files are read once, through its first
-    online thread: half the reads on an SMT host, where discovery's cost is
-    almost all small-file opens.
+    online thread, and a package's id once, through package_cpus_list: half
+    the reads on an SMT host, where discovery's cost is almost all
+    small-file opens.
     """
     cpus: dict[int, Cpu] = {}
+    package_of: dict[int, int] = {}  # from package_cpus_list, read once per package
     for cpu in sorted(online):
         if cpu in cpus:
             continue
-        first = read_cpu(fs, cpu, online, node_of.get(cpu, -1))
+        first = read_cpu(fs, cpu, online, node_of.get(cpu, -1), package_of.get(cpu))
         cpus[cpu] = first
+        if cpu not in package_of:
+            rel = f"{CPU_DIR}/cpu{cpu}/topology/package_cpus_list"
+            for member in read_optional_list(fs, rel, "package CPU list") or ():
+                package_of[member] = first.package
         for sibling in first.siblings - {cpu}:
             cpus[sibling] = replace(first, id=sibling, node=node_of.get(sibling, -1))
     return tuple(cpus[c] for c in sorted(cpus))
