@@ -252,6 +252,8 @@ class Checker:
         self.down_reported: set[ProcKey] = set()
         self.allowed: AllowedSet = allowed_of(daemon.topology)
         self.lock = asyncio.Lock()
+        # This pass's observations and findings, published together at its end.
+        self.results: dict[ProcKey, tuple[Observation, tuple[Finding, ...]]] = {}
         self.can_migrate_other = self.binder.can_migrate_other()
         self._last_error: str | None = None
         self._host_error: str | None = None
@@ -303,7 +305,11 @@ class Checker:
         (the API's rebind, reason "api"); `only` limits it to one process."""
         async with self.lock:
             started = time.perf_counter()
-            summary = await self._check(force, only)
+            self.results.clear()
+            try:
+                summary = await self._check(force, only)
+            finally:
+                self.store.set_observations(self.results)  # the pass, as one snapshot
             duration = time.perf_counter() - started
             c = self.store.snapshot.counters
             self.store.update(
@@ -737,7 +743,7 @@ class Checker:
                 ),
             )
         self._report_drift(key, p.new_drift, fixed, failed)
-        self.store.set_observation(key, observation, remaining)
+        self.results[key] = (observation, remaining)
         self.down_reported.discard(key)
         return {
             "pid": tracked.pid,
@@ -775,7 +781,7 @@ class Checker:
                     targets=["process"],
                     outcome="observe",
                 )
-            self.store.set_observation(key, Observation(observed_at=time.time()), (finding,))
+            self.results[key] = (Observation(observed_at=time.time()), (finding,))
             out[label] = {"state": status.state, "findings": [finding.to_doc()]}
         return out
 

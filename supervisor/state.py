@@ -192,10 +192,23 @@ class StateStore:
     def set_observation(
         self, key: ProcKey, observation: Observation, findings: tuple[Finding, ...]
     ) -> None:
+        self.set_observations({key: (observation, findings)})
+
+    def set_observations(
+        self, results: Mapping[ProcKey, tuple[Observation, tuple[Finding, ...]]]
+    ) -> None:
+        """Publish one check pass's observations and findings as one snapshot.
+
+        One snapshot per pass rather than one per process: the API caches its
+        rendered bodies per snapshot, and a 16-rank pass would otherwise
+        invalidate them 17 times a second."""
+        if not results:
+            return
         observed = dict(self._snapshot.observed)
-        observed[key] = observation
         drift = dict(self._snapshot.drift)
-        drift[key] = findings
+        for key, (observation, findings) in results.items():
+            observed[key] = observation
+            drift[key] = findings
         self.update(observed=MappingProxyType(observed), drift=MappingProxyType(drift))
 
     def emit(self, kind: str, key: ProcKey | None, message: str, **fields: Any) -> Event:
