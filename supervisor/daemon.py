@@ -229,7 +229,13 @@ class Daemon:
         if not self.want_api:
             return
         actions: Actions = self.actions
-        server = ApiServer(self.store, actions, self.config.api, self.listen)
+        drift = self.config.drift
+        # /healthz turns 503 when no check finished for this long: a few
+        # missed intervals, but never less than a slow numa_maps pass needs.
+        stale_after_s = max(30.0, 5 * drift.check_interval_s, 2 * drift.numa_maps_interval_s)
+        server = ApiServer(
+            self.store, actions, self.config.api, self.listen, stale_after_s=stale_after_s
+        )
         await server.start()
         self.server = server
 
