@@ -106,7 +106,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_snapshot(args: argparse.Namespace) -> int:
-    options, _ = discovery_options(None, os.environ)
+    # With --config, the devices it names (`devices = [...]`) are captured too,
+    # so that `plan --root OUT --config FILE` reproduces the plan.
+    options, _ = discovery_options(args.config, os.environ)
     if not os.path.isdir(args.root):
         raise ConfigError(f"--root {args.root}: not a directory")
     count = take_snapshot(args.root, args.out, options)
@@ -164,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("snapshot", help="copy every file discovery reads into OUT")
     p.add_argument("out", metavar="OUT", help="directory to create")
     p.add_argument("--root", default="/", help="host tree root (default /)")
+    p.add_argument("--config", metavar="FILE", help="also capture the devices this config names")
     p.set_defaults(func=_cmd_snapshot)
 
     p = sub.add_parser("run", help="run the supervisor daemon")
