@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from supervisor.bind.irq import detect_irqbalance, read_banned_irqs
 from supervisor.config import IrqConfig
 from supervisor.cpulist import parse_cpulist
 from supervisor.drift import diff
@@ -27,6 +29,7 @@ from supervisor.plan import plan
 from supervisor.state import Observation, Snapshot, StateStore
 from supervisor.topology.discover import read_topology
 from supervisor.topology.model import DiscoveryOptions, Topology
+from tests.daemon_support import poll, stop_process
 
 DEVICE = "0000:00:04.0"  # virtio3: MSI-X IRQs that accept affinity writes
 MANAGED_DEVICE = "0000:00:02.0"  # virtio-blk: its queue IRQ is kernel-managed
@@ -198,3 +201,54 @@ def test_read_only_proc_irq_turns_binding_off_once(need_root: None) -> None:
     assert lines[2] == "1"
     assert lines[3] == "True 4"
     assert lines[4] == "() []"
+
+
+@pytest.fixture
+def real_irqbalance(originals: dict[int, str]) -> Iterator[int]:
+    """Debian's irqbalance, running for real (installed by .ci/setup).
+
+    A one-hour interval keeps it from rebalancing while the test runs; without
+    /run/irqbalance it listens on its abstract socket, as it does here.
+    """
+    binary = shutil.which("irqbalance") or "/usr/sbin/irqbalance"
+    if not os.path.exists(binary):
+        pytest.skip("irqbalance is not installed (.ci/setup installs it)")
+    proc = subprocess.Popen(
+        [binary, "--foreground", "--interval=3600"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        fs = HostFS("/")
+
+        def listening() -> bool:
+            info = detect_irqbalance(fs)
+            return info is not None and read_banned_irqs(info) is not None
+
+        poll(listening, timeout_s=20, what="irqbalance's control socket")
+        yield proc.pid
+    finally:
+        stop_process(proc, 10)
+
+
+def test_keeper_bans_our_irqs_in_a_real_irqbalance_and_unbans_on_restore(
+    real_irqbalance: int,
+) -> None:
+    topology, placement = _setup(DEVICE)
+    device = next(d for d in topology.devices if d.bdf == DEVICE)
+    store = StateStore(Snapshot(placement, topology, {}))
+    keeper = IrqKeeper(HostFS("/"), store, topology, placement, IrqConfig(irqbalance="ban"))
+    try:
+        keeper.apply()
+        assert keeper.irqbalance is not None and keeper.irqbalance.pid == real_irqbalance
+        # irqbalance itself says it now leaves every one of our IRQs alone.
+        banned = read_banned_irqs(keeper.irqbalance)
+        assert banned is not None and set(device.irqs) <= banned
+        assert any(e.kind == "irqbalance" for e in store.snapshot.events)
+    finally:
+        keeper.restore()
+    info = keeper.irqbalance
+    assert info is not None
+    assert read_banned_irqs(info) == frozenset()  # its own list given back
+    # And it was never stopped.
+    assert os.path.exists(f"/proc/{real_irqbalance}")
