@@ -19,12 +19,12 @@ from typing import Any
 
 import pytest
 
-from supervisor.api import ROUTES, ApiServer, ListenError
+from supervisor.api import ROUTES, ApiServer, ListenError, PlacementRenderer, placement_doc
 from supervisor.config import ApiConfig
 from supervisor.errors import ConfigError, SupervisorError
 from supervisor.listen import Listen
 from supervisor.placement import Placement
-from supervisor.state import Event, ProcessStatus, StateStore
+from supervisor.state import Event, Observation, ProcessStatus, StateStore
 from supervisor.status import http_request
 from tests.api_fixture import RecordingActions, ServerThread, realistic_snapshot
 
@@ -470,3 +470,28 @@ def test_processes_without_status_yet_are_shown_as_starting(tmp_path: Path) -> N
         assert code == 503
         assert "0: not started yet" in json.loads(body)["reasons"]
         assert srv.server.addresses
+
+
+def test_placement_renderer_reuses_processes_and_matches_the_plain_document() -> None:
+    """The per-process reuse behind GET /placement renders exactly what
+    placement_doc does, through a run of snapshot changes."""
+    store = StateStore(realistic_snapshot())
+    renderer = PlacementRenderer()
+
+    def same() -> bytes:
+        body = renderer.render(store.snapshot)
+        assert json.loads(body) == json.loads(json.dumps(placement_doc(store.snapshot)))
+        return body
+
+    first = same()
+    store.emit("note", None, "an event changes nothing a process shows")
+    second = same()
+    assert second == first  # an event is not part of /placement
+    old = store.snapshot.processes[1]
+    store.set_process(replace(old, state="backoff", pid=None, restarts=old.restarts + 1))
+    third = same()
+    assert third != second and b'"state":"backoff"' in third
+    store.set_observation(2, Observation(observed_at=1.0), ())
+    same()
+    store.update(placement=replace(store.snapshot.placement, warnings=("a new warning",)))
+    assert b"a new warning" in same()
