@@ -40,6 +40,6 @@ HOTPLUG_EXPECTED = (
 
 
 @pytest.mark.vm
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_cpu_hotplug_in_a_two_node_guest() -> None:
     run_checks_in_vm("tests/vm_checks/checker_hotplug.py", HOTPLUG_EXPECTED)

@@ -184,6 +184,7 @@ def test_numa_maps_of_a_child_touching_64_mib() -> None:
 
 
 @pytest.mark.vm
+@pytest.mark.timeout(900)
 def test_numa_maps_in_vm() -> None:
     """A child bound to node 1 by numactl, planned on node 0: inside the 2-node guest."""
     run_checks_in_vm("tests/vm_checks/observe_numa.py", OBSERVE_NUMA, timeout_s=300)

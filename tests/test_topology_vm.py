@@ -28,6 +28,8 @@ def _doc(vm_args: list[str]) -> dict:  # type: ignore[type-arg]
     return json.loads(line[4:])  # type: ignore[no-any-return]
 
 
+@pytest.mark.vm
+@pytest.mark.timeout(600)
 def test_cpuless_node_and_numa_local_devices() -> None:
     doc = _doc(["--preset", "cpuless", "--cgroup", "v2"])
     nodes = {n["id"]: n for n in doc["nodes"]}

@@ -48,21 +48,44 @@ def require_vm() -> None:
     pytest.skip(why)
 
 
+# run-in-vm's own codes: 124 the guest ran past --timeout, 125 the VM or harness failed.
+GUEST_HUNG = (124, 125)
+
+
 def run_in_vm(
-    vm_args: list[str], command: list[str], timeout_s: float = 600.0
+    vm_args: list[str], command: list[str], timeout_s: float = 300.0
 ) -> subprocess.CompletedProcess[str]:
-    """Boot the guest, run `command` in the repo, return the completed process."""
+    """Boot the guest, run `command` in the repo, return the completed process.
+
+    A guest that hangs or fails to boot gets one fresh boot more. Under TCG on
+    two host cores the guest kernel once locked up for minutes ("soft lockup"
+    on three vCPUs, seen once in about 40 boots; the same check then passed 6
+    times in a row): an emulator hang, not a verdict on the code under test.
+    A command that fails on its own is never retried.
+    """
     require_vm()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.run(
-        [str(RUN_IN_VM), "--timeout", str(int(timeout_s)), *vm_args, "--", *command],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout_s + 60,
-        check=False,
-    )
+    argv = [str(RUN_IN_VM), "--timeout", str(int(timeout_s)), *vm_args, "--", *command]
+    first: subprocess.CompletedProcess[str] | None = None
+    for _ in range(2):
+        done = subprocess.run(
+            argv,
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s + 60,
+            check=False,
+        )
+        if done.returncode not in GUEST_HUNG:
+            break
+        first = first or done
+    if first is not None and done is not first:
+        done.stderr = (
+            f"[first boot ended with {first.returncode}; booted again]\n"
+            f"{first.stdout[-2000:]}\n{first.stderr[-2000:]}\n[second boot]\n{done.stderr}"
+        )
+    return done
 
 
 # -- guest check scripts ----------------------------------------------------------------------
@@ -118,7 +141,7 @@ def run_checks_in_vm(
     expected: Sequence[str],
     *,
     vm_args: Sequence[str] = ("--nodes", "2"),
-    timeout_s: float = 600.0,
+    timeout_s: float = 300.0,
 ) -> subprocess.CompletedProcess[str]:
     """Run the guest check `script` (a path from the repo root); every name in
     `expected` must PASS, none may FAIL, and the script must exit 0."""
