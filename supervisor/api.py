@@ -569,7 +569,7 @@ class ApiServer:
         self._runner: web.AppRunner | None = None
         self._unix_paths: list[str] = []
         self._started_at = time.time()
-        self._cache: dict[str, tuple[object, bytes]] = {}
+        self._cache: dict[str, tuple[tuple[object, ...], bytes]] = {}
         self._placement = PlacementRenderer()
         self._openapi = _dumps(openapi_doc())
         self.addresses: tuple[str, ...] = ()
@@ -642,11 +642,14 @@ class ApiServer:
 
     # -- rendering with a per-snapshot cache ------------------------------
 
-    def _rendered(self, name: str, identity: object, render: Callable[[], bytes]) -> bytes:
+    def _rendered(
+        self, name: str, identity: tuple[object, ...], render: Callable[[], bytes]
+    ) -> bytes:
+        """`render()`, or the body rendered last time for the same objects (`is`)."""
         if not self._cache_enabled:
             return render()
         hit = self._cache.get(name)
-        if hit is not None and hit[0] is identity:
+        if hit is not None and all(a is b for a, b in zip(hit[0], identity, strict=True)):
             return hit[1]
         body = render()
         # Holding `identity` keeps it alive, so `is` can never match a new
@@ -659,14 +662,14 @@ class ApiServer:
     async def _get_placement(self, request: web.Request) -> web.Response:
         snap = self._store.snapshot
         if self._cache_enabled:
-            body = self._rendered("placement", snap, lambda: self._placement.render(snap))
+            body = self._rendered("placement", (snap,), lambda: self._placement.render(snap))
         else:
             body = _dumps(placement_doc(snap))
         return web.Response(body=body, content_type="application/json")
 
     async def _get_topology(self, request: web.Request) -> web.Response:
         topo = self._store.snapshot.topology
-        body = self._rendered("topology", topo, lambda: _dumps(self._render_topology(topo)))
+        body = self._rendered("topology", (topo,), lambda: _dumps(self._render_topology(topo)))
         return web.Response(body=body, content_type="application/json")
 
     async def _get_healthz(self, request: web.Request) -> web.Response:
@@ -702,7 +705,19 @@ class ApiServer:
         encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
         snap = self._store.snapshot
         if self._metrics_cacheable:
-            body = self._rendered("metrics " + content_type, snap, lambda: encoder(self.registry))
+            # What the collector reads, not the whole snapshot: an event (a
+            # new snapshot too) leaves every metric as it was.
+            parts = (
+                snap.placement,
+                snap.processes,
+                snap.observed,
+                snap.drift,
+                snap.counters,
+                snap.accelerator_kind,
+                snap.started_at,
+                snap.stopping,
+            )
+            body = self._rendered("metrics " + content_type, parts, lambda: encoder(self.registry))
         else:
             body = encoder(self.registry)
         return web.Response(body=body, headers={"Content-Type": content_type})

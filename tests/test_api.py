@@ -125,6 +125,33 @@ def test_placement_follows_each_new_snapshot(server: ServerThread) -> None:
         server.change(lambda s: s.set_process(old))
 
 
+def test_metrics_follow_what_they_show_and_not_events(server: ServerThread) -> None:
+    """/metrics is rendered again when a value it shows changed, and not for a
+    new snapshot that only adds an event."""
+
+    def restarts_of_rank_3() -> bytes:
+        code, _, body = get(server.tcp, "/metrics")
+        assert code == 200
+        return next(
+            line
+            for line in body.splitlines()
+            if line.startswith(b'placement_restarts_total{rank="3"}')
+        )
+
+    def rendered() -> bytes:
+        cache = server.server._cache
+        return next(body for name, (_, body) in cache.items() if name.startswith("metrics "))
+
+    before = restarts_of_rank_3()
+    first = rendered()
+    server.change(lambda s: s.emit("note", 3, "an event only"))
+    restarts_of_rank_3()
+    assert rendered() is first  # served from the cache: nothing it shows changed
+    server.change(lambda s: s.count("restarts", "3"))
+    after = restarts_of_rank_3()
+    assert float(after.split()[-1]) == float(before.split()[-1]) + 1
+
+
 def test_placement_over_the_unix_socket(server: ServerThread) -> None:
     path = unix(server).path
     assert path is not None
