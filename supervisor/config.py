@@ -442,6 +442,12 @@ def parse_config(doc: Mapping[str, Any], file: str = "<config>") -> Config:
     top.done()
     if cfg.ready is not None and cfg.engine is None:
         raise top.fail("ready", "a readiness probe needs an [engine]")
+    if cfg.engine is not None and not cfg.placement.engine:
+        # Without a slot the engine would silently not run at all.
+        raise ConfigError(
+            f"{file}: placement.engine.enabled: false, but [engine] gives a command; "
+            "remove [engine] to run no engine, or let it have its slot"
+        )
     if cfg.engine is None and cfg.placement.engine:
         # No [engine] table: nothing runs there, so no CPUs are set aside for it.
         cfg = replace(cfg, placement=replace(cfg.placement, engine=False))

@@ -143,6 +143,11 @@ token_file = "/etc/ps/token"
             '[workers]\ncommand = "w"\n[ready]\nfile = "/x"',
             "ready: a readiness probe needs an [engine]",
         ),
+        (
+            '[engine]\ncommand = "e"\n[workers]\ncommand = "w"\n'
+            "[placement.engine]\nenabled = false",
+            "placement.engine.enabled: false, but [engine] gives a command",
+        ),
         ('[engine]\ncommand = "e"', "workers: is required"),
         ("workers = 3", "workers: expected a table"),
         (
