@@ -16,6 +16,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from supervisor import __version__
 from supervisor.config import check_listen, load_config
 from supervisor.config import discovery_options as config_discovery_options
 from supervisor.errors import EXIT_CONFIG, ConfigError, SupervisorError
@@ -150,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Discover CPUs, NUMA nodes and accelerators; plan and keep CPU "
         "placement for an inference engine and its worker ranks.",
     )
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("topology", help="print what discovery finds on this host")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor import cli
+from supervisor import __version__, cli
 from supervisor.placement import Placement
 from tests.daemon_support import run_supervisor
 from tests.hosts import ascend_a3, dgx_h100, no_accel_2node, tight_container
@@ -168,3 +168,9 @@ def test_listen_argument_is_validated() -> None:
     proc = run_cli("status", "--listen", "nonsense")
     assert proc.returncode == 2
     assert "expected HOST:PORT or unix:PATH" in proc.stderr
+
+
+def test_version() -> None:
+    proc = run_cli("--version")
+    assert proc.returncode == 0
+    assert proc.stdout.strip() == f"placement-supervisor {__version__}"
