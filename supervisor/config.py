@@ -18,6 +18,7 @@ from typing import Any, Literal, TypeVar
 from supervisor.errors import ConfigError
 from supervisor.placement import PlanSettings, Shortage, StrategySetting
 from supervisor.topology.model import DiscoveryOptions
+from supervisor.topology.pci import normalize_bdf
 from supervisor.topology.visibility import visibility_env
 
 RestartPolicy = Literal["always", "on-failure", "never"]
@@ -390,11 +391,17 @@ def parse_config(doc: Mapping[str, Any], file: str = "<config>") -> Config:
         "accelerator", "auto", ("auto", "nvidia", "amd", "ascend", "pci", "cpu")
     )
     devices = top.str_list("devices")
-    for i, bdf in enumerate(devices):
-        if not _is_bdf(bdf):
+    normalized = []
+    for i, text in enumerate(devices):
+        bdf = normalize_bdf(text)
+        if bdf is None:
             raise top.fail(
-                "devices", f"item {i}: expected a PCI address like 0000:41:00.0, got {bdf!r}"
+                "devices", f"item {i}: expected a PCI address like 0000:41:00.0, got {text!r}"
             )
+        normalized.append(bdf)
+    devices = tuple(normalized)
+    if accelerator == "pci" and not devices:
+        raise top.fail("devices", 'accelerator = "pci" needs at least one PCI address here')
     restart_t = top.table("restart")
     r = RestartConfig()
     restart = RestartConfig(
@@ -465,21 +472,6 @@ def discovery_options(config: Config | None, environ: Mapping[str, str]) -> Disc
         pci_devices=config.devices,
         cpu_ranks=config.cpu_ranks,
         env=env,
-    )
-
-
-def _is_bdf(text: str) -> bool:
-    # domain:bus:device.function, e.g. 0000:41:00.0 (all hex)
-    parts = text.split(":")
-    if len(parts) != 3 or len(parts[0]) != 4 or len(parts[1]) != 2:
-        return False
-    dev, dot, fn = parts[2].partition(".")
-    hexdigits = set("0123456789abcdef")
-    return (
-        bool(dot)
-        and len(dev) == 2
-        and len(fn) == 1
-        and set(parts[0] + parts[1] + dev + fn) <= hexdigits
     )
 
 

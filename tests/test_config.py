@@ -205,3 +205,13 @@ def test_listen_accepts(listen: str) -> None:
 def test_listen_rejects(listen: str) -> None:
     with pytest.raises(ConfigError, match="--listen"):
         check_listen("--listen", listen)
+
+
+def test_pci_addresses_are_normalized_to_the_sysfs_spelling() -> None:
+    doc = {"devices": ["0000:3B:00.0", "00000000:41:00.1"], "workers": {"command": "w"}}
+    assert parse_config(doc).devices == ("0000:3b:00.0", "0000:41:00.1")
+
+
+def test_pci_accelerator_needs_devices() -> None:
+    with pytest.raises(ConfigError, match='devices: accelerator = "pci" needs'):
+        parse_config({"accelerator": "pci", "workers": {"command": "w"}})

@@ -187,3 +187,13 @@ def test_nics_and_irq_names(tmp_path: Path) -> None:
     assert nics["eth0"].irqs == (77,) and nics["eth0"].numa_node == 1
     irq = next(i for i in topo.irqs if i.number == 77)
     assert irq.bdf == "0000:3b:00.0"
+
+
+def test_cpu_standins_without_any_node_cpus_have_unknown_locality() -> None:
+    """No node lists an allowed CPU: stand-ins of unknown locality (which the planner
+    slices globally), not a ZeroDivisionError."""
+    from supervisor.topology.devices import cpu_standins  # noqa: PLC0415
+    from supervisor.topology.model import Node  # noqa: PLC0415
+
+    devices = cpu_standins((Node(0, frozenset(), 1 << 30, ((0, 10),)),), frozenset({0, 1}), 2)
+    assert [(d.kind, d.numa_node, d.locality) for d in devices] == [("cpu", None, "unknown")] * 2

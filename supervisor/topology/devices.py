@@ -256,5 +256,9 @@ def cpu_standins(
     """One `cpu` device per node with allowed CPUs; at least `cpu_ranks` of them,
     extra ones round-robin over those nodes."""
     usable = [n.id for n in nodes if n.cpus & allowed_cpus]
+    if not usable:
+        # No node lists an allowed CPU (garbled or missing node cpulists):
+        # stand-ins of unknown locality, which the planner slices globally.
+        return tuple(Device("cpu", i, None, None, "unknown") for i in range(max(1, cpu_ranks)))
     count = max(len(usable), cpu_ranks)
     return tuple(Device("cpu", i, None, usable[i % len(usable)], "numa_node") for i in range(count))

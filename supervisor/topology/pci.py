@@ -22,6 +22,16 @@ PCI_DIR = "sys/bus/pci/devices"
 BDF_RE = re.compile(r"\b([0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7])\b")
 
 
+def normalize_bdf(text: str) -> str | None:
+    """A PCI address as sysfs names it ("0000:3b:00.0"), from any spelling
+    lspci or nvidia-smi print ("0000:3B:00.0", "00000000:3b:00.0"); None if
+    `text` is not one."""
+    if not BDF_RE.fullmatch(text):
+        return None
+    domain, rest = text.split(":", 1)
+    return f"{int(domain, 16):04x}:{rest.lower()}"
+
+
 def find_bdf(text: str) -> str | None:
     """The first PCI address ("0000:18:00.0") in `text`, lower-cased."""
     match = BDF_RE.search(text)
