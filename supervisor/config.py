@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal, TypeVar
 
 from supervisor.errors import ConfigError
+from supervisor.listen import parse_listen
 from supervisor.placement import PlanSettings, Shortage, StrategySetting
 from supervisor.topology.model import DiscoveryOptions
 from supervisor.topology.pci import normalize_bdf
@@ -299,14 +300,10 @@ def _ready(t: _Table) -> ReadyProbe | None:
 
 
 def check_listen(where: str, listen: str) -> str:
-    """Validate "HOST:PORT" or "unix:/path" (also for --listen); returns it."""
-    if listen.startswith("unix:"):
-        if not listen[5:]:
-            raise ConfigError(f"{where}: unix socket path is empty")
-        return listen
-    host, sep, port = listen.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ConfigError(f"{where}: expected HOST:PORT or unix:PATH, got {listen!r}")
+    """Validate "HOST:PORT" or "unix:/path" (also for --listen); returns it.
+
+    The same parser the API server and `status` use, so what loads also binds."""
+    parse_listen(listen, where)
     return listen
 
 
