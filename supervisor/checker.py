@@ -252,6 +252,8 @@ class Checker:
         self.down_reported: set[ProcKey] = set()
         self.allowed: AllowedSet = allowed_of(daemon.topology)
         self.lock = asyncio.Lock()
+        self.replan_pending = False  # the allowed set changed and re-planning failed
+        self._plan_error: str | None = None
         # This pass's observations and findings, published together at its end.
         self.results: dict[ProcKey, tuple[Observation, tuple[Finding, ...]]] = {}
         self.can_migrate_other = self.binder.can_migrate_other()
@@ -331,8 +333,13 @@ class Checker:
         targets = self._targets(only)
         scan = await loop.run_in_executor(ex, self._scan, targets)
         self._note_host(scan)
-        if scan.allowed is not None and scan.allowed != self.allowed:
-            await self._cpuset_changed(scan.allowed)
+        changed = scan.allowed is not None and scan.allowed != self.allowed
+        if changed or self.replan_pending:
+            if changed:
+                assert scan.allowed is not None
+                await self._cpuset_changed(scan.allowed)
+            else:
+                await self._replan()  # the last re-plan failed: try again each pass
             targets = self._targets(only)
             scan = await loop.run_in_executor(ex, self._scan, targets)
         now = time.monotonic()
@@ -508,7 +515,10 @@ class Checker:
                     continue
                 drift_tids.add(tid)
                 is_drift = tracked.placed.get(tid) == thread.role
-                if is_drift:
+                # A thread never seen on its role's CPUs is bound as a new
+                # thread (a thread_role rebind), not counted as drift; under
+                # observe nothing binds it, so there it is drift all the same.
+                if is_drift or f.action != "enforce":
                     reported.add((f.kind, f.target))
                 if f.action == "enforce":
                     reason = "api" if force else ("thread_affinity" if is_drift else "thread_role")
@@ -961,7 +971,8 @@ class Checker:
             self._keep_plan(f"{err}")
             return
         if not same_processes(old.placement, result.placement):
-            self._keep_plan("the new plan holds other processes than the running ones")
+            # Not a passing fault: retrying cannot change which devices exist.
+            self._keep_plan("the new plan holds other processes than the running ones", retry=False)
             return
         if result.shortage is not None:
             text = (
@@ -972,6 +983,7 @@ class Checker:
             log.warning("replan degraded %s", format_fields(on_shortage=result.shortage, why=text))
         moved = changed_keys(old.placement, result.placement)
         install_placement(self.daemon, result)
+        self.replan_pending, self._plan_error = False, None
         self.store.emit(
             "plan",
             None,
@@ -1009,11 +1021,17 @@ class Checker:
         for key, binds, outcomes, move in results:
             self._record_moved(key, binds, outcomes, move)
 
-    def _keep_plan(self, why: str) -> None:
+    def _keep_plan(self, why: str, *, retry: bool = True) -> None:
+        # Retried every pass until it succeeds (a read racing a hotplug, say);
+        # said once per distinct reason, not once per pass.
+        self.replan_pending = retry
+        if why == self._plan_error:
+            return
+        self._plan_error = why
         self.store.emit(
             "plan_failed", None, f"re-plan failed: {why}; keeping the old plan", error=why
         )
-        log.error("replan failed %s", format_fields(error=why, action="keep old plan"))
+        log.error("replan failed %s", format_fields(error=why, action="keep old plan, retry"))
 
     def _fail_host(self, target: str, message: str) -> None:
         self.store.count("bind_failures", ("supervisor", target, "error"))

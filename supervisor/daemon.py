@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import uvloop
 
 from supervisor.api import Actions, ApiServer
-from supervisor.bind.binder import Binder
+from supervisor.bind.binder import Binder, ProcessBind
 from supervisor.bind.cgroup import CgroupManager, ProcessCgroup, detect_cgroup_setup
 from supervisor.checker import check_loop as default_check_loop
 from supervisor.config import Config, check_listen, discovery_options, load_config
@@ -39,6 +39,7 @@ from supervisor.irqs import IrqKeeper
 from supervisor.logs import format_fields, setup_logging
 from supervisor.placement import Placement, Slot
 from supervisor.plan import plan
+from supervisor.procs import is_same_process
 from supervisor.render import render_plan_table
 from supervisor.runner import ProcessCgroups, Runner, Runtime, first_of
 from supervisor.sdnotify import Notifier, watchdog_interval_s
@@ -136,6 +137,7 @@ class Daemon:
         self.runners: list[Runner] = []
         self.rt: Runtime | None = None
         self.signals_received = 0
+        self.failed = False  # a supervision task died: the daemon exits 1
         self.actions = DaemonActions(self)  # the API's; the drift step may set its rebinder
         self._ready_sent = False
         self._last_status = ""
@@ -223,7 +225,7 @@ class Daemon:
                 loop.remove_signal_handler(signum)
             executor.shutdown(wait=False, cancel_futures=True)
             self.notifier.close()
-        return 0
+        return 1 if self.failed else 0
 
     async def _start_api(self) -> None:
         if not self.want_api:
@@ -264,6 +266,7 @@ class Daemon:
                         exc = None if task.cancelled() else task.exception()
                         log.error("runner died error=%r action=shutdown", exc)
                         self.store.emit("error", None, f"supervision task died: {exc!r}")
+                        self.failed = True  # exit 1: systemd's Restart=on-failure applies
                         self.rt.stopping.set()
         finally:
             stop.cancel()
@@ -408,13 +411,26 @@ async def rebind_processes(daemon: Daemon, rank: ProcKey | None, reason: str) ->
             results[r.label] = {"state": status.state, "rebound": False}
             continue
         pid = status.pid
+
+        def bind(
+            pid: int = pid,
+            start_time: int | None = status.start_time,
+            cpus: tuple[int, ...] = r.spec.slot.cpus,
+        ) -> ProcessBind | None:
+            # The pid may have been reaped and reused since the status was
+            # read: bind only the process that started then (pid + start time).
+            if start_time is not None and not is_same_process(rt.fs, pid, start_time):
+                return None
+            return binder.set_process_affinity(pid, cpus)
+
         try:
-            done = await loop.run_in_executor(
-                rt.executor, binder.set_process_affinity, pid, r.spec.slot.cpus
-            )
+            done = await loop.run_in_executor(rt.executor, bind)
         except KernelError as err:
             r.record_bind_failure("process", err.reason, str(err))
             results[r.label] = {"pid": pid, "rebound": False, "error": str(err)}
+            continue
+        if done is None:
+            results[r.label] = {"pid": pid, "rebound": False, "error": "process gone"}
             continue
         for tid, failure in done.failed.items():
             r.record_bind_failure("thread", failure.reason, f"tid {tid}: {failure}")
@@ -502,6 +518,13 @@ def cgroups_for(config: Config, fs: HostFS, env: Mapping[str, str]) -> ManagedCg
         manager = CgroupManager(fs, setup, suffix=suffix)
     except ValueError as err:
         raise ConfigError(f"{INSTANCE_ENV}={suffix!r}: {err}") from None
+    try:
+        # Once, here, before any runner spawns: preparing lazily from the
+        # executor's threads raced, and a failure was redone at every spawn.
+        manager.prepare()
+    except KernelError as err:
+        log.warning("cgroups none %s", format_fields(error=str(err), action="skip cgroups"))
+        return None
     log.info(
         "cgroups %s",
         format_fields(version=setup.version, parent=setup.cpuset_parent, instance=manager.instance),

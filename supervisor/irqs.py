@@ -449,7 +449,10 @@ class IrqKeeper:
                 if err.reason == "gone"
                 else "failed"
             )
-            self._status[a.irq] = status
+            # A managed or vanished IRQ is final; any other refusal stays
+            # planned, so observe keeps reporting it and the next enforce
+            # retries it (the failure is counted once, in _failed).
+            self._status[a.irq] = status if status != "failed" else "bound"
             self._failed(key, a, err)
             return IrqOutcome(key, a.irq, status, error=str(err))
         self._status[a.irq] = "bound"
@@ -682,12 +685,9 @@ class IrqKeeper:
         return tuple(outcomes)
 
     def _drifted(self, a: IrqAssignment) -> bool:
-        text = self.fs.read_optional(f"proc/irq/{a.irq}/smp_affinity_list")
-        affinity = _parse_optional(text)
-        if affinity is None:
-            return False  # gone: nothing to put back
-        if affinity != frozenset(a.cpus):
-            return True
+        """Drift by the rule drift.diff uses: delivered outside the planned CPUs.
+        An IRQ narrowed within them (by irqbalance, say) is left alone; None
+        (the IRQ is gone) is nothing to put back."""
         delivery = read_irq_delivery(self.fs, a.irq)
         return delivery is not None and not set(delivery) <= set(a.cpus)
 

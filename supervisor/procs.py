@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import Literal
 
 from supervisor.errors import KernelError, translate_oserror
 from supervisor.hostfs import HostFS
@@ -166,29 +167,38 @@ class ChildProcess:
         return self._exit
 
     def _on_pidfd_readable(self) -> None:
-        if self._exited_unreaped():
+        exited = self._exited()
+        if exited is not None:
             loop = asyncio.get_running_loop()
             assert self._pidfd is not None
             loop.remove_reader(self._pidfd)
-            self._finish()
+            self._finish(zombie=exited == "zombie")
 
     def _wait_thread(self, loop: asyncio.AbstractEventLoop) -> None:
-        with contextlib.suppress(ChildProcessError):
+        zombie = True
+        try:
             os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOWAIT)
-        loop.call_soon_threadsafe(self._finish)
+        except ChildProcessError:
+            zombie = False
+        loop.call_soon_threadsafe(self._finish, zombie)
 
-    def _exited_unreaped(self) -> bool:
+    def _exited(self) -> Literal["zombie", "reaped"] | None:
+        """ "zombie" (exited, its pid and group id still ours), "reaped" (someone
+        else waited for it: the ids may be reused already), or None (running)."""
         try:
             result = os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
         except ChildProcessError:
-            return True  # already reaped (cannot happen unless someone else waited)
-        return result is not None
+            return "reaped"
+        return None if result is None else "zombie"
 
-    def _finish(self) -> None:
+    def _finish(self, zombie: bool = True) -> None:
         if self._popen.returncode is None:
-            # The zombie still pins the group id: kill what the child left
-            # behind (as systemd's KillMode=control-group would), then reap.
-            self._signal_group_unchecked(signal.SIGKILL)
+            if zombie:
+                # The zombie still pins the group id: kill what the child left
+                # behind (as systemd's KillMode=control-group would), then
+                # reap. Without it the id may be someone else's: leave it.
+                with contextlib.suppress(KernelError):
+                    self._signal_group_unchecked(signal.SIGKILL)
             self._popen.wait()
         self._close_pidfd()
         if self._exit is not None and not self._exit.done():

@@ -31,7 +31,6 @@ and binds itself to the plan's `so_compiler` CPUs with
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import itertools
 import json
 import logging
@@ -174,7 +173,9 @@ def _load_prctl() -> Callable[..., int] | None:
     if not sys.platform.startswith("linux"):
         return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        # The running process's own symbols (libc is loaded): find_library
+        # would run `ldconfig -p` in a subprocess inside the engine at import.
+        libc = ctypes.CDLL(None, use_errno=True)
     except OSError:
         return None
     prctl: Callable[..., int] = libc.prctl
