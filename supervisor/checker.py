@@ -76,7 +76,14 @@ from supervisor.replan import (
     same_processes,
     slots_by_key,
 )
-from supervisor.state import Finding, IrqObservation, Observation, ProcKey, key_label
+from supervisor.state import (
+    HOST_LABEL,
+    Finding,
+    IrqObservation,
+    Observation,
+    ProcKey,
+    key_label,
+)
 from supervisor.threads import DEFAULT_THREAD_ROLES, ProcessKind, RoleMatcher, plan_thread_affinity
 from supervisor.topology.discover import read_topology
 from supervisor.topology.model import Topology
@@ -1034,7 +1041,7 @@ class Checker:
         log.error("replan failed %s", format_fields(error=why, action="keep old plan, retry"))
 
     def _fail_host(self, target: str, message: str) -> None:
-        self.store.count("bind_failures", ("supervisor", target, "error"))
+        self.store.count("bind_failures", (HOST_LABEL, target, "error"))
         self.store.emit("bind_failed", None, message, target=target, reason="error")
         log.warning("bind failed %s", format_fields(target=target, error=message, action="degrade"))
 

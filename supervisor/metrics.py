@@ -34,6 +34,7 @@ from prometheus_client.registry import Collector
 
 from supervisor import __version__
 from supervisor.state import (
+    HOST_LABEL,
     BindTarget,
     DriftKind,
     MemPolicyStep,
@@ -178,6 +179,12 @@ def _families(snap: Snapshot | None) -> Iterator[Metric]:
         "Binds the kernel refused, by target (process, thread, memory, irq, cgroup) and reason.",
         labels=("rank", "target", "reason"),
     )
+    host_bind_failures = CounterMetricFamily(
+        "placement_host_bind_failures",
+        "Binds of the supervisor's own (instance cgroup, IRQ re-plan) the kernel refused; "
+        "DESIGN 3.5 keeps `rank` for ranks and the engine.",
+        labels=("target", "reason"),
+    )
     drift_events = CounterMetricFamily(
         "placement_drift_events", "Drift findings seen by the checks.", labels=("rank", "kind")
     )
@@ -269,7 +276,10 @@ def _families(snap: Snapshot | None) -> Iterator[Metric]:
         drifts.update(counters.drift_events)
         rebind_counts.update(counters.rebinds)
         for labels, n in sorted(failures.items()):
-            bind_failures.add_metric(list(labels), n)
+            if labels[0] == HOST_LABEL:
+                host_bind_failures.add_metric(list(labels[1:]), n)
+            else:
+                bind_failures.add_metric(list(labels), n)
         for labels2, n in sorted(drifts.items()):
             drift_events.add_metric(list(labels2), n)
         for labels2, n in sorted(rebind_counts.items()):
@@ -290,6 +300,7 @@ def _families(snap: Snapshot | None) -> Iterator[Metric]:
     yield planned
     yield findings
     yield bind_failures
+    yield host_bind_failures
     yield drift_events
     yield rebinds
     yield cpuset_changes

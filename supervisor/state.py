@@ -29,6 +29,9 @@ DriftKind = Literal[
 BindTarget = Literal["process", "thread", "memory", "irq", "cgroup"]
 
 EVENTS_KEPT = 1000
+# The counter label of failures that belong to no process (the instance
+# cgroup, an IRQ re-plan); metrics export them apart from `rank` ones.
+HOST_LABEL = "supervisor"
 
 
 def key_label(key: ProcKey) -> str:

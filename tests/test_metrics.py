@@ -24,7 +24,7 @@ from supervisor.metrics import (
     REBIND_REASONS,
     build_registry,
 )
-from supervisor.state import ProcessStatus, Snapshot, StateStore
+from supervisor.state import HOST_LABEL, ProcessStatus, Snapshot, StateStore
 from tests.api_fixture import Scenario, realistic_snapshot
 
 
@@ -199,3 +199,21 @@ def test_openmetrics_exposition_parses() -> None:
     assert families["placement"].type == "info"
     up = {s.labels["rank"]: s.value for s in families["placement_up"].samples}
     assert up == {"engine": 1.0, "0": 1.0, "1": 1.0, "2": 1.0, "3": 1.0}
+
+
+def test_failures_of_no_process_keep_out_of_the_rank_label() -> None:
+    """DESIGN 3.5: `rank` is a rank number or engine; the supervisor's own
+    failures (its instance cgroup, an IRQ re-plan) have a family of their own."""
+    store = StateStore(realistic_snapshot())
+    store.count("bind_failures", (HOST_LABEL, "cgroup", "error"))
+    registry = build_registry(store)
+    labels = {"target": "cgroup", "reason": "error"}
+    assert registry.get_sample_value("placement_host_bind_failures_total", labels) == 1
+    ranks = {
+        s.labels["rank"]
+        for m in registry.collect()
+        if m.name == "placement_bind_failures"
+        for s in m.samples
+    }
+    assert HOST_LABEL not in ranks
+    assert ranks == {"engine", *(str(r.rank) for r in store.snapshot.placement.ranks)}
