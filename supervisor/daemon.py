@@ -206,14 +206,18 @@ class Daemon:
             interval = watchdog_interval_s(self.env, os.getpid())
             if interval is not None:
                 watchdog = asyncio.create_task(self._watchdog_loop(interval), name="watchdog")
-            await self._wait_started()
+            # The check loop starts once the IRQs are applied (its IRQ checks
+            # compare against them), not once every process is up: an engine
+            # can take many minutes to load a model, and its threads, the
+            # workers waiting on it, and /healthz all need checking meanwhile.
             await first_of(self.irq_task, self.rt.stopping.wait())
+            if not self.rt.stopping.is_set() and self.check_loop is not None:
+                self.check_task = asyncio.create_task(
+                    self._run_check_loop(self.check_loop), name="check_loop"
+                )
+            await self._wait_started()
             if not self.rt.stopping.is_set():
                 self._notify_ready()
-                if self.check_loop is not None:
-                    self.check_task = asyncio.create_task(
-                        self._run_check_loop(self.check_loop), name="check_loop"
-                    )
             await self._wait_stop()
         finally:
             await self._shutdown()
