@@ -46,6 +46,11 @@ def test_the_guests_nics_are_numa_local_devices_with_their_msix_irqs() -> None:
     assert by_bdf["0000:21:00.0"].numa_node == 0
     assert by_bdf["0000:41:00.0"].numa_node == 1
     assert all(len(by_bdf[b].irqs) >= 3 for b in by_bdf)  # virtio-net: config + rx + tx
+    # The guest's /proc/interrupts names no PCI address ("PCI-MSI 16384-edge
+    # virtio0-config"): the NICs' IRQs come from msi_irqs/ alone.
+    nics = {n.bdf: n for n in topology.nics if n.bdf in by_bdf}
+    assert set(nics) == set(by_bdf)
+    assert all(nics[b].irqs == by_bdf[b].irqs for b in by_bdf)
     # Each NIC's rank sits on its own node, with an irq CPU there.
     node_cpus = {n.id: set(n.cpus) for n in topology.nodes}
     for rank in placement.ranks:

@@ -74,7 +74,10 @@ def read_topology(fs: HostFS, options: DiscoveryOptions = DiscoveryOptions()) ->
     devices = apply_visibility(devices, dict(options.env))
     nics = read_nics(fs, nodes)
 
-    msi_owner = {irq: d.bdf for d in devices if d.bdf for irq in d.irqs}
+    # msi_irqs/ is authoritative: the chip column of /proc/interrupts names
+    # the PCI function on some kernels only ("PCI-MSI 49152-edge" on others).
+    msi_owner = {irq: n.bdf for n in nics if n.bdf for irq in n.irqs}
+    msi_owner.update({irq: d.bdf for d in devices if d.bdf for irq in d.irqs})
     names = {n.name: n.bdf for n in nics if n.bdf}
     irqs = assign_irqs(read_interrupts(fs), msi_owner, names)
     by_bdf: dict[str, set[int]] = defaultdict(set)
@@ -86,7 +89,8 @@ def read_topology(fs: HostFS, options: DiscoveryOptions = DiscoveryOptions()) ->
         for d in devices
     )
     nics = tuple(
-        n if n.bdf is None else replace(n, irqs=tuple(sorted(by_bdf[n.bdf]))) for n in nics
+        n if n.bdf is None else replace(n, irqs=tuple(sorted(by_bdf[n.bdf] | set(n.irqs))))
+        for n in nics
     )
     return Topology(
         cpus=cpus,

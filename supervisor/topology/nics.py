@@ -53,13 +53,16 @@ def read_nic_links(fs: HostFS) -> tuple[NicLink, ...]:
 
 
 def read_nics(fs: HostFS, nodes: tuple[Node, ...]) -> tuple[Nic, ...]:
-    """NICs without IRQs (discover attaches them), by kind then name."""
+    """NICs with their PCI function's MSI IRQs (discover adds the /proc/interrupts
+    lines that name them), by kind then name."""
     nics: list[Nic] = []
     for link in read_nic_links(fs):
         node: int | None = None
+        irqs: tuple[int, ...] = ()
         pid = None if link.bdf is None else read_pci_id(fs, link.bdf)
         if pid is not None:
             fn = read_pci_function(fs, pid)
             node = resolve_locality(link.name, fn.numa_node, fn.local_cpus, nodes).numa_node
-        nics.append(Nic(name=link.name, kind=link.kind, bdf=link.bdf, numa_node=node))
+            irqs = fn.msi_irqs
+        nics.append(Nic(name=link.name, kind=link.kind, bdf=link.bdf, numa_node=node, irqs=irqs))
     return tuple(sorted(nics, key=lambda n: (n.kind, natural_key(n.name))))
