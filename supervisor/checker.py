@@ -95,14 +95,14 @@ log = logging.getLogger("placement_supervisor.checker")
 
 MIGRATE_NO_GAIN_BACKOFF_S = 60.0  # a migration that did not raise the ratio waits this long
 MIGRATE_MIN_GAIN = 0.01  # ...where "raise" means by at least this much
-# Remote memory below this is not migrated by the loop (the finding stays).
-# The ratio counts only the process's own (anonymous) memory, but
-# migrate_pages(2) run with CAP_SYS_NICE moves every page the process maps on
-# the old nodes, shared libraries too; before the ratio left file pages out,
-# two ranks on different nodes moved the same library pages back and forth in
-# the 2-node guest. A small remainder is not worth that walk of the page
-# tables under the worker's mmap lock. The API's rebind ignores the floor.
-MIGRATE_MIN_REMOTE_BYTES = 32 << 20
+# Remote memory below this is not migrated by the loop (the finding stays):
+# not worth a walk of the worker's page tables under its mmap lock. The
+# ratio counts only memory the process allocated, so shared library pages
+# (which migrate_pages(2) with CAP_SYS_NICE moves too) no longer make two
+# ranks on different nodes take them back and forth; a floor sized for that
+# (it was 32 MiB) left a small worker a third remote for good. The API's
+# rebind ignores the floor.
+MIGRATE_MIN_REMOTE_BYTES = 4 << 20
 EVENT_TARGETS_MAX = 20  # targets named in one grouped event
 ENFORCED_KINDS = ("thread_affinity", "memory_locality", "irq_affinity")
 
