@@ -103,6 +103,8 @@ MIGRATE_MIN_GAIN = 0.01  # ...where "raise" means by at least this much
 # (it was 32 MiB) left a small worker a third remote for good. The API's
 # rebind ignores the floor.
 MIGRATE_MIN_REMOTE_BYTES = 4 << 20
+# A repair (started by a memory_locality finding) goes on to this ratio.
+REPAIR_TARGET_RATIO = 0.99
 EVENT_TARGETS_MAX = 20  # targets named in one grouped event
 ENFORCED_KINDS = ("thread_affinity", "memory_locality", "irq_affinity")
 
@@ -207,6 +209,10 @@ class Tracked:
     failures: dict[tuple[str, str], str] = field(default_factory=dict)  # (target kind, id)
     migrate_after: float = 0.0  # monotonic; no migration before
     migrated_from: float | None = None  # ratio before the last migration, until re-read
+    # A memory_locality finding started a repair: keep migrating what is still
+    # remote until REPAIR_TARGET_RATIO, even once back over the threshold.
+    # The threshold says when to act, not where to stop (numad works alike).
+    repairing: bool = False
     memory_stale: bool = False  # re-read memory at the next pass
 
 
@@ -536,12 +542,15 @@ class Checker:
                 continue
             reported.add((f.kind, f.target))
             if f.kind == "memory_locality" and f.action == "enforce":
+                tracked.repairing = True
                 move = self._plan_move(target, tracked, obs, now, force)
                 if move is not None:
                     p.moves.append(move)
             elif f.kind == "irq_affinity" and f.action == "enforce":
                 p.irq = True
                 p.irq_reason = "api" if force else "irq_affinity"
+        if tracked.repairing and not any(f.kind == "memory_locality" for f in findings):
+            self._continue_repair(target, tracked, obs, now, p)
         p.new_drift = [f for f in findings if (f.kind, f.target) in reported - tracked.reported]
         tracked.reported = reported
         self._judge_migration(target.key, tracked, obs, now)
@@ -559,8 +568,31 @@ class Checker:
         tracked.previous = obs
         return p
 
+    def _continue_repair(
+        self, target: ScanTarget, tracked: Tracked, obs: Observation, now: float, p: _Pass
+    ) -> None:
+        """Above the threshold again: move what is still remote until the repair
+        target is reached (pages the process kept allocating remotely while the
+        first migration ran, say)."""
+        if self.drift.policy.get("memory_locality") != "enforce" or tracked.memory_stale:
+            return
+        ratio = obs.local_memory_ratio
+        if ratio is None or ratio >= REPAIR_TARGET_RATIO:
+            tracked.repairing = False  # repaired
+            return
+        move = self._plan_move(target, tracked, obs, now, False, floor_bytes=0)
+        if move is not None:
+            p.moves.append(move)
+
     def _plan_move(
-        self, target: ScanTarget, tracked: Tracked, obs: Observation, now: float, force: bool
+        self,
+        target: ScanTarget,
+        tracked: Tracked,
+        obs: Observation,
+        now: float,
+        force: bool,
+        *,
+        floor_bytes: int = MIGRATE_MIN_REMOTE_BYTES,
     ) -> MemoryMove | None:
         rate = self.drift.migrate_max_bytes_per_s
         if rate <= 0 or (now < tracked.migrate_after and not force) or tracked.memory_stale:
@@ -569,7 +601,7 @@ class Checker:
         remote = {n: b for n, b in obs.memory_bytes_by_node.items() if n not in mems and b > 0}
         if not remote or obs.local_memory_ratio is None:
             return None
-        if sum(remote.values()) < MIGRATE_MIN_REMOTE_BYTES and not force:
+        if sum(remote.values()) < floor_bytes and not force:
             return None
         # A tug of war: this process moved pages here, another moved pages
         # the other way since, and now they are remote again: pages both map
