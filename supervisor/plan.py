@@ -23,7 +23,7 @@ from supervisor.placement import (
     Slot,
     Strategy,
 )
-from supervisor.topology.model import Device, Node, Topology
+from supervisor.topology.model import Device, Node, Topology, device_order
 
 Core = tuple[int, ...]
 """The allowed online SMT siblings of one physical core, sorted (one CPU without SMT)."""
@@ -40,10 +40,6 @@ DeviceKey = tuple[str, int]
 # settings list them, like vllm-ascend's pool[-2]/pool[-1] split; `main` keeps
 # the contiguous middle.
 FRONT_ROLES = ("irq",)
-
-# Ranks follow (kind, index) with kinds in discovery's order (accelerators
-# before config-named PCI devices before CPU stand-ins).
-KIND_ORDER: dict[str, int] = {"nvidia": 0, "amd": 1, "ascend": 2, "pci": 3, "cpu": 4}
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,11 +212,6 @@ def _view(topology: Topology) -> _View:
 
 def _key(device: Device) -> DeviceKey:
     return (device.kind, device.index)
-
-
-def device_order(device: Device) -> tuple[int, int]:
-    """Sort key of devices into ranks: kind (KIND_ORDER), then index."""
-    return (KIND_ORDER.get(device.kind, len(KIND_ORDER)), device.index)
 
 
 def _distance(view: _View, a: int, b: int) -> float:

@@ -10,8 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from supervisor.placement import Placement, Slot
-from supervisor.plan import device_order
-from supervisor.topology.model import Topology
+from supervisor.topology.model import Topology, device_order
 
 
 def _nearest(topology: Topology, start: int, candidates: Iterable[int]) -> int:

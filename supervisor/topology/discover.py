@@ -22,13 +22,11 @@ from supervisor.topology.devices import (
     read_nvidia,
 )
 from supervisor.topology.interrupts import assign_irqs, read_interrupts
-from supervisor.topology.model import Device, DiscoveryOptions, Node, Topology
+from supervisor.topology.model import Device, DiscoveryOptions, Node, Topology, device_order
 from supervisor.topology.nics import read_nics
 from supervisor.topology.numa import node_of_cpus, read_nodes
 from supervisor.topology.pci import scan_pci
 from supervisor.topology.visibility import apply_visibility
-
-_KIND_ORDER = {"nvidia": 0, "amd": 1, "ascend": 2, "pci": 3, "cpu": 4}
 
 
 def _read_devices(
@@ -60,7 +58,7 @@ def _read_devices(
         )
     if not devices:
         devices += cpu_standins(nodes, allowed_cpus, options.cpu_ranks)
-    devices.sort(key=lambda d: (_KIND_ORDER[d.kind], d.index))
+    devices.sort(key=device_order)
     return tuple(devices), tuple(warnings)
 
 

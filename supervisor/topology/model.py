@@ -94,6 +94,16 @@ class Device:
         return f"{self.kind}{self.index}"
 
 
+# Devices order by kind, then index: accelerators before config-named PCI
+# devices before CPU stand-ins. Discovery lists them so; ranks follow it.
+KIND_ORDER: dict[str, int] = {"nvidia": 0, "amd": 1, "ascend": 2, "pci": 3, "cpu": 4}
+
+
+def device_order(device: Device) -> tuple[int, int]:
+    """Sort key of devices (and so of ranks): kind (KIND_ORDER), then index."""
+    return (KIND_ORDER.get(device.kind, len(KIND_ORDER)), device.index)
+
+
 @dataclass(frozen=True, slots=True)
 class Nic:
     """A network interface (InfiniBand HCA or netdev) backed by a PCI function."""
