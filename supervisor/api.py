@@ -34,7 +34,7 @@ from supervisor.config import ApiConfig
 from supervisor.errors import ConfigError, SupervisorError
 from supervisor.listen import Listen, parse_listen
 from supervisor.metrics import build_registry, not_ready_reasons
-from supervisor.placement import PLAN_VERSION
+from supervisor.placement import Placement, RankPlacement, Slot
 from supervisor.state import (
     EVENTS_KEPT,
     Observation,
@@ -181,34 +181,49 @@ class PlacementRenderer:
 
     def __init__(self) -> None:
         self._parts: dict[ProcKey, tuple[tuple[object, ...], bytes]] = {}
+        self._frame: tuple[object, bytes, bytes] | None = None  # placement, head, tail
 
-    def _process(self, snap: Snapshot, key: ProcKey, planned: Any, doc: Any) -> bytes:
+    def _process(self, snap: Snapshot, key: ProcKey, planned: Slot | RankPlacement) -> bytes:
         identity = (planned, snap.processes.get(key), snap.observed.get(key), snap.drift.get(key))
         hit = self._parts.get(key)
         if hit is not None and all(a is b for a, b in zip(hit[0], identity, strict=True)):
             return hit[1]
+        doc = planned.to_doc()
         doc.update(process_doc(snap, key))
         body = _dumps(doc)
         self._parts[key] = (identity, body)  # holding the objects keeps `is` sound
         return body
 
+    def _head_and_tail(self, placement: Placement) -> tuple[bytes, bytes]:
+        """The plan document's own keys around "engine" and "ranks", from
+        Placement.to_doc() itself (once per placement: it changes on a re-plan)."""
+        if self._frame is None or self._frame[0] is not placement:
+            doc = placement.to_doc()
+            keys = list(doc)
+            at = keys.index("engine")
+            assert keys[at : at + 2] == ["engine", "ranks"], keys
+            head = _dumps({k: doc[k] for k in keys[:at]})[1:-1]
+            tail = _dumps({k: doc[k] for k in keys[at + 2 :]})[1:-1]
+            # `{head,"engine":..,"ranks":[..],tail,"supervisor":..}`
+            self._frame = (placement, b"{" + head + b"," * bool(head), b"," * bool(tail) + tail)
+        return self._frame[1], self._frame[2]
+
     def render(self, snap: Snapshot) -> bytes:
         placement = snap.placement
         engine = b"null"
         if placement.engine is not None:
-            engine = self._process(snap, "engine", placement.engine, placement.engine.to_doc())
-        ranks = [self._process(snap, r.rank, r, r.to_doc()) for r in placement.ranks]
-        head = {"version": PLAN_VERSION, "strategy": placement.strategy}
-        tail = {"warnings": list(placement.warnings), "shared": placement.shared}
+            engine = self._process(snap, "engine", placement.engine)
+        ranks = [self._process(snap, r.rank, r) for r in placement.ranks]
+        head, tail = self._head_and_tail(placement)
         return b"".join(
             (
-                _dumps(head)[:-1],
-                b',"engine":',
+                head,
+                b'"engine":',
                 engine,
                 b',"ranks":[',
                 b",".join(ranks),
-                b"],",
-                _dumps(tail)[1:-1],
+                b"]",
+                tail,
                 b',"supervisor":',
                 _dumps(supervisor_doc(snap)),
                 b"}",
