@@ -33,7 +33,7 @@ from supervisor import __version__
 from supervisor.config import ApiConfig
 from supervisor.errors import ConfigError, SupervisorError
 from supervisor.listen import Listen, parse_listen
-from supervisor.metrics import build_registry, not_ready_reasons
+from supervisor.metrics import build_registry, collected_parts, not_ready_reasons
 from supervisor.placement import Placement, RankPlacement, Slot
 from supervisor.state import (
     EVENTS_KEPT,
@@ -720,18 +720,7 @@ class ApiServer:
         encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
         snap = self._store.snapshot
         if self._metrics_cacheable:
-            # What the collector reads, not the whole snapshot: an event (a
-            # new snapshot too) leaves every metric as it was.
-            parts = (
-                snap.placement,
-                snap.processes,
-                snap.observed,
-                snap.drift,
-                snap.counters,
-                snap.accelerator_kind,
-                snap.started_at,
-                snap.stopping,
-            )
+            parts = collected_parts(snap)
             body = self._rendered("metrics " + content_type, parts, lambda: encoder(self.registry))
         else:
             body = encoder(self.registry)

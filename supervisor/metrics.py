@@ -67,6 +67,23 @@ REBIND_REASONS: tuple[str, ...] = (
 )
 
 
+def collected_parts(snap: Snapshot) -> tuple[object, ...]:
+    """Every snapshot field the collector reads: the API renders /metrics again
+    only when one of these is a new object (an event alone changes none).
+    Keep it next to _families: a field read there and missing here would serve
+    a stale body."""
+    return (
+        snap.placement,
+        snap.processes,
+        snap.observed,
+        snap.drift,
+        snap.counters,
+        snap.accelerator_kind,
+        snap.started_at,
+        snap.stopping,
+    )
+
+
 def _bind_failure_labels(key: ProcKey) -> Iterator[tuple[str, str, str]]:
     rank = key_label(key)
     for target in BIND_TARGETS:
