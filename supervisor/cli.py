@@ -21,13 +21,13 @@ from supervisor.config import check_listen, load_config
 from supervisor.config import discovery_options as config_discovery_options
 from supervisor.errors import EXIT_CONFIG, ConfigError, SupervisorError
 from supervisor.hostfs import HostFS
-from supervisor.placement import Placement, PlanSettings
-from supervisor.plan import plan
-from supervisor.render import render_plan_table
-from supervisor.snapshot import take_snapshot
+from supervisor.plan.placement import Placement, PlanSettings
+from supervisor.plan.planner import plan
+from supervisor.plan.render import render_plan_table
 from supervisor.topology.discover import read_topology
 from supervisor.topology.model import DiscoveryOptions, Topology
 from supervisor.topology.render import render_topology_text, topology_to_doc
+from supervisor.topology.snapshot import take_snapshot
 
 PROG = "placement-supervisor"
 EXIT_INTERNAL = 1
@@ -182,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--config", metavar="FILE", help="find the daemon where this config's [api] listens"
     )
     p.add_argument("--json", action="store_true", help="print the placement document")
-    p.set_defaults(func=_delegate("supervisor.status", "status_command"))
+    p.set_defaults(func=_delegate("supervisor.serve.status", "status_command"))
     return parser
 
 

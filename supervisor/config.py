@@ -16,8 +16,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal, TypeVar
 
 from supervisor.errors import ConfigError
-from supervisor.listen import parse_listen
-from supervisor.placement import PlanSettings, Shortage, StrategySetting
+from supervisor.plan.placement import PlanSettings, Shortage, StrategySetting
+from supervisor.serve.listen import parse_listen
 from supervisor.topology.model import DiscoveryOptions
 from supervisor.topology.pci import normalize_bdf
 from supervisor.topology.visibility import visibility_env

@@ -4,7 +4,7 @@
 the event loop (uvloop): the engine first (until its readiness probe passes),
 then one worker per rank, each spawned through the exec shim so it is bound
 from its first instruction, each in its own process group, each restarted by
-the policy of `supervisor.restart`. Every state change is an Event in the
+the policy of `supervisor.run.restart`. Every state change is an Event in the
 `StateStore`, which the API and metrics read. SIGTERM/SIGINT only set a flag;
 the shutdown that follows stops workers first, then the engine.
 """
@@ -27,28 +27,28 @@ from typing import Any, Protocol
 
 import uvloop
 
-from supervisor.api import Actions, ApiServer
 from supervisor.bind.binder import Binder, ProcessBind
 from supervisor.bind.cgroup import CgroupManager, ProcessCgroup, detect_cgroup_setup
-from supervisor.checker import check_loop as default_check_loop
 from supervisor.config import Config, check_listen, discovery_options, load_config
 from supervisor.cpulist import format_cpulist
 from supervisor.errors import ConfigError, KernelError, SupervisorError
 from supervisor.hostfs import HostFS
-from supervisor.irqs import IrqKeeper
 from supervisor.logs import format_fields, setup_logging
-from supervisor.placement import Placement, Slot
-from supervisor.plan import plan
-from supervisor.procs import is_same_process
-from supervisor.render import render_plan_table
-from supervisor.runner import ProcessCgroups, Runner, Runtime, first_of
-from supervisor.sdnotify import Notifier, watchdog_interval_s
-from supervisor.spec import ChildSpec, build_specs, child_env, resolve_python, worker_argv
+from supervisor.plan.placement import Placement, Slot
+from supervisor.plan.planner import plan
+from supervisor.plan.render import render_plan_table
+from supervisor.run.procs import is_same_process
+from supervisor.run.runner import ProcessCgroups, Runner, Runtime, first_of
+from supervisor.run.sdnotify import Notifier, watchdog_interval_s
+from supervisor.run.spec import ChildSpec, build_specs, child_env, resolve_python, worker_argv
+from supervisor.serve.api import Actions, ApiServer
 from supervisor.state import ProcessStatus, ProcKey, Snapshot, StateStore, key_label
 from supervisor.topology.discover import read_topology
 from supervisor.topology.model import Topology
+from supervisor.watch.checker import check_loop as default_check_loop
+from supervisor.watch.irqs import IrqKeeper
 
-# Names that moved to `supervisor.spec` and `supervisor.runner`, still importable here.
+# Names that moved to `supervisor.run.spec` and `supervisor.run.runner`, still importable here.
 __all__ = [
     "ChildSpec",
     "Daemon",
@@ -80,7 +80,7 @@ class Server(Protocol):
 
 CheckLoop = Callable[["Daemon"], Awaitable[None]]
 """The drift/observation loop, started after READY (`run_command` passes
-supervisor.checker's; None runs without one)."""
+supervisor.watch.checker's; None runs without one)."""
 
 
 # -- the daemon -------------------------------------------------------------------
@@ -127,7 +127,7 @@ class Daemon:
         self.specs = specs
         self.fs = fs if fs is not None else HostFS("/")
         self.cgroups = cgroups
-        # The devices' IRQs (supervisor.irqs): applied while the ranks start, put
+        # The devices' IRQs (supervisor.watch.irqs): applied while the ranks start, put
         # back after they stop. The check loop observes and enforces through it
         # and counts its re-writes itself (rebinds{reason="irq_affinity"}).
         self.irq_keeper = IrqKeeper(
@@ -380,7 +380,7 @@ class Daemon:
 
 
 class DaemonActions:
-    """The API's changing calls, done on the daemon (implements supervisor.api.Actions)."""
+    """The API's changing calls, done on the daemon (implements supervisor.serve.api.Actions)."""
 
     def __init__(self, daemon: Daemon) -> None:
         self.daemon = daemon

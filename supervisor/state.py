@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Literal
 
-from supervisor.placement import Placement
+from supervisor.plan.placement import Placement
 from supervisor.topology.model import Topology
 
 ProcKey = int | Literal["engine"]

@@ -61,7 +61,7 @@ class WorkerSlot:
     def role_cpus(self, role: str) -> tuple[int, ...]:
         """The CPUs of `role`, falling back to `main`, then to all the slot's CPUs.
 
-        Same rule as `supervisor.placement.Slot.role_cpus`: a role the plan
+        Same rule as `supervisor.plan.placement.Slot.role_cpus`: a role the plan
         merged into `main` on a small host still gets CPUs.
         """
         return self.roles.get(role) or self.roles.get("main") or self.cpus

@@ -29,7 +29,7 @@ def _remove_test_cgroups() -> Iterator[None]:
     """Daemons started by tests use the instance `test-<pid>` (daemon_env); one
     that a test SIGKILLs cannot remove its cgroup dirs, so the session does."""
     yield
-    from tests.cgroup_v1 import V1_CPUSET, V1_MEMORY, own_memory_cgroup, remove_v1_tree  # noqa: PLC0415
+    from tests.support.cgroup_v1 import V1_CPUSET, V1_MEMORY, own_memory_cgroup, remove_v1_tree  # noqa: PLC0415
 
     name = f"placement-supervisor-test-{os.getpid()}"
     memory = own_memory_cgroup()

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from supervisor import __version__, cli
-from supervisor.placement import Placement
-from tests.daemon_support import run_supervisor
-from tests.hosts import ascend_a3, dgx_h100, no_accel_2node, tight_container
-from tests.plan_invariants import check_placement
+from supervisor.plan.placement import Placement
+from tests.support.daemon_support import run_supervisor
+from tests.support.hosts import ascend_a3, dgx_h100, no_accel_2node, tight_container
+from tests.support.plan_invariants import check_placement
 
 VISIBILITY = ("CUDA_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
 

@@ -32,12 +32,12 @@ from supervisor.daemon import (
     worker_argv,
 )
 from supervisor.hostfs import HostFS
-from supervisor.placement import DeviceRef, Placement, RankPlacement, Slot
-from supervisor.probe import wait_ready
+from supervisor.plan.placement import DeviceRef, Placement, RankPlacement, Slot
+from supervisor.run.probe import wait_ready
 from supervisor.state import ProcessStatus, ProcKey
 from supervisor.worker import SLOT_ENV, parse_slot_env
-from tests.children import report_of, reports, status_field, write_child
-from tests.daemon_support import child_config, free_port, until
+from tests.support.children import report_of, reports, status_field, write_child
+from tests.support.daemon_support import child_config, free_port, until
 
 FS = HostFS("/")
 Scenario = Callable[[Daemon], Awaitable[None]]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.vm import run_checks_in_vm
+from tests.support.vm import run_checks_in_vm
 
 EXPECTED = (
     "daemon up",

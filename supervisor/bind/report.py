@@ -1,6 +1,6 @@
 """The spawner's side of the exec shim: its command line and its report (pure, no I/O).
 
-`shim_argv` builds the argv that starts a worker through `supervisor.shim`;
+`shim_argv` builds the argv that starts a worker through `supervisor.run.shim`;
 `parse_shim_report` reads what the shim wrote on its report fd (one JSON line
 after binding, a second one if exec failed). Kept apart from the shim itself,
 which must not import json or dataclasses.
@@ -24,7 +24,7 @@ PDEATHSIGS = ("TERM", "KILL", "HUP", "INT")
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(supervisor.__file__)))
 SHIM_STUB = (
     f"import sys;sys.path.insert(0,{PACKAGE_ROOT!r});"
-    "from supervisor.shim import main;sys.exit(main())"
+    "from supervisor.run.shim import main;sys.exit(main())"
 )
 
 
@@ -146,7 +146,7 @@ def shim_argv(
 
     `isolated=True` runs the shim as `python -I -S -c SHIM_STUB`: no
     site-packages (whose .pth import hooks cost ~10 ms), no PYTHON* variables,
-    about half the start-up cost of `python -m supervisor.shim` (see
+    about half the start-up cost of `python -m supervisor.run.shim` (see
     tests/bench/shim_bench.py). The worker's own environment is untouched.
     `report_fd` must reach the child (pass it in `pass_fds`); `parent_pid` is
     normally os.getpid() of the spawner.
@@ -156,7 +156,9 @@ def shim_argv(
         raise ValueError("shim_argv: empty command")
     if mempolicy not in ("bind", "preferred", "none"):
         raise ValueError(f"shim_argv: mempolicy must be bind, preferred or none, got {mempolicy!r}")
-    cmd = [python, "-I", "-S", "-c", SHIM_STUB] if isolated else [python, "-m", "supervisor.shim"]
+    cmd = (
+        [python, "-I", "-S", "-c", SHIM_STUB] if isolated else [python, "-m", "supervisor.run.shim"]
+    )
     cpu_text = _idlist(cpus)
     if cpu_text:
         cmd += ["--cpus", cpu_text]

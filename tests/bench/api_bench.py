@@ -28,10 +28,10 @@ from dataclasses import replace
 
 from aiohttp import ClientSession, TCPConnector, web
 
-from supervisor.api import ApiServer, placement_doc
 from supervisor.config import ApiConfig
+from supervisor.serve.api import ApiServer, placement_doc
 from supervisor.state import StateStore
-from tests.api_fixture import RecordingActions, synthetic_snapshot
+from tests.support.api_fixture import RecordingActions, synthetic_snapshot
 
 RANKS = 16
 THREADS = 100

@@ -30,13 +30,13 @@ from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 
 from supervisor.config import ThreadRole
-from supervisor.drift import diff
 from supervisor.hostfs import HostFS
-from supervisor.observe import ThreadScanner, observe_process, read_numa_maps, read_threads
-from supervisor.placement import Slot
-from supervisor.threads import RoleMatcher
-from tests.cgroup_v1 import V1_MEMORY, v1_cgroup
-from tests.children import ThreadedChild
+from supervisor.plan.placement import Slot
+from supervisor.plan.threads import RoleMatcher
+from supervisor.watch.drift import diff
+from supervisor.watch.observe import ThreadScanner, observe_process, read_numa_maps, read_threads
+from tests.support.cgroup_v1 import V1_MEMORY, v1_cgroup
+from tests.support.children import ThreadedChild
 
 FS = HostFS("/")
 ROLES = (

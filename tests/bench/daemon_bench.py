@@ -33,12 +33,12 @@ import uvloop
 from supervisor.config import parse_config
 from supervisor.daemon import ChildSpec, Runner, Runtime
 from supervisor.hostfs import HostFS
-from supervisor.placement import Placement, Slot
-from supervisor.procs import ChildProcess, read_proc_stat, spawn
+from supervisor.plan.placement import Placement, Slot
+from supervisor.run.procs import ChildProcess, read_proc_stat, spawn
 from supervisor.state import ProcessStatus, Snapshot, StateStore
 from supervisor.topology.discover import read_topology
 from supervisor.topology.model import DiscoveryOptions
-from tests.daemon_support import REPO, DaemonProcess, entries, wait_until
+from tests.support.daemon_support import REPO, DaemonProcess, entries, wait_until
 
 FS = HostFS("/")
 CLK_TCK = os.sysconf("SC_CLK_TCK")

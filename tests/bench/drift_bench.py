@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.cpulist import format_cpulist
-from tests.cgroup_v1 import v1_available, write_v1_cpus
-from tests.daemon_support import (
+from tests.support.cgroup_v1 import v1_available, write_v1_cpus
+from tests.support.daemon_support import (
     DaemonProcess,
     confined_daemon,
     poll,

@@ -5,7 +5,7 @@
 Children: `/bin/true` (spawn to exit) and a Python child that writes one byte
 on stdout as its first action (spawn to ready). Each is started directly, through
 the shim as `shim_argv` runs it (`python -I -S -c stub`, with a report fd), and
-through `python -m supervisor.shim`. The modes alternate run by run, so machine
+through `python -m supervisor.run.shim`. The modes alternate run by run, so machine
 noise hits them alike. Prints medians and p99 in ms and ratios to direct; no
 absolute thresholds (this machine is shared).
 """

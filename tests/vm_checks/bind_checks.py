@@ -21,9 +21,9 @@ from supervisor.bind.binder import Binder
 from supervisor.bind.cgroup import CgroupManager, ProcessCgroup, read_cgroup_setup
 from supervisor.bind.report import ShimReport
 from supervisor.hostfs import HostFS
-from tests.children import start_shimmed
-from tests.daemon_support import wait_until
-from tests.vm import Checklist
+from tests.support.children import start_shimmed
+from tests.support.daemon_support import wait_until
+from tests.support.vm import Checklist
 
 MIB = 1 << 20
 SIZE = 64 * MIB

@@ -34,14 +34,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, REPO)
 
 from supervisor.cpulist import format_cpulist, parse_cpulist  # noqa: E402
-from tests import children  # noqa: E402
-from tests.daemon_support import (  # noqa: E402
+from tests.support import children  # noqa: E402
+from tests.support.daemon_support import (  # noqa: E402
     DEMO_WORKER,
     INSTANCE_ENV,
     DaemonProcess,
     wait_until,
 )
-from tests.vm import Checklist  # noqa: E402
+from tests.support.vm import Checklist  # noqa: E402
 
 CGROUP = "/sys/fs/cgroup"
 SUP = f"{CGROUP}/ps-check"

@@ -21,9 +21,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, REPO)
 
 from supervisor.cpulist import format_cpulist  # noqa: E402
-from tests.children import status_field  # noqa: E402
-from tests.daemon_support import DaemonProcess, wait_until  # noqa: E402
-from tests.vm import Checklist  # noqa: E402
+from tests.support.children import status_field  # noqa: E402
+from tests.support.daemon_support import DaemonProcess, wait_until  # noqa: E402
+from tests.support.vm import Checklist  # noqa: E402
 
 CHECKS = Checklist()
 _NODE_PAGES = re.compile(r"\bN(\d+)=(\d+)")

@@ -22,14 +22,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from supervisor.config import IrqConfig
 from supervisor.cpulist import parse_cpulist
 from supervisor.hostfs import HostFS
-from supervisor.irqs import IrqKeeper, read_irq_delivery
-from supervisor.placement import PlanSettings
-from supervisor.plan import plan
+from supervisor.plan.placement import PlanSettings
+from supervisor.plan.planner import plan
 from supervisor.state import Snapshot, StateStore
 from supervisor.topology.discover import read_topology
 from supervisor.topology.model import DiscoveryOptions
-from tests.daemon_support import DaemonProcess, wait_until
-from tests.vm import Checklist
+from supervisor.watch.irqs import IrqKeeper, read_irq_delivery
+from tests.support.daemon_support import DaemonProcess, wait_until
+from tests.support.vm import Checklist
 
 NIC = "0000:41:00.0"  # virtio-net on node 1
 NODE1_CPUS = {2, 3}

@@ -4,9 +4,9 @@
         .venv/bin/python -u tests/vm_checks/observe_numa.py
 
 Expects a guest with NUMA node 1 and numactl. A child touches 64 MiB under
-`numactl --membind=1` while its slot plans it on node 0: supervisor.observe
+`numactl --membind=1` while its slot plans it on node 0: supervisor.watch.observe
 must see the pages on node 1, a low local ratio for the node-0 slot, and
-supervisor.drift one memory_locality finding. Prints "PASS name: detail" or
+supervisor.watch.drift one memory_locality finding. Prints "PASS name: detail" or
 "FAIL name: detail" per check (tests/vm.py's Checklist) and exits 1 if any
 failed; tests/test_observe.py::test_numa_maps_in_vm asserts on those lines.
 """
@@ -19,12 +19,12 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from supervisor.drift import diff
 from supervisor.hostfs import HostFS
-from supervisor.observe import local_memory_ratio, observe_process, read_numa_maps
-from supervisor.placement import Slot
-from tests.children import ThreadedChild
-from tests.vm import Checklist
+from supervisor.plan.placement import Slot
+from supervisor.watch.drift import diff
+from supervisor.watch.observe import local_memory_ratio, observe_process, read_numa_maps
+from tests.support.children import ThreadedChild
+from tests.support.vm import Checklist
 
 MIB = 1 << 20
 LIVE = HostFS("/")

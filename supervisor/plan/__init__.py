@@ -1,0 +1,1 @@
+"""Pure planning: Topology + settings -> Placement (roles, re-plans, rendering). No I/O."""

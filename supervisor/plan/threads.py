@@ -1,0 +1,185 @@
+"""Thread roles and per-thread affinity plans (pure, no I/O).
+
+A supervised process's threads are matched to roles by their OS name (comm,
+at most 15 bytes) with the config's `[threads.*]` globs; each thread belongs on
+its role's CPUs (`Slot.role_cpus`). A thread the workload pinned itself to a
+strict subset of its role's CPUs is respected unless `enforce_pinned` says
+otherwise (vllm-ascend's binder re-bound such threads and undid the
+workload's own placement).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from typing import Literal
+
+from supervisor.config import ThreadRole
+from supervisor.plan.placement import Slot
+from supervisor.state import ThreadObservation
+
+ProcessKind = Literal["engine", "workers"]
+ThreadVerdict = Literal["ok", "pinned", "drift"]
+DEFAULT_ROLE = "main"
+COMM_MAX_CHARS = 15  # TASK_COMM_LEN - 1 (prctl(2) PR_SET_NAME)
+
+# Thread roles the supervisor knows without a config: the names
+# `supervisor.worker.pool_initializer` gives ("so-compile-<n>" when the
+# engine passes that prefix, "so-compiler-<n>" by default).
+DEFAULT_THREAD_ROLES: tuple[ThreadRole, ...] = (ThreadRole("so_compiler", "engine", "so-compile*"),)
+
+
+@dataclass(frozen=True, slots=True)
+class LiveThread:
+    """One thread as read from the host: tid, comm and allowed CPUs (sorted)."""
+
+    tid: int
+    name: str
+    cpus: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ThreadAction:
+    """Move thread `tid` (named `name`, matched to `role`) from `live_cpus` to `cpus`."""
+
+    tid: int
+    name: str
+    role: str
+    cpus: tuple[int, ...]
+    live_cpus: tuple[int, ...]
+
+
+def role_for_thread(name: str, process: ProcessKind, roles: Sequence[ThreadRole]) -> str:
+    """The role of the first `roles` entry for `process` whose glob matches `name`.
+
+    Matching is case-sensitive (comm is bytes) over the first 15 characters,
+    the whole of what the kernel keeps; no match means "main".
+    """
+    comm = name[:COMM_MAX_CHARS]
+    for role in roles:
+        if role.process == process and fnmatchcase(comm, role.pattern):
+            return role.role
+    return DEFAULT_ROLE
+
+
+class RoleMatcher:
+    """`role_for_thread` for one process kind, memoised by name.
+
+    A process has hundreds of threads but few distinct names, so a check
+    cycle matches each name once. The memo is bounded: a workload that names
+    threads uniquely ("req-18231") cannot grow it without limit.
+    """
+
+    __slots__ = ("_memo", "_roles", "process")
+    MEMO_MAX = 4096
+
+    def __init__(self, process: ProcessKind, roles: Sequence[ThreadRole]) -> None:
+        self.process: ProcessKind = process
+        self._roles = tuple(r for r in roles if r.process == process)
+        self._memo: dict[str, str] = {}
+
+    def role(self, name: str) -> str:
+        role = self._memo.get(name)
+        if role is None:
+            role = role_for_thread(name, self.process, self._roles)
+            if len(self._memo) >= self.MEMO_MAX:
+                self._memo.clear()
+            self._memo[name] = role
+        return role
+
+
+def thread_verdict(
+    live_cpus: Collection[int], role_cpus: Collection[int], enforce_pinned: bool
+) -> ThreadVerdict:
+    """ "ok" when the thread is on its role's CPUs, "pinned" when the workload
+    narrowed it to a strict non-empty subset of them (respected unless
+    `enforce_pinned`), else "drift"."""
+    live = live_cpus if isinstance(live_cpus, (set, frozenset)) else frozenset(live_cpus)
+    want = role_cpus if isinstance(role_cpus, (set, frozenset)) else frozenset(role_cpus)
+    if live == want:
+        return "ok"
+    if live and live < want and not enforce_pinned:
+        return "pinned"
+    return "drift"
+
+
+def plan_thread_affinity(
+    threads: Sequence[LiveThread],
+    slot: Slot,
+    process: ProcessKind,
+    roles: Sequence[ThreadRole],
+    enforce_pinned: bool,
+) -> list[ThreadAction]:
+    """The re-binds that put every thread on its role's CPUs, in `threads` order.
+
+    Threads already correct, and respected pinned threads, need no action.
+    """
+    matcher = RoleMatcher(process, roles)
+    wanted: dict[str, frozenset[int]] = {}
+    actions: list[ThreadAction] = []
+    for thread in threads:
+        role = matcher.role(thread.name)
+        want = wanted.get(role)
+        if want is None:
+            want = wanted[role] = frozenset(slot.role_cpus(role))
+        if thread_verdict(thread.cpus, want, enforce_pinned) == "drift":
+            actions.append(
+                ThreadAction(thread.tid, thread.name, role, tuple(sorted(want)), thread.cpus)
+            )
+    return actions
+
+
+def plan_rebinds(
+    threads: Sequence[ThreadObservation], slot: Slot, enforce_pinned: bool
+) -> list[ThreadAction]:
+    """`plan_thread_affinity` for threads already matched to roles (an Observation's)."""
+    wanted: dict[str, frozenset[int]] = {}
+    actions: list[ThreadAction] = []
+    for thread in threads:
+        want = wanted.get(thread.role)
+        if want is None:
+            want = wanted[thread.role] = frozenset(slot.role_cpus(thread.role))
+        if thread_verdict(thread.cpus, want, enforce_pinned) == "drift":
+            actions.append(
+                ThreadAction(thread.tid, thread.name, thread.role, tuple(sorted(want)), thread.cpus)
+            )
+    return actions
+
+
+def unmatchable_patterns(roles: Sequence[ThreadRole]) -> list[str]:
+    """Messages for globs that can never match a 15-character comm.
+
+    "acl_thread_worker" (17 literal characters) never matches: the kernel
+    keeps only "acl_thread_work". The config loader or daemon can warn.
+    """
+    messages: list[str] = []
+    for role in roles:
+        shortest = _shortest_match_len(role.pattern)
+        if shortest > COMM_MAX_CHARS:
+            messages.append(
+                f"thread role {role.role!r} pattern {role.pattern!r} needs at least "
+                f"{shortest} characters but thread names keep only {COMM_MAX_CHARS}; "
+                f"use {role.pattern[:COMM_MAX_CHARS]!r}* or shorter"
+            )
+    return messages
+
+
+def _shortest_match_len(pattern: str) -> int:
+    """Length of the shortest string fnmatch `pattern` can match."""
+    n = 0
+    i = 0
+    while i < len(pattern):
+        ch = pattern[i]
+        if ch == "*":
+            i += 1
+            continue
+        if ch == "[":
+            close = pattern.find("]", i + 2)  # "[]...]" puts "]" inside the set
+            if close != -1:
+                n += 1
+                i = close + 1
+                continue
+        n += 1
+        i += 1
+    return n

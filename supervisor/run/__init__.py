@@ -1,0 +1,1 @@
+"""Processes: the exec shim, spawning, restart policy, readiness, sd_notify."""

@@ -1,0 +1,547 @@
+"""One supervised process, spawn to reap (does I/O: processes, pipes, the executor).
+
+`Runner` spawns the engine or one rank through the exec shim, records the
+shim's bind report, restarts the child by the policy of `supervisor.run.restart`
+and stops it (TERM to its group, KILL after a timeout). `Runtime` is what the
+daemon's runners share; `failure_reason`/`bound_as_planned` read a report (pure).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import re
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+from supervisor.bind.report import ShimReport, ShimReportError, parse_shim_report, shim_argv
+from supervisor.config import Config
+from supervisor.cpulist import format_cpulist
+from supervisor.errors import KernelError
+from supervisor.hostfs import HostFS
+from supervisor.logs import format_fields
+from supervisor.plan.placement import Slot
+from supervisor.run.probe import describe_probe, wait_ready
+from supervisor.run.procs import ChildProcess, read_proc_stat, read_until_eof, spawn
+from supervisor.run.restart import RestartHistory, RunOutcome, decide_restart
+from supervisor.run.spec import ChildSpec
+from supervisor.state import ProcessState, ProcessStatus, ProcKey, StateStore, key_label
+
+log = logging.getLogger("placement_supervisor.runner")
+
+REPORT_TIMEOUT_S = 30.0  # the shim binds and execs in milliseconds; this is a hung cgroup write
+
+
+# -- reading the shim's report (pure) -----------------------------------------------
+
+
+_ERRNO_NAME = re.compile(r"\bE[A-Z]{2,}\b")
+_REASON_BY_ERRNO = {
+    "ESRCH": "gone",
+    "ENOENT": "gone",
+    "EPERM": "denied",
+    "EACCES": "denied",
+    "EROFS": "denied",
+    "EINVAL": "invalid",
+}
+
+
+def failure_reason(text: str) -> str:
+    """The metric `reason` of a shim failure text ("... EINVAL (...)") (pure)."""
+    match = _ERRNO_NAME.search(text)
+    return _REASON_BY_ERRNO.get(match.group(0), "error") if match else "error"
+
+
+def bound_as_planned(report: ShimReport, slot: Slot) -> bool:
+    """True when the kernel read back exactly the planned CPUs and an MPOL_BIND to the mems."""
+    return (
+        report.affinity_error is None
+        and tuple(report.cpus) == tuple(sorted(slot.cpus))
+        and report.mempolicy == "bind"
+        and tuple(report.mems) == tuple(sorted(slot.mems))
+        and not report.cgroup_errors
+    )
+
+
+# -- what the runners share (the composition root fills it) -------------------------
+
+
+class ProcessCgroups(Protocol):
+    """Per-process cgroups (`supervisor.bind.cgroup`): directories the shim joins."""
+
+    def create(self, key: ProcKey, slot: Slot) -> tuple[str, ...]: ...
+
+    def remove(self, key: ProcKey) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(slots=True)
+class Runtime:
+    """What the daemon's parts share: the store, the executor, the stop flag."""
+
+    config: Config
+    store: StateStore
+    fs: HostFS
+    executor: ThreadPoolExecutor
+    stopping: asyncio.Event = field(default_factory=asyncio.Event)
+    cgroups: ProcessCgroups | None = None
+    python: str = sys.executable
+    on_state_change: Callable[[], None] | None = None  # e.g. a new systemd STATUS=
+
+
+# -- one supervised process --------------------------------------------------------
+
+
+class Runner:
+    """Runs one process (the engine or one rank) for the daemon's lifetime.
+
+    Owns the child from spawn to reap: every path out of `run()` stops and
+    reaps it. Restart requests and the daemon's stop arrive as `interrupt`.
+    """
+
+    def __init__(self, rt: Runtime, spec: ChildSpec) -> None:
+        self.rt = rt
+        self.spec = spec
+        self.key = spec.key
+        self.label = key_label(spec.key)
+        self.child: ChildProcess | None = None
+        self.history = RestartHistory()
+        self.interrupt = asyncio.Event()
+        self.restart_requested = False
+        self.settled = asyncio.Event()  # first reached running, failed or stopped
+        self.ready = asyncio.Event()  # first readiness (the engine's probe passed)
+        self._watchers: list[asyncio.Future[None]] = []
+        self.gate: Runner | None = None  # workers wait for the engine's first readiness
+        self.task: asyncio.Task[None] | None = None
+        self.report: ShimReport | None = None
+
+    # -- state -----------------------------------------------------------
+
+    @property
+    def status(self) -> ProcessStatus:
+        return self.rt.store.snapshot.processes.get(self.key) or ProcessStatus(self.key)
+
+    def set_status(self, **changes: Any) -> ProcessStatus:
+        old = self.status
+        new = replace(old, **changes)
+        self.rt.store.set_process(new)
+        if new.state != old.state:
+            self.rt.store.emit(
+                "state",
+                self.key,
+                f"{self.label}: {old.state} -> {new.state}",
+                old=old.state,
+                new=new.state,
+                pid=new.pid,
+            )
+            for watcher in self._watchers:
+                if not watcher.done():
+                    watcher.set_result(None)
+            self._watchers.clear()
+            if self.rt.on_state_change is not None:
+                self.rt.on_state_change()
+        if new.state in ("running", "failed", "stopped"):
+            self.settled.set()
+        return new
+
+    def next_change(self) -> asyncio.Future[None]:
+        """A future that resolves at this process's next state change."""
+        watcher: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._watchers.append(watcher)
+        return watcher
+
+    def request_restart(self) -> None:
+        self.restart_requested = True
+        self.interrupt.set()
+
+    def request_stop(self) -> None:
+        self.interrupt.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self.rt.stopping.is_set()
+
+    # -- the loop ----------------------------------------------------------
+
+    async def run(self) -> None:
+        try:
+            if self.gate is not None and not await self._wait_gate():
+                return
+            await self._supervise()
+        finally:
+            await self._reap_on_exit()
+
+    async def _wait_gate(self) -> bool:
+        """Wait for the engine's first readiness; False when stopping.
+
+        While the engine is down for good (failed, or stopped by its policy)
+        this worker shows `stopped` with an event saying why; a manual restart
+        of the engine that brings it up releases the wait.
+        """
+        gate = self.gate
+        assert gate is not None
+        announced = False
+        while not gate.ready.is_set():
+            if self.stopping:
+                return False
+            engine_state = gate.status.state
+            if engine_state in ("failed", "stopped") and not announced:
+                announced = True
+                self.set_status(state="stopped")
+                self.rt.store.emit(
+                    "not_started",
+                    self.key,
+                    f"{self.label}: not started: the engine is {engine_state}",
+                    engine=engine_state,
+                )
+                log.warning(
+                    "not started %s",
+                    format_fields(rank=self.label, engine=engine_state, action="wait for engine"),
+                )
+            await first_of(gate.next_change(), self.rt.stopping.wait())
+        self.restart_requested = False  # a restart asked for while waiting: this is the start
+        self.interrupt.clear()
+        return not self.stopping
+
+    async def _supervise(self) -> None:
+        cfg = self.rt.config.restart
+        while not self.stopping:
+            outcome = await self._run_once()
+            if self.stopping:
+                return
+            if self.restart_requested:
+                self._manual_restart()
+                continue
+            decision = decide_restart(cfg, self.history, outcome)
+            self.history = decision.history
+            if decision.action == "restart":
+                restarts = self.status.restarts + 1
+                self.set_status(
+                    state="backoff",
+                    backoff_s=decision.delay_s,
+                    next_start_at=time.time() + decision.delay_s,
+                    restarts=restarts,
+                    pid=None,
+                )
+                self.rt.store.count("restarts", self.label)
+                self.rt.store.emit(
+                    "restart",
+                    self.key,
+                    f"{self.label}: {decision.reason}; restart in {decision.delay_s:g}s",
+                    delay_s=decision.delay_s,
+                    reason=decision.reason,
+                    restarts=restarts,
+                )
+                log.info(
+                    "restart scheduled %s",
+                    format_fields(
+                        rank=self.label,
+                        reason=decision.reason,
+                        delay_s=f"{decision.delay_s:g}",
+                        restarts=restarts,
+                        action="backoff",
+                    ),
+                )
+                if await self._wait_interrupt(decision.delay_s) and self.restart_requested:
+                    self._manual_restart()
+                continue
+            state: ProcessState = "failed" if decision.action == "fail" else "stopped"
+            self.set_status(state=state, pid=None, backoff_s=0.0, next_start_at=None)
+            self.rt.store.emit(
+                state, self.key, f"{self.label}: {decision.reason}", reason=decision.reason
+            )
+            (log.error if state == "failed" else log.info)(
+                "process down %s",
+                format_fields(rank=self.label, state=state, reason=decision.reason, action="hold"),
+            )
+            # Held down until someone restarts it by hand (or the daemon stops).
+            while not self.stopping and not self.restart_requested:
+                await self._wait_interrupt(None)
+            if self.stopping:
+                return
+            self._manual_restart()
+
+    def _manual_restart(self) -> None:
+        self.restart_requested = False
+        self.interrupt.clear()
+        self.history = RestartHistory()
+        self.rt.store.count("restarts", self.label)
+        self.set_status(restarts=self.status.restarts + 1, backoff_s=0.0, next_start_at=None)
+
+    async def _wait_interrupt(self, timeout_s: float | None) -> bool:
+        """Wait for an interrupt up to `timeout_s`; True when one came."""
+        try:
+            await asyncio.wait_for(self.interrupt.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        self.interrupt.clear()
+        return True
+
+    async def _run_once(self) -> RunOutcome:
+        started = time.monotonic()
+        child = await self.spawn_child()
+        if child is None:
+            return RunOutcome(None, 0.0, time.monotonic())
+        exit_future = child.wait()
+        exec_ok = self.report is not None and not self.report.exec_failed
+        if self.report is None:
+            # No report: the shim failed before binding or hangs; never leave
+            # an unaccounted-for process behind.
+            await child.stop(self.rt.config.stop_timeout_s)
+        elif exec_ok and not await self._await_ready(child, exit_future):
+            # The probe gave up on a live engine: stop it and count a failed start.
+            await child.stop(self.rt.config.stop_timeout_s)
+        elif exec_ok:
+            await first_of(exit_future, self.interrupt.wait())
+            if not exit_future.done():  # stop or restart request
+                self.interrupt.clear()
+                await self._stop_child(child, "restart" if self.restart_requested else "stop")
+        code = await exit_future
+        ended = time.monotonic()
+        self.child = None
+        self.set_status(exit_code=code)
+        self.rt.store.emit(
+            "exit",
+            self.key,
+            f"{self.label}: pid {child.pid} exited ({code})",
+            pid=child.pid,
+            exit_code=code,
+            ran_s=round(ended - started, 3),
+        )
+        log.info(
+            "exit %s",
+            format_fields(
+                rank=self.label, pid=child.pid, code=code, ran_s=f"{ended - started:.1f}"
+            ),
+        )
+        return RunOutcome(code if exec_ok else None, ended - started, ended)
+
+    async def _stop_child(self, child: ChildProcess, why: str) -> int:
+        timeout_s = self.rt.config.stop_timeout_s
+        log.info(
+            "stopping %s",
+            format_fields(rank=self.label, pid=child.pid, why=why, timeout_s=f"{timeout_s:g}"),
+        )
+        return await child.stop(timeout_s)
+
+    async def _await_ready(self, child: ChildProcess, exit_future: asyncio.Future[int]) -> bool:
+        """For the engine with a probe: wait until it passes; True when ready or exited."""
+        probe = self.rt.config.ready if self.key == "engine" else None
+        if probe is None:
+            self.mark_running(child)
+            return True
+        probe_task = asyncio.ensure_future(wait_ready(probe, lambda: not exit_future.done()))
+        await first_of(probe_task, exit_future, self.interrupt.wait())
+        if not probe_task.done():
+            probe_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await probe_task
+            return True  # exited, or interrupted: the caller's wait handles it
+        result = probe_task.result()
+        if result.ready:
+            self.rt.store.emit(
+                "ready",
+                self.key,
+                f"{self.label}: ready ({result.detail}) after {result.waited_s:.1f}s",
+                waited_s=round(result.waited_s, 3),
+            )
+            log.info(
+                "ready %s",
+                format_fields(
+                    rank=self.label, probe=result.detail, waited_s=f"{result.waited_s:.1f}"
+                ),
+            )
+            self.mark_running(child)
+            return True
+        if exit_future.done():
+            return True
+        self.rt.store.emit(
+            "ready_failed",
+            self.key,
+            f"{self.label}: readiness probe {describe_probe(probe)} failed: {result.detail}",
+            detail=result.detail,
+        )
+        log.error(
+            "ready probe failed %s",
+            format_fields(
+                rank=self.label, probe=describe_probe(probe), detail=result.detail, action="stop"
+            ),
+        )
+        return False
+
+    def mark_running(self, child: ChildProcess) -> None:
+        self.set_status(state="running")
+        self.ready.set()
+
+    async def spawn_child(self) -> ChildProcess | None:
+        """Spawn through the shim and read its report; None when nothing started."""
+        spec = self.spec
+        self.report = None
+        self.set_status(state="starting", pid=None, backoff_s=0.0, next_start_at=None)
+        cgroup_dirs: tuple[str, ...] = ()
+        loop = asyncio.get_running_loop()
+        if self.rt.cgroups is not None:
+            try:
+                cgroup_dirs = await loop.run_in_executor(
+                    self.rt.executor, self.rt.cgroups.create, self.key, spec.slot
+                )
+            except (KernelError, OSError) as err:
+                self.record_bind_failure("cgroup", failure_reason(str(err)), str(err))
+        read_fd, write_fd = os.pipe()
+        argv = shim_argv(
+            self.rt.python,
+            spec.slot.cpus,
+            spec.slot.mems,
+            spec.argv,
+            cgroups=cgroup_dirs,
+            report_fd=write_fd,
+            parent_pid=os.getpid(),
+        )
+        try:
+            # On the loop's thread, never a pool thread: see procs.spawn (PDEATHSIG).
+            child = spawn(argv, spec.env, pass_fds=(write_fd,))
+        except OSError as err:
+            os.close(read_fd)
+            os.close(write_fd)
+            self._spawn_failed(f"cannot start {argv[0]}: {err.strerror or err}", None)
+            return None
+        os.close(write_fd)
+        self.child = child
+        data = await read_until_eof(read_fd, REPORT_TIMEOUT_S)
+        stat = await loop.run_in_executor(self.rt.executor, read_proc_stat, self.rt.fs, child.pid)
+        start_time = stat.start_time if stat is not None else None
+        self.set_status(pid=child.pid, start_time=start_time)
+        try:
+            report = parse_shim_report(data)
+        except ShimReportError as err:
+            self.record_bind_failure("process", "error", f"no shim report: {err}")
+            self._spawn_failed(f"the shim reported nothing ({err})", child.pid)
+            return child
+        self.report = report
+        if report.exec_failed:
+            self._spawn_failed(
+                f"cannot execute {spec.argv[0]!r}: {report.exec_error} ({report.errno})",
+                child.pid,
+            )
+            return child
+        self._record_bind(child, report)
+        return child
+
+    def _spawn_failed(self, message: str, pid: int | None) -> None:
+        self.rt.store.emit("spawn_failed", self.key, f"{self.label}: {message}", pid=pid)
+        log.error(
+            "spawn failed %s",
+            format_fields(rank=self.label, pid=pid, error=message, action="restart policy"),
+        )
+
+    def record_bind_failure(self, target: str, reason: str, message: str) -> None:
+        self.rt.store.count("bind_failures", (self.label, target, reason))
+        self.rt.store.emit(
+            "bind_failed",
+            self.key,
+            f"{self.label}: {target} bind failed: {message}",
+            target=target,
+            reason=reason,
+        )
+        log.warning(
+            "bind failed %s",
+            format_fields(
+                rank=self.label, target=target, reason=reason, error=message, action="degrade"
+            ),
+        )
+
+    def _record_bind(self, child: ChildProcess, report: ShimReport) -> None:
+        slot = self.spec.slot
+        if report.affinity_error:
+            self.record_bind_failure(
+                "process", failure_reason(report.affinity_error), report.affinity_error
+            )
+        if report.mempolicy != "bind":
+            why = report.reason or f"mempolicy {report.mempolicy}"
+            self.record_bind_failure("memory", failure_reason(why), why)
+        for err in report.cgroup_errors:
+            self.record_bind_failure("cgroup", failure_reason(err), err)
+        bound = bound_as_planned(report, slot)
+        self.set_status(
+            mempolicy=report.mempolicy,
+            mempolicy_reason=report.reason,
+            cgroup=report.cgroups[0] if report.cgroups else None,
+            bound=bound,
+        )
+        cpus = format_cpulist(report.cpus)
+        mems = format_cpulist(report.mems)
+        self.rt.store.emit(
+            "spawn",
+            self.key,
+            f"{self.label}: pid {child.pid} cpus={cpus} mems={mems} mempolicy={report.mempolicy}",
+            pid=child.pid,
+            cpus=list(report.cpus),
+            mems=list(report.mems),
+            mempolicy=report.mempolicy,
+            reason=report.reason,
+            cgroups=list(report.cgroups),
+            bound=bound,
+        )
+        log.info(
+            "spawn %s",
+            format_fields(
+                rank=self.label,
+                pid=child.pid,
+                cpus=cpus,
+                mems=mems,
+                mempolicy=report.mempolicy,
+                reason=report.reason,
+                cgroup=",".join(report.cgroups) or None,
+                bound=str(bound).lower(),
+            ),
+        )
+
+    async def _reap_on_exit(self) -> None:
+        child, self.child = self.child, None
+        if child is not None and child.returncode is None:
+            # Cancelled or stopping mid-run: the child never outlives its runner.
+            code = await asyncio.shield(self._stop_child(child, "shutdown"))
+            self.rt.store.emit(
+                "exit", self.key, f"{self.label}: pid {child.pid} stopped ({code})", exit_code=code
+            )
+        if self.stopping:
+            self.set_status(state="stopped", pid=None, backoff_s=0.0, next_start_at=None)
+
+    async def shutdown(self) -> None:
+        """Stop the child (TERM to its group, KILL after stop_timeout_s) and end `run`."""
+        self.request_stop()
+        if self.task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.task
+
+
+# -- waiting ------------------------------------------------------------------------
+
+
+async def first_of(*waits: Awaitable[Any]) -> None:
+    """Wait until the first of `waits` completes.
+
+    Coroutines (and gathers) given here are wrapped and cancelled afterwards;
+    futures and tasks the caller passes in (a child's exit) are left alone.
+    """
+    futures: list[asyncio.Future[Any]] = []
+    owned: list[asyncio.Future[Any]] = []
+    for w in waits:
+        if isinstance(w, asyncio.Future):
+            futures.append(w)
+        else:
+            wrapped: asyncio.Future[Any] = asyncio.ensure_future(w)
+            futures.append(wrapped)
+            owned.append(wrapped)
+    try:
+        await asyncio.wait(futures, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for f in owned:
+            f.cancel()

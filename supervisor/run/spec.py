@@ -1,0 +1,154 @@
+"""What to run for each supervised process (pure, no I/O): argv, environment, slot.
+
+`build_specs` turns the config and the plan into one `ChildSpec` for the
+engine (when planned) and one per rank; `supervisor.run.runner` spawns them.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from types import MappingProxyType
+
+from supervisor.config import Config, ProcessConfig
+from supervisor.plan.placement import Placement, RankPlacement, Slot
+from supervisor.run.sdnotify import NOTIFY_VARS
+from supervisor.state import ProcKey
+from supervisor.topology.model import DeviceKind
+from supervisor.worker import SLOT_ENV, slot_env_value
+
+# The variable that tells a worker which device(s) it drives, per kind, as in
+# DeepInfer's assign_visible_devices. `cpu` stand-ins and config-named `pci`
+# devices have none unless `visible_devices_env` names one.
+VISIBLE_DEVICES_VAR: Mapping[DeviceKind, str] = MappingProxyType(
+    {
+        "nvidia": "CUDA_VISIBLE_DEVICES",
+        "ascend": "ASCEND_RT_VISIBLE_DEVICES",
+        "amd": "HIP_VISIBLE_DEVICES",
+    }
+)
+# Defaults that only apply where the operator's environment (or the config)
+# leaves them unset.
+KIND_ENV_DEFAULTS: Mapping[DeviceKind, Mapping[str, str]] = MappingProxyType(
+    {
+        # CUDA numbers devices fastest-first unless told otherwise; the index
+        # we pass is the PCI-order index nvidia-smi and /proc/driver use.
+        "nvidia": MappingProxyType({"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}),
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ChildSpec:
+    """Everything needed to start one supervised process, before the shim wraps it."""
+
+    key: ProcKey
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+    slot: Slot
+
+
+def visible_devices_var(kind: DeviceKind, override: str | None) -> str | None:
+    """The variable naming a rank's devices: the config's, else the kind's, else none."""
+    if override:
+        return override
+    return VISIBLE_DEVICES_VAR.get(kind)
+
+
+def command_fields(rank: RankPlacement, world_size: int) -> dict[str, object]:
+    devices = rank.all_devices
+    return {
+        "rank": rank.rank,
+        "local_rank": rank.local_rank,
+        "device_index": ",".join(str(d.index) for d in devices),
+        "bus_id": ",".join(d.bus_id or "" for d in devices),
+        "world_size": world_size,
+    }
+
+
+def worker_argv(template: Sequence[str], rank: RankPlacement, world_size: int) -> tuple[str, ...]:
+    """The worker command with {rank}, {local_rank}, {device_index}, {bus_id}, {world_size}."""
+    fields = command_fields(rank, world_size)
+    return tuple(word.format(**fields) for word in template)
+
+
+def child_env(
+    base: Mapping[str, str],
+    defaults: Mapping[str, str],
+    forced: Mapping[str, str],
+    drop: Sequence[str] = (),
+) -> dict[str, str]:
+    """`base` (the operator's environment) + `defaults` where unset + `forced`, minus `drop`.
+
+    Defaults use set-if-unset semantics (the seed's HCCL timeouts: an
+    operator who tuned HCCL_CONNECT_TIMEOUT for the cluster keeps the value);
+    `forced` is what only the supervisor can know (the slot, the device).
+    """
+    env = {k: v for k, v in base.items() if k not in drop and k not in NOTIFY_VARS}
+    for name, value in defaults.items():
+        env.setdefault(name, value)
+    env.update(forced)
+    return env
+
+
+PYTHON_NAMES = ("python", "python3")
+
+
+def resolve_python(argv: Sequence[str], python: str) -> tuple[str, ...]:
+    """A command whose first word is exactly `python` or `python3` runs under
+    the supervisor's own interpreter (pure).
+
+    The demo and most engine configs say `python -m ...` and mean the
+    environment the supervisor is installed in; a systemd unit's PATH would
+    otherwise find the system interpreter. Any other word, or a path, is kept.
+    """
+    if argv and argv[0] in PYTHON_NAMES:
+        return (python, *argv[1:])
+    return tuple(argv)
+
+
+def build_specs(
+    config: Config,
+    placement: Placement,
+    base_env: Mapping[str, str],
+    python: str = sys.executable,
+) -> list[ChildSpec]:
+    """The engine (when planned) then one spec per rank, in rank order."""
+    specs: list[ChildSpec] = []
+    if config.engine is not None and placement.engine is not None:
+        slot = placement.engine
+        env = child_env(
+            base_env,
+            config.engine.env,
+            {SLOT_ENV: slot_env_value("engine", slot.to_doc())},
+        )
+        specs.append(ChildSpec("engine", resolve_python(config.engine.command, python), env, slot))
+    world_size = len(placement.ranks)
+    for rank in placement.ranks:
+        spec = _rank_spec(config.workers, config, rank, world_size, base_env)
+        specs.append(replace(spec, argv=resolve_python(spec.argv, python)))
+    return specs
+
+
+def _rank_spec(
+    workers: ProcessConfig,
+    config: Config,
+    rank: RankPlacement,
+    world_size: int,
+    base_env: Mapping[str, str],
+) -> ChildSpec:
+    kind = rank.device.kind
+    forced = {SLOT_ENV: slot_env_value(rank.rank, rank.slot.to_doc())}
+    drop: list[str] = []
+    var = visible_devices_var(kind, config.visible_devices_env)
+    if var is not None:
+        forced[var] = ",".join(str(d.index) for d in rank.all_devices)
+        if kind == "amd" and var == "HIP_VISIBLE_DEVICES":
+            # HIP indexes into what ROCR_VISIBLE_DEVICES leaves; our index is
+            # over all devices, so the operator's ROCR filter must not apply.
+            drop.append("ROCR_VISIBLE_DEVICES")
+    defaults = dict(KIND_ENV_DEFAULTS.get(kind, {}))
+    defaults.update(workers.env)
+    env = child_env(base_env, defaults, forced, drop)
+    return ChildSpec(rank.rank, worker_argv(workers.command, rank, world_size), env, rank.slot)

@@ -1,0 +1,1 @@
+"""The HTTP API, the metrics Collector and the `status` client."""

@@ -1,0 +1,212 @@
+"""The `status` command: GET /placement from a running daemon, print it (does I/O: HTTP).
+
+I/O: one HTTP request over TCP or the unix socket (stdlib http.client, so the
+command stays light). `render_status(doc)` is the pure table renderer.
+Exit codes: 0 printed a placement; 1 the daemon could not be reached or
+answered with an error (one line on stderr says which); 2 a bad --listen.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from supervisor.config import DEFAULT_LISTEN, load_config
+from supervisor.cpulist import format_cpulist
+from supervisor.errors import ConfigError, SupervisorError
+from supervisor.serve.listen import Listen, parse_listen
+
+TIMEOUT_S = 5.0
+EXIT_UNREACHABLE = 1
+
+
+class _UnixHTTPConnection(http.client.HTTPConnection):
+    """http.client over an AF_UNIX stream socket (unix(7))."""
+
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self._path)
+        except OSError:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+def http_request(
+    where: Listen,
+    method: str,
+    path: str,
+    *,
+    headers: Mapping[str, str] | None = None,
+    body: bytes | None = None,
+    timeout_s: float = TIMEOUT_S,
+) -> tuple[int, dict[str, str], bytes]:
+    """One request to the daemon's API: (status, headers, body). Raises OSError."""
+    conn: http.client.HTTPConnection
+    if where.path is not None:
+        conn = _UnixHTTPConnection(where.path, timeout_s)
+    else:
+        conn = http.client.HTTPConnection(where.connect_host(), where.port, timeout=timeout_s)
+    try:
+        conn.request(method, path, body=body, headers=dict(headers or {}))
+        resp = conn.getresponse()
+        data = resp.read()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, data
+    except http.client.HTTPException as err:
+        raise OSError(f"bad HTTP answer: {err!r}") from None
+    finally:
+        conn.close()
+
+
+def _where(args: Any) -> Listen:
+    """--listen, else the config's API address (when the CLI passes --config), else the default."""
+    listen: str | None = getattr(args, "listen", None)
+    if listen is not None:
+        return parse_listen(listen, "--listen")
+    config_path: str | None = getattr(args, "config", None)
+    if config_path is not None:
+        api = load_config(config_path).api
+        # The unix socket, when configured, works even with TCP bound elsewhere.
+        if api.unix_socket is not None:
+            return Listen(path=api.unix_socket)
+        return parse_listen(api.listen, f"{config_path}: api.listen")
+    return parse_listen(DEFAULT_LISTEN)
+
+
+def _cell(value: Any) -> str:
+    return "-" if value is None or value == "" else str(value)
+
+
+def _state(entry: Mapping[str, Any]) -> str:
+    state = str(entry.get("state", "?"))
+    backoff = entry.get("backoff") or {}
+    if state == "backoff" and backoff.get("seconds"):
+        return f"backoff({backoff['seconds']:g}s)"
+    if state in ("failed", "stopped") and entry.get("exit_code") is not None:
+        return f"{state}(exit {entry['exit_code']})"
+    if state == "running" and not entry.get("bound", True):
+        return "running(unbound)"
+    return state
+
+
+def _roles(entry: Mapping[str, Any]) -> str:
+    roles: Mapping[str, Sequence[int]] = entry.get("roles") or {}
+    if not roles:
+        return format_cpulist(entry.get("cpus", ()))
+    # main first, then the rest by name: the order a person expects to read.
+    names = sorted(roles, key=lambda n: (n != "main", n))
+    return " ".join(f"{n}={format_cpulist(roles[n])}" for n in names)
+
+
+def _row(label: str, entry: Mapping[str, Any]) -> list[str]:
+    device = entry.get("device") or {}
+    observed = entry.get("observed") or {}
+    ratio = observed.get("local_memory_ratio")
+    return [
+        label,
+        _cell(entry.get("pid")),
+        _state(entry),
+        f"{device['kind']}{device['index']}" if device else "-",
+        _cell(device.get("bus_id")),
+        _cell(device.get("numa_node")),
+        _cell(format_cpulist(entry.get("mems", ()))),
+        _roles(entry),
+        "-" if ratio is None else f"{100.0 * ratio:.1f}%",
+        str(len(entry.get("drift") or ())),
+        _cell(entry.get("restarts", 0)),
+    ]
+
+
+HEADER = [
+    "RANK",
+    "PID",
+    "STATE",
+    "DEVICE",
+    "BUS",
+    "NODE",
+    "MEMS",
+    "CPUS",
+    "LOCAL",
+    "DRIFT",
+    "RESTARTS",
+]
+
+
+def render_status(doc: Mapping[str, Any], where: str = "") -> str:
+    """The /placement document as a table a person reads at a glance (pure)."""
+    sup = doc.get("supervisor") or {}
+    rows: list[list[str]] = []
+    labelled: list[tuple[str, Mapping[str, Any]]] = []
+    if doc.get("engine"):
+        labelled.append(("engine", doc["engine"]))
+    labelled.extend((str(r["rank"]), r) for r in doc.get("ranks", ()))
+    rows = [_row(label, entry) for label, entry in labelled]
+    widths = [max(len(r[i]) for r in [HEADER, *rows]) for i in range(len(HEADER))]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
+
+    ready = sup.get("ready")
+    head = (
+        f"placement-supervisor {sup.get('version', '?')}"
+        + (f" at {where}" if where else "")
+        + f": strategy {doc.get('strategy', '?')}, accelerator {sup.get('accelerator', '?')}, "
+        + ("ready" if ready else "NOT READY" if ready is False else "readiness unknown")
+    )
+    out = [head, line(HEADER), *(line(r) for r in rows)]
+    for reason in sup.get("not_ready") or ():
+        out.append(f"not ready: {reason}")
+    for label, entry in labelled:
+        for f in entry.get("drift") or ():
+            out.append(
+                f"drift {label}: {f.get('kind')} {f.get('target')}: expected "
+                f"{f.get('expected')}, actual {f.get('actual')} (action {f.get('action')})"
+            )
+    for warning in doc.get("warnings") or ():
+        out.append(f"warning: {warning}")
+    return "\n".join(out) + "\n"
+
+
+def status_command(args: Any) -> int:
+    """`placement-supervisor status [--listen ADDR] [--json]`; returns the exit code.
+
+    Reads `args.listen` (None: the config's api address when `args.config` is
+    set, else 127.0.0.1:9477) and `args.json` (print the raw document).
+    """
+    try:
+        where = _where(args)
+    except SupervisorError as err:
+        print(f"placement-supervisor status: {err}", file=sys.stderr)
+        return err.exit_code if isinstance(err, ConfigError) else EXIT_UNREACHABLE
+    try:
+        code, _, body = http_request(where, "GET", "/placement")
+    except OSError as err:
+        why = err.strerror or str(err)
+        print(
+            f"placement-supervisor status: cannot reach the daemon at {where}: {why}",
+            file=sys.stderr,
+        )
+        return EXIT_UNREACHABLE
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        doc = None
+    if code != 200 or not isinstance(doc, dict):
+        message = doc.get("error") if isinstance(doc, dict) else body[:200].decode(errors="replace")
+        print(f"placement-supervisor status: {where} answered {code}: {message}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    if getattr(args, "json", False):
+        sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+    else:
+        sys.stdout.write(render_status(doc, str(where)))
+    return 0

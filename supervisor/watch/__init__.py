@@ -1,0 +1,1 @@
+"""The check loop: observe (scan) -> decide -> apply (through bind/) -> publish."""

@@ -1,0 +1,467 @@
+"""Observe live placement: threads, memory by node, IRQs, allowed CPUs (I/O via HostFS).
+
+`read_*` functions read through a `HostFS` (so fixture trees work); on the live
+host (`fs.is_live`) thread affinity comes from sched_getaffinity(2), one
+syscall per thread. `parse_*` helpers are pure. `ThreadScanner` is the cheap
+per-check reader the daemon keeps per process; `observe_process` assembles a
+`state.Observation`. A thread or process that vanishes mid-scan is skipped,
+never an error.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
+from typing import Literal
+
+from supervisor.config import ThreadRole
+from supervisor.cpulist import parse_cpulist
+from supervisor.errors import Gone, translate_oserror
+from supervisor.hostfs import HostFS
+from supervisor.plan.placement import Slot
+from supervisor.plan.threads import LiveThread, ProcessKind, RoleMatcher
+from supervisor.state import IrqObservation, Observation, ThreadObservation
+from supervisor.topology.cgroup import STATUS, parse_status_allowed, read_cpuset
+
+ThreadReadMethod = Literal["auto", "syscall", "status"]
+PAGE_BYTES = 4096  # numa_maps lines without kernelpagesize_kB (old kernels) count base pages
+_GONE = (errno.ESRCH, errno.ENOENT)
+
+
+# -- threads -----------------------------------------------------------------
+
+
+def parse_status_thread(text: str) -> tuple[str, tuple[int, ...]]:
+    """Name and Cpus_allowed_list of a /proc/<pid>/task/<tid>/status text (pure).
+
+    The status Name is escaped (proc(5): "\\n" for a newline); the comm file
+    is not. Raises ValueError when a field is missing.
+    """
+    name: str | None = None
+    cpus: tuple[int, ...] | None = None
+    for line in text.splitlines():
+        if line.startswith("Name:"):
+            name = line[5:].strip("\t ")
+        elif line.startswith("Cpus_allowed_list:"):
+            cpus = tuple(sorted(parse_cpulist(line[18:])))
+            break  # Name comes first; nothing after this is needed
+    if name is None or cpus is None:
+        raise ValueError("status has no Name or Cpus_allowed_list")
+    return name, cpus
+
+
+def _tids(fs: HostFS, pid: int) -> list[int]:
+    return sorted(int(t) for t in fs.listdir(f"proc/{pid}/task") if t.isdigit())
+
+
+def _read_comm(fs: HostFS, pid: int, tid: int) -> str | None:
+    # os.open/os.read rather than fs.read_text: this runs for every new thread
+    # and half the cost of a text-mode open() is Python's I/O stack.
+    try:
+        fd = os.open(fs.path(f"proc/{pid}/task/{tid}/comm"), os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            raw = os.read(fd, 64)
+        finally:
+            os.close(fd)
+    except OSError as err:
+        if err.errno in _GONE:
+            return None
+        raise translate_oserror(f"tid {tid}", err) from None
+    return raw.decode("utf-8", "replace").rstrip("\n")
+
+
+def _affinity(tid: int) -> tuple[int, ...] | None:
+    try:
+        return tuple(sorted(os.sched_getaffinity(tid)))
+    except OSError as err:
+        if err.errno in _GONE:
+            return None
+        raise translate_oserror(f"tid {tid}", err) from None
+
+
+def read_threads(fs: HostFS, pid: int, method: ThreadReadMethod = "auto") -> list[LiveThread]:
+    """Every thread of `pid` with its comm and allowed CPUs, in tid order.
+
+    "syscall" reads each thread's comm file and calls sched_getaffinity(tid)
+    (live host only); "status" parses each thread's status file (works on a
+    fixture tree). "auto" takes "syscall" on the live host: it measured 3.3x
+    cheaper (tests/bench/check_bench.py); for the check loop `ThreadScanner`
+    is another ~13x cheaper. sched_getaffinity reports the allowed CPUs that
+    are active (cpus_mask & cpu_active_mask), status all allowed CPUs; they
+    differ only while a CPU is hot-unplugged. A gone process gives [].
+    """
+    if method == "auto":
+        method = "syscall" if fs.is_live else "status"
+    if method == "syscall" and not fs.is_live:
+        raise ValueError(f"{fs!r}: the syscall method needs the live host")
+    out: list[LiveThread] = []
+    for tid in _tids(fs, pid):
+        if method == "syscall":
+            name = _read_comm(fs, pid, tid)
+            cpus = _affinity(tid) if name is not None else None
+            if name is None or cpus is None:
+                continue
+            out.append(LiveThread(tid, name, cpus))
+            continue
+        try:
+            text = fs.read_text(f"proc/{pid}/task/{tid}/status")
+        except OSError as err:
+            if err.errno in _GONE:
+                continue
+            raise translate_oserror(f"tid {tid}", err) from None
+        try:
+            name, cpus = parse_status_thread(text)
+        except ValueError:
+            continue  # a task torn down while its status was generated
+        out.append(LiveThread(tid, name, cpus))
+    return out
+
+
+class _Known:
+    """What a ThreadScanner remembers of one thread between scans."""
+
+    __slots__ = ("cpus", "live", "matcher", "observed", "scans")
+
+    def __init__(self) -> None:
+        self.scans = 0
+        self.cpus: set[int] | None = None  # as sched_getaffinity returned it
+        self.live: LiveThread | None = None
+        self.observed: ThreadObservation | None = None  # built from `live` by `matcher`
+        self.matcher: RoleMatcher | None = None
+
+
+class ThreadScanner:
+    """Reads one process's threads once per check, at close to syscall cost.
+
+    Per scan it stats /proc/<pid>/task (whose link count is 2 + the number of
+    threads, fs/proc/base.c proc_task_getattr) and lists it only when that
+    count changed, a known thread vanished, or every `relist_every` scans;
+    then one sched_getaffinity(2) per thread. Names (comm) are read for a
+    thread's first `young_scans` scans (a pool thread names itself just after
+    it starts) and for all threads every `rename_every` scans, so a later
+    rename shows within that many checks. A thread whose CPUs and name did
+    not change keeps its `LiveThread` (and `ThreadObservation`) object, which
+    is what keeps a 4800-thread check near the syscall floor. On a fixture
+    tree it falls back to `read_threads`. Keep one per process; make a new
+    one when the process is restarted.
+    """
+
+    __slots__ = (
+        "_known",
+        "_nlink",
+        "_scan",
+        "fs",
+        "pid",
+        "relist_every",
+        "rename_every",
+        "young_scans",
+    )
+
+    def __init__(
+        self,
+        fs: HostFS,
+        pid: int,
+        *,
+        relist_every: int = 10,
+        rename_every: int = 60,
+        young_scans: int = 3,
+    ) -> None:
+        if min(relist_every, rename_every, young_scans) < 1:
+            raise ValueError("relist_every, rename_every and young_scans must be >= 1")
+        self.fs = fs
+        self.pid = pid
+        self.relist_every = relist_every
+        self.rename_every = rename_every
+        self.young_scans = young_scans
+        self._known: dict[int, _Known] = {}
+        self._nlink = -1
+        self._scan = 0
+
+    def scan(self) -> list[LiveThread]:
+        """The process's threads now, in tid order; [] when it is gone."""
+        if not self.fs.is_live:
+            return read_threads(self.fs, self.pid, "status")
+        return [entry.live for entry in self._scan_entries() if entry.live is not None]
+
+    def observe(self, matcher: RoleMatcher) -> tuple[ThreadObservation, ...]:
+        """`scan()` as `ThreadObservation`s with roles from `matcher`."""
+        if not self.fs.is_live:
+            return tuple(
+                ThreadObservation(t.tid, t.name, matcher.role(t.name), t.cpus) for t in self.scan()
+            )
+        out: list[ThreadObservation] = []
+        for entry in self._scan_entries():
+            observed = entry.observed
+            if observed is not None and entry.matcher is matcher:
+                out.append(observed)
+                continue
+            live = entry.live
+            if live is None:
+                continue
+            observed = ThreadObservation(live.tid, live.name, matcher.role(live.name), live.cpus)
+            entry.observed = observed
+            entry.matcher = matcher
+            out.append(observed)
+        return tuple(out)
+
+    def _scan_entries(self) -> list[_Known]:
+        task_path = self.fs.path(f"proc/{self.pid}/task")
+        try:
+            nlink = os.stat(task_path).st_nlink
+        except OSError:
+            self._known.clear()
+            self._nlink = -1
+            return []
+        relist = self._scan % self.relist_every == 0
+        rename = self._scan % self.rename_every == 0
+        self._scan += 1
+        if relist or nlink != self._nlink:
+            self._relist(nlink)
+        out, vanished = self._read(self._known, rename)
+        if vanished:
+            # A thread exited since the last listing, and another may have
+            # started with the count unchanged: list again now, read newcomers.
+            for tid in vanished:
+                del self._known[tid]
+            try:
+                nlink = os.stat(task_path).st_nlink
+            except OSError:
+                nlink = -1
+            self._relist(nlink)
+            fresh = {tid: e for tid, e in self._known.items() if e.live is None}
+            more, gone = self._read(fresh, rename)
+            for tid in gone:
+                del self._known[tid]
+                self._nlink = -1
+            out.extend(more)
+            out.sort(key=lambda e: e.live.tid if e.live is not None else -1)
+        return out
+
+    def _read(self, known: dict[int, _Known], rename: bool) -> tuple[list[_Known], list[int]]:
+        """Update each `known` thread's affinity (and name, when due); and the vanished tids."""
+        out: list[_Known] = []
+        vanished: list[int] = []
+        young = self.young_scans
+        getaffinity = os.sched_getaffinity
+        for tid, entry in known.items():
+            try:
+                cpus = getaffinity(tid)
+            except OSError as err:
+                if err.errno in _GONE:
+                    vanished.append(tid)
+                    continue
+                raise translate_oserror(f"tid {tid}", err) from None
+            live = entry.live
+            if live is not None and cpus == entry.cpus and not rename and entry.scans >= young:
+                out.append(entry)  # the steady state: nothing to read or build
+                continue
+            if live is None or rename or entry.scans < young:
+                name = _read_comm(self.fs, self.pid, tid)
+                if name is None:
+                    vanished.append(tid)
+                    continue
+            else:
+                name = live.name
+            entry.scans += 1
+            if live is None or cpus != entry.cpus or name != live.name:
+                entry.live = LiveThread(tid, name, tuple(sorted(cpus)))
+                entry.cpus = cpus
+                entry.observed = None
+            out.append(entry)
+        return out, vanished
+
+    def _relist(self, nlink: int) -> None:
+        tids = _tids(self.fs, self.pid)
+        known = self._known
+        self._known = {tid: known.get(tid) or _Known() for tid in tids}
+        self._nlink = nlink
+
+
+# -- memory ------------------------------------------------------------------
+
+
+def parse_numa_maps(text: str, default_page_bytes: int = PAGE_BYTES) -> dict[int, int]:
+    """Resident bytes per NUMA node of a process's own memory, from numa_maps (pure).
+
+    Each mapping line counts its pages per node as N<node>=<pages>, in units
+    of its own `kernelpagesize_kB=` (huge pages count 2048 or 1048576 kB each;
+    Documentation/admin-guide/mm/numa_memory_policy.rst, proc(5)).
+
+    Mapped files (shared libraries, model files) are left out: their pages
+    are page cache shared with other processes; counting them made two ranks
+    on different nodes each see the other's libraries as remote, and page
+    migration then moved the same pages back and forth. What counts is the
+    memory the process allocated: private anonymous memory, shared anonymous
+    and shmem mappings (/dev/zero, memfd, SysV, /dev/shm) and hugetlbfs, the
+    same memory a cgroup's memory.numa_stat `anon` (v1) or `anon` + `shmem`
+    (v2) lines count.
+    What remains is the process's own memory (heap, stacks, anonymous and
+    pinned buffers), the same thing the cgroup's `anon` line counts.
+    """
+    by_node: dict[int, int] = {}
+    for line in text.splitlines():
+        counts: list[tuple[int, int]] = []
+        page_bytes = default_page_bytes
+        for token in line.split():
+            if token[0] == "N" and "=" in token:
+                node_text, _, pages_text = token[1:].partition("=")
+                if node_text.isdigit() and pages_text.isdigit():
+                    counts.append((int(node_text), int(pages_text)))
+            elif token.startswith("kernelpagesize_kB="):
+                size_text = token[18:]
+                if size_text.isdigit():
+                    page_bytes = int(size_text) * 1024
+            elif token.startswith("file=") and not _own_shared_memory(token, line):
+                counts = []
+                break
+        for node, pages in counts:
+            by_node[node] = by_node.get(node, 0) + pages * page_bytes
+    return by_node
+
+
+_SHMEM_FILES = ("file=/dev/zero", "file=/SYSV", "file=/memfd:", "file=/dev/shm/")
+
+
+def _own_shared_memory(file_token: str, line: str) -> bool:
+    """A `file=` mapping that is allocated memory, not a mapped file: shmem
+    (MAP_SHARED|MAP_ANONYMOUS shows as /dev/zero) or hugetlbfs (`huge`)."""
+    return file_token.startswith(_SHMEM_FILES) or " huge" in line
+
+
+def _numa_maps_bytes(fs: HostFS, pid: int) -> dict[int, int]:
+    try:
+        text = fs.read_text(f"proc/{pid}/numa_maps")
+    except OSError as err:
+        raise translate_oserror(f"pid {pid}", err) from None
+    return parse_numa_maps(text)
+
+
+def read_numa_maps(fs: HostFS, pid: int) -> dict[int, int]:
+    """Resident bytes per node of `pid` (walks its page tables: cost grows with RSS).
+
+    Raises `errors.Gone` when the process no longer exists.
+    """
+    return _numa_maps_bytes(fs, pid)
+
+
+def local_memory_ratio(
+    bytes_by_node: Mapping[int, int], planned_mems: Sequence[int]
+) -> float | None:
+    """Share of resident bytes on `planned_mems` (0..1); None when nothing is resident."""
+    total = sum(bytes_by_node.values())
+    if total <= 0:
+        return None
+    local = sum(bytes_by_node.get(node, 0) for node in set(planned_mems))
+    return local / total
+
+
+# -- IRQs, allowed and online CPUs -------------------------------------------------
+
+
+def read_irq_effective(fs: HostFS, irq: int) -> tuple[int, ...] | None:
+    """The CPUs IRQ `irq` is delivered to; None when the IRQ is gone.
+
+    effective_affinity_list (kernel >= 4.13) is what the interrupt chip
+    actually targets, usually one CPU of smp_affinity_list; where it is
+    absent or empty (irq chips that do not report it) smp_affinity_list is
+    the best there is (Documentation/core-api/irq/irq-affinity.rst).
+    """
+    for name in ("effective_affinity_list", "smp_affinity_list"):
+        text = fs.read_optional(f"proc/irq/{irq}/{name}")
+        if text is not None and text.strip():
+            try:
+                return tuple(sorted(parse_cpulist(text)))
+            except ValueError:
+                continue
+    return None
+
+
+def read_self_allowed(fs: HostFS) -> tuple[frozenset[int], frozenset[int]]:
+    """The CPUs and memory nodes the supervisor may use now.
+
+    proc/self/status Cpus_allowed_list / Mems_allowed_list narrowed by the
+    effective cpuset of its own cgroup (v1 or v2), read with the discovery
+    helpers of supervisor.topology.cgroup. Not intersected with the online
+    CPUs (see `read_online_cpus`); may be empty. The daemon compares
+    successive values (drift.diff_allowed) to detect a cpuset change.
+    """
+    status = fs.read_required(STATUS, "the supervisor's allowed CPUs")
+    cpus, mems = parse_status_allowed(status)
+    cpuset = read_cpuset(fs)
+    if cpuset is not None and cpuset.cpus is not None:
+        cpus &= cpuset.cpus
+    if cpuset is not None and cpuset.mems is not None:
+        mems &= cpuset.mems
+    return cpus, mems
+
+
+def read_online_cpus(fs: HostFS) -> frozenset[int]:
+    """The CPUs online now (sys/devices/system/cpu/online), for hotplug checks."""
+    text = fs.read_required("sys/devices/system/cpu/online", "the online CPUs")
+    return parse_cpulist(text)
+
+
+# -- one process -------------------------------------------------------------
+
+
+def observe_process(
+    fs: HostFS,
+    pid: int,
+    slot: Slot,
+    process: ProcessKind,
+    *,
+    roles: Sequence[ThreadRole] = (),
+    numa_stat: Mapping[int, int] | None = None,
+    read_numa_maps: bool = False,
+    scanner: ThreadScanner | None = None,
+    matcher: RoleMatcher | None = None,
+    irqs: Mapping[int, Sequence[int]] | None = None,
+    previous: Observation | None = None,
+    now: float | None = None,
+) -> Observation:
+    """The live state of one supervised process, as a `state.Observation`.
+
+    Threads come from `scanner` when given (keep one per process across
+    checks), else `read_threads`; roles from `matcher` (or `roles`).
+    Memory by node: the process's numa_maps when `read_numa_maps` (exact but
+    it walks page tables), else `numa_stat` (its own cgroup's
+    memory.numa_stat, cheap), else the `previous` observation's memory.
+    `irqs` maps each planned IRQ to its planned CPUs. Raises `errors.Gone`
+    when the process no longer exists.
+    """
+    match = matcher if matcher is not None else RoleMatcher(process, roles)
+    if scanner is not None:
+        observed = scanner.observe(match)
+    else:
+        observed = tuple(
+            ThreadObservation(t.tid, t.name, match.role(t.name), t.cpus)
+            for t in read_threads(fs, pid)
+        )
+    if not observed and not fs.exists(f"proc/{pid}"):
+        raise Gone(f"pid {pid}", OSError(errno.ESRCH, os.strerror(errno.ESRCH)))
+    memory: Mapping[int, int]
+    ratio: float | None
+    if read_numa_maps:
+        memory = _numa_maps_bytes(fs, pid)
+        ratio = local_memory_ratio(memory, slot.mems)
+    elif numa_stat is not None:
+        memory = dict(numa_stat)
+        ratio = local_memory_ratio(memory, slot.mems)
+    elif previous is not None:
+        memory, ratio = previous.memory_bytes_by_node, previous.local_memory_ratio
+    else:
+        memory, ratio = {}, None
+    irq_obs = tuple(
+        IrqObservation(irq, read_irq_effective(fs, irq) or (), tuple(sorted(planned)))
+        for irq, planned in sorted((irqs or {}).items())
+    )
+    return Observation(
+        threads=observed,
+        memory_bytes_by_node=MappingProxyType(dict(sorted(memory.items()))),
+        local_memory_ratio=ratio,
+        irqs=irq_obs,
+        observed_at=time.time() if now is None else now,
+    )

@@ -1,0 +1,219 @@
+"""Metrics from the snapshot collector: names and values (DESIGN 3.5), pre-initialised
+counters, no I/O at scrape time, and `promtool check metrics` on the exposition."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+from typing import Any
+
+import pytest
+from prometheus_client import REGISTRY, generate_latest
+from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
+from prometheus_client.openmetrics.parser import text_string_to_metric_families
+
+from supervisor.serve.api import placement_doc
+from supervisor.serve.metrics import (
+    BIND_REASONS,
+    BIND_TARGETS,
+    DRIFT_KINDS,
+    REBIND_REASONS,
+    build_registry,
+)
+from supervisor.state import HOST_LABEL, ProcessStatus, Snapshot, StateStore
+from tests.support.api_fixture import Scenario, realistic_snapshot
+
+
+def registry_for(snap: Snapshot) -> Any:
+    return build_registry(StateStore(snap))
+
+
+def test_required_metrics_have_the_snapshot_values() -> None:
+    snap = realistic_snapshot()
+    reg = registry_for(snap)
+    v = reg.get_sample_value
+    for key in snap.keys():  # noqa: SIM118 (a Snapshot method, not a dict)
+        rank = str(key)
+        obs = snap.observed[key]
+        assert v("placement_up", {"rank": rank}) == 1.0
+        assert v("placement_local_memory_ratio", {"rank": rank}) == pytest.approx(
+            obs.local_memory_ratio
+        )
+        for node, size in obs.memory_bytes_by_node.items():
+            assert v("placement_memory_bytes", {"rank": rank, "node": str(node)}) == size
+        assert v("placement_process_state", {"rank": rank, "state": "running"}) == 1.0
+        assert v("placement_process_state", {"rank": rank, "state": "failed"}) == 0.0
+        assert v("placement_mempolicy", {"rank": rank, "policy": "bind"}) == 1.0
+        assert v("placement_mempolicy", {"rank": rank, "policy": "preferred"}) == 0.0
+        assert v("placement_backoff_seconds", {"rank": rank}) == 0.0
+    assert v("placement_restarts_total", {"rank": "2"}) == 1.0
+    assert v("placement_restarts_total", {"rank": "engine"}) == 0.0
+    assert v("placement_bind_failures_total", {"rank": "3", "target": "irq", "reason": "managed"})
+    assert v("placement_drift_events_total", {"rank": "1", "kind": "thread_affinity"}) == 2.0
+    assert v("placement_drift_findings", {"rank": "1", "kind": "thread_affinity"}) == 1.0
+    assert v("placement_rebinds_total", {"rank": "1", "reason": "thread_affinity"}) == 2.0
+    assert v("placement_cpuset_changes_total") == 0.0
+    assert v("placement_check_duration_seconds_count") == 42.0
+    assert v("placement_check_duration_seconds_sum") == pytest.approx(0.42)
+    assert v("placement_last_check_duration_seconds") == pytest.approx(0.011)
+    assert v("placement_last_check_timestamp_seconds") == snap.counters.last_check_at
+    assert v("placement_start_time_seconds") == snap.started_at
+    assert v("placement_ready") == 1.0
+    assert (
+        v(
+            "placement_info",
+            {"version": "0.1.0", "strategy": "numa-affine", "accelerator": "nvidia"},
+        )
+        == 1.0
+    )
+    assert v("placement_threads", {"rank": "0", "role": "main"}) == 3.0
+    assert v("placement_planned_cpus", {"rank": "engine", "role": "so_compiler"}) == 4.0
+
+
+def test_counters_exist_at_zero_for_every_process_and_label() -> None:
+    """`increase()` needs a sample before the first failure: every series starts at 0."""
+    snap = realistic_snapshot(Scenario(drifted_rank=None, restarted_rank=None, failures={}))
+    v = registry_for(snap).get_sample_value
+    for key in snap.keys():  # noqa: SIM118 (a Snapshot method, not a dict)
+        rank = str(key)
+        assert v("placement_restarts_total", {"rank": rank}) == 0.0
+        for kind in DRIFT_KINDS:
+            assert v("placement_drift_events_total", {"rank": rank, "kind": kind}) == 0.0
+        for reason in REBIND_REASONS:
+            assert v("placement_rebinds_total", {"rank": rank, "reason": reason}) == 0.0
+        for target in BIND_TARGETS:
+            for reason in BIND_REASONS:
+                labels = {"rank": rank, "target": target, "reason": reason}
+                expected = None if (key == "engine" and target == "irq") else 0.0
+                assert v("placement_bind_failures_total", labels) == expected
+    managed = {"rank": "0", "target": "irq", "reason": "managed"}
+    assert v("placement_bind_failures_total", managed) == 0.0
+    managed["target"] = "thread"
+    assert v("placement_bind_failures_total", managed) is None  # EIO is an IRQ's answer only
+
+
+def test_states_backoff_and_mempolicy_follow_the_process() -> None:
+    snap = realistic_snapshot()
+    store = StateStore(snap)
+    reg = build_registry(store)
+    v = reg.get_sample_value
+    store.set_process(replace(snap.processes[1], state="backoff", backoff_s=8.0, pid=None))
+    store.set_process(replace(snap.processes[2], state="failed", mempolicy="preferred"))
+    store.set_process(replace(snap.processes[3], bound=False))
+    assert v("placement_up", {"rank": "1"}) == 0.0
+    assert v("placement_backoff_seconds", {"rank": "1"}) == 8.0
+    assert v("placement_process_state", {"rank": "1", "state": "backoff"}) == 1.0
+    assert v("placement_process_state", {"rank": "1", "state": "running"}) == 0.0
+    assert v("placement_process_state", {"rank": "2", "state": "failed"}) == 1.0
+    assert v("placement_mempolicy", {"rank": "2", "policy": "preferred"}) == 1.0
+    assert v("placement_mempolicy", {"rank": "2", "policy": "bind"}) == 0.0
+    assert v("placement_bound", {"rank": "3"}) == 0.0
+    assert v("placement_ready") == 0.0
+    store.update(stopping=True)
+    assert v("placement_ready") == 0.0
+
+
+def test_unobserved_and_unstarted_processes() -> None:
+    snap = realistic_snapshot()
+    snap = replace(snap, processes={0: ProcessStatus(0, "running", pid=7)}, observed={})
+    v = registry_for(snap).get_sample_value
+    assert v("placement_up", {"rank": "0"}) == 1.0
+    assert v("placement_up", {"rank": "1"}) == 0.0  # planned, no status yet
+    assert v("placement_process_state", {"rank": "1", "state": "starting"}) == 1.0
+    assert v("placement_local_memory_ratio", {"rank": "0"}) is None
+    assert v("placement_mempolicy", {"rank": "1", "policy": "bind"}) is None
+    assert v("placement_ready") == 0.0
+
+
+def test_registry_is_private() -> None:
+    snap = realistic_snapshot()
+    store = StateStore(snap)
+    a, b = build_registry(store), build_registry(store)  # no duplicate-timeseries error
+    assert a is not REGISTRY and b is not REGISTRY
+    assert REGISTRY.get_sample_value("placement_up", {"rank": "0"}) is None
+    assert a.get_sample_value("placement_up", {"rank": "0"}) == 1.0
+
+
+# -- no I/O at scrape or render time ---------------------------------------------------
+
+_IO_EVENTS = ("open", "os.listdir", "os.scandir", "socket.", "subprocess.", "os.system")
+_watch: list[list[str]] = []
+
+
+def _audit(event: str, args: tuple[Any, ...]) -> None:
+    if _watch and event.startswith(_IO_EVENTS):
+        _watch[-1].append(f"{event} {args[:1]!r}")
+
+
+sys.addaudithook(_audit)  # hooks cannot be removed; it records only while _watch is set
+
+
+@contextmanager
+def watching() -> Iterator[list[str]]:
+    seen: list[str] = []
+    _watch.append(seen)
+    try:
+        yield seen
+    finally:
+        _watch.pop()
+
+
+def test_collect_and_placement_rendering_do_no_io() -> None:
+    snap = realistic_snapshot()
+    reg = registry_for(snap)
+    generate_latest(reg)  # warm up lazy imports, which open files legitimately
+    placement_doc(snap)
+    with watching() as seen:
+        assert b"placement_up" in generate_latest(reg)
+        assert generate_openmetrics(reg).endswith(b"# EOF\n")
+        assert placement_doc(snap)["ranks"]
+        assert seen == []
+        # The watch itself works: a real open is seen.
+        with open(__file__, "rb"):
+            pass
+        assert any(e.startswith("open") for e in seen)
+
+
+# -- exposition formats -----------------------------------------------------------------
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool is not installed")
+def test_promtool_check_metrics_accepts_the_exposition() -> None:
+    body = generate_latest(registry_for(realistic_snapshot()))
+    proc = subprocess.run(
+        ["promtool", "check", "metrics"], input=body, capture_output=True, timeout=60, check=False
+    )
+    assert proc.returncode == 0, proc.stdout.decode() + proc.stderr.decode()
+    assert proc.stdout.strip() == b"" and proc.stderr.strip() == b""
+
+
+def test_openmetrics_exposition_parses() -> None:
+    text = generate_openmetrics(registry_for(realistic_snapshot())).decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert families["placement_bind_failures"].type == "counter"
+    assert families["placement_check_duration_seconds"].type == "summary"
+    assert families["placement"].type == "info"
+    up = {s.labels["rank"]: s.value for s in families["placement_up"].samples}
+    assert up == {"engine": 1.0, "0": 1.0, "1": 1.0, "2": 1.0, "3": 1.0}
+
+
+def test_failures_of_no_process_keep_out_of_the_rank_label() -> None:
+    """DESIGN 3.5: `rank` is a rank number or engine; the supervisor's own
+    failures (its instance cgroup, an IRQ re-plan) have a family of their own."""
+    store = StateStore(realistic_snapshot())
+    store.count("bind_failures", (HOST_LABEL, "cgroup", "error"))
+    registry = build_registry(store)
+    labels = {"target": "cgroup", "reason": "error"}
+    assert registry.get_sample_value("placement_host_bind_failures_total", labels) == 1
+    ranks = {
+        s.labels["rank"]
+        for m in registry.collect()
+        if m.name == "placement_bind_failures"
+        for s in m.samples
+    }
+    assert HOST_LABEL not in ranks
+    assert ranks == {"engine", *(str(r.rank) for r in store.snapshot.placement.ranks)}

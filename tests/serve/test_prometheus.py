@@ -1,0 +1,407 @@
+"""The alert rules, the dashboard and the metrics, checked with the real Prometheus tools.
+
+- `promtool check rules` / `test rules` (one unit test per alert) / `check config`.
+- A real Prometheus (loopback, temp storage, 1 s scrapes and rule evaluation)
+  scrapes two targets: the demo daemon (`python -m supervisor run --config
+  supervisor/demo/demo.toml`) and the snapshot harness (`python -m
+  tests.support.api_fixture`, an ApiServer over a planned 4-GPU snapshot). Against
+  each target, every expression of every dashboard panel, both template
+  variables, and every alert rule must return data through the HTTP query API.
+
+Rule for alert expressions that are conditions (`x < 0.9` is empty when all is
+well): when the expression returns nothing, each comparison with a number
+(`== 0`, `> 60`, `>= 3`, `< 0.9`) is removed and the rest must return data for
+the target, i.e. the series the alert watches exist. Rules must also evaluate
+without error (`health: ok`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from supervisor.serve.listen import parse_listen
+from supervisor.serve.metrics import build_registry
+from supervisor.serve.status import http_request
+from supervisor.state import StateStore
+from tests.support.api_fixture import realistic_snapshot
+from tests.support.daemon_support import (
+    free_port,
+    get_json,
+    run_supervisor,
+    stop_process,
+    wait_until,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+PROM_DIR = REPO / "configs" / "prometheus"
+DASHBOARD = REPO / "configs" / "grafana" / "placement-supervisor.json"
+DEMO_CONFIG = REPO / "supervisor" / "demo" / "demo.toml"
+PYTHON = str(REPO / ".venv" / "bin" / "python") if (REPO / ".venv").exists() else sys.executable
+JOB = "placement-supervisor"
+
+needs_promtool = pytest.mark.skipif(shutil.which("promtool") is None, reason="no promtool")
+needs_prometheus = pytest.mark.skipif(shutil.which("prometheus") is None, reason="no prometheus")
+
+
+# DESIGN 3.5: the names every dashboard, alert and scrape may rely on.
+REQUIRED_METRICS = (
+    "placement_local_memory_ratio",
+    "placement_memory_bytes",
+    "placement_bind_failures_total",
+    "placement_drift_events_total",
+    "placement_rebinds_total",
+    "placement_cpuset_changes_total",
+    "placement_restarts_total",
+    "placement_up",
+    "placement_check_duration_seconds",
+)
+
+
+def promtool(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["promtool", *args], cwd=PROM_DIR, capture_output=True, text=True, timeout=120, check=False
+    )
+
+
+# -- promtool -------------------------------------------------------------------------------
+
+
+@needs_promtool
+def test_alert_rules_check() -> None:
+    proc = promtool("check", "rules", "alerts.yml")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@needs_promtool
+def test_alert_unit_tests_pass_and_cover_every_alert() -> None:
+    proc = promtool("test", "rules", "alerts_test.yml")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    alerts = set(re.findall(r"^\s*- alert: (\w+)", (PROM_DIR / "alerts.yml").read_text(), re.M))
+    tests = (PROM_DIR / "alerts_test.yml").read_text()
+    # An alert is covered when a test expects it to fire (a non-empty exp_alerts).
+    firing = set(re.findall(r"alertname: (\w+)\n\s*exp_alerts:\n\s*- exp_labels", tests))
+    assert alerts == firing, f"alerts without a firing unit test: {sorted(alerts - firing)}"
+    assert len(alerts) >= 8
+
+
+@needs_promtool
+def test_example_scrape_config_is_valid() -> None:
+    proc = promtool("check", "config", "prometheus.yml")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"job_name: {JOB}" in (PROM_DIR / "prometheus.yml").read_text()
+
+
+# -- the dashboard, statically ----------------------------------------------------------
+
+
+def dashboard_panels() -> list[dict[str, Any]]:
+    doc = json.loads(DASHBOARD.read_text())
+    return [p for p in doc["panels"] if p["type"] != "row"]
+
+
+def dashboard_exprs() -> list[tuple[str, str]]:
+    return [(p["title"], t["expr"]) for p in dashboard_panels() for t in p["targets"]]
+
+
+def test_dashboard_shape_and_names() -> None:
+    doc = json.loads(DASHBOARD.read_text())
+    assert 36 <= doc["schemaVersion"] <= 41
+    variables = {v["name"]: v for v in doc["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource"
+    assert variables["datasource"]["query"] == "prometheus"
+    assert variables["host"]["query"]["query"] == "label_values(placement_info, instance)"
+    ids = [p["id"] for p in doc["panels"]]
+    assert len(ids) == len(set(ids))
+    exported = {
+        s.name
+        for m in build_registry(StateStore(realistic_snapshot())).collect()
+        for s in m.samples
+    }
+    for p in dashboard_panels():
+        assert p["datasource"]["uid"] == "${datasource}", p["title"]
+        assert p["targets"], p["title"]
+        for t in p["targets"]:
+            assert t["datasource"]["uid"] == "${datasource}", p["title"]
+            assert 'instance=~"$host"' in t["expr"], (p["title"], t["expr"])
+            names = set(re.findall(r"\bplacement_[a-z_]+", t["expr"]))
+            assert names and names <= exported, (p["title"], names - exported)
+    # The required metrics of DESIGN 3.5 each have a panel.
+    shown = " ".join(e for _, e in dashboard_exprs())
+    for name in (*REQUIRED_METRICS, "placement_process_state"):
+        assert name in shown, name
+
+
+# -- a real Prometheus -------------------------------------------------------------------------
+
+
+def wait_for(what: str, probe: Callable[[], Any], deadline_s: float, procs: list[Proc]) -> Any:
+    """Poll `probe` until it returns a truthy value; fail naming `what` at the deadline."""
+    last: Any = None
+
+    def answered() -> Any:
+        nonlocal last
+        for p in procs:
+            if p.popen.poll() is not None:
+                pytest.fail(f"{p.name} exited with {p.popen.returncode}:\n{p.output()}")
+        try:
+            last = probe()
+        except (OSError, ValueError) as err:
+            last = err
+            return None
+        return last
+
+    value = wait_until(answered, deadline_s, 0.2)
+    if not value:
+        pytest.fail(f"timed out waiting for {what}; last: {last!r}")
+    return value
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")[-4000:]
+
+    def stop(self) -> None:
+        stop_process(self.popen, 20, group=True)
+
+
+def start(name: str, argv: list[str], tmp: Path, **kw: Any) -> Proc:
+    log = tmp / f"{name}.log"
+    with open(log, "wb") as out:
+        popen = subprocess.Popen(
+            argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True, **kw
+        )
+    return Proc(name, popen, log)
+
+
+@dataclass
+class Stack:
+    prometheus: str  # base URL
+    instances: dict[str, str]  # "daemon"/"harness" -> instance label
+    procs: list[Proc]
+
+    def query(self, expr: str) -> list[Any]:
+        url = f"{self.prometheus}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+        doc = get_json(url)
+        assert doc["status"] == "success", (expr, doc)
+        result: list[Any] = doc["data"]["result"]
+        return result
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    if shutil.which("prometheus") is None:
+        pytest.skip("no prometheus binary")
+    tmp = tmp_path_factory.mktemp("prom")
+    procs: list[Proc] = []
+    try:
+        # The demo daemon, with a private port for its engine's readiness probe
+        # so that other demo runs on this machine cannot collide with it.
+        daemon_port, engine_port = free_port(), free_port()
+        config = tmp / "demo.toml"
+        config.write_text(DEMO_CONFIG.read_text().replace("9478", str(engine_port)))
+        daemon = start(
+            "daemon",
+            [PYTHON, "-m", "supervisor", "run", "--config", str(config), "--listen",
+             f"127.0.0.1:{daemon_port}"],
+            tmp,
+        )  # fmt: skip
+        procs.append(daemon)
+        harness = start(
+            "harness", [PYTHON, "-m", "tests.support.api_fixture", "--listen", "127.0.0.1:0"], tmp
+        )
+        procs.append(harness)
+        line = wait_for("the harness's address", harness.log.read_text, 30, procs)
+        harness_addr = json.loads(line.splitlines()[0])["addresses"][0]
+        daemon_addr = f"127.0.0.1:{daemon_port}"
+        prom_port = free_port()
+        (tmp / "prometheus.yml").write_text(
+            json.dumps(  # JSON is YAML
+                {
+                    "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+                    "rule_files": [str(PROM_DIR / "alerts.yml")],
+                    "scrape_configs": [
+                        {
+                            "job_name": JOB,
+                            "static_configs": [{"targets": [daemon_addr, harness_addr]}],
+                        }
+                    ],
+                }
+            )
+        )
+        prom = start(
+            "prometheus",
+            [
+                "prometheus",
+                f"--config.file={tmp / 'prometheus.yml'}",
+                f"--storage.tsdb.path={tmp / 'data'}",
+                f"--web.listen-address=127.0.0.1:{prom_port}",
+                "--log.level=warn",
+            ],
+            tmp,
+        )
+        procs.append(prom)
+        base = f"http://127.0.0.1:{prom_port}"
+        s = Stack(base, {"daemon": daemon_addr, "harness": harness_addr}, procs)
+
+        def targets_up() -> bool:
+            doc = get_json(f"{base}/api/v1/targets")
+            health = {t["labels"]["instance"]: t["health"] for t in doc["data"]["activeTargets"]}
+            return all(health.get(addr) == "up" for addr in s.instances.values())
+
+        wait_for("both targets scraped", targets_up, 90, procs)
+        yield s
+    finally:
+        for p in reversed(procs):
+            p.stop()
+
+
+def substitute(expr: str, instance: str) -> str:
+    """Grafana's variables as Grafana would expand them for one host."""
+    return (
+        expr.replace("$host", instance)  # a regex matching itself: dots match dots too
+        .replace("$rank", ".+")
+        .replace("$__rate_interval", "10s")
+        .replace("$__interval", "2s")
+        .replace("$__range", "1m")
+    )
+
+
+_COMPARISON = re.compile(r"\s*(==|!=|>=|<=|>|<)\s*(bool\s+)?-?[0-9]+(\.[0-9]+)?")
+
+
+def strip_conditions(expr: str) -> str:
+    return _COMPARISON.sub("", expr)
+
+
+def missing_until_deadline(
+    stack: Stack, checks: list[tuple[str, str]], deadline_s: float
+) -> list[tuple[str, str]]:
+    """Poll until every (label, expr) returns data; returns those that never did."""
+    missing = checks
+
+    def none_missing() -> bool:
+        nonlocal missing
+        missing = [(label, expr) for label, expr in missing if not stack.query(expr)]
+        return not missing
+
+    wait_until(none_missing, deadline_s, 1.0)
+    return missing
+
+
+TARGETS = ["harness", "daemon"]
+
+
+@needs_prometheus
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_dashboard_query_returns_data(stack: Stack, target: str) -> None:
+    instance = stack.instances[target]
+    doc = json.loads(DASHBOARD.read_text())
+    checks = [(title, substitute(expr, instance)) for title, expr in dashboard_exprs()]
+    # The template variables: Grafana's label_values(metric, label) is the label API.
+    for var in doc["templating"]["list"]:
+        if var["type"] != "query":
+            continue
+        m = re.fullmatch(r"label_values\((.+), (\w+)\)", var["query"]["query"])
+        assert m, var["query"]
+        selector = substitute(m.group(1), instance)
+        url = f"{stack.prometheus}/api/v1/label/{m.group(2)}/values?" + urllib.parse.urlencode(
+            {"match[]": selector}
+        )
+        values = wait_for(f"variable {var['name']}", lambda u=url: get_json(u)["data"], 30, [])
+        if var["name"] == "host":
+            assert instance in values
+    missing = missing_until_deadline(stack, checks, 45)
+    assert not missing, f"{target}: panels without data: {missing}"
+
+
+@needs_prometheus
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_alert_rule_evaluates_and_watches_existing_series(stack: Stack, target: str) -> None:
+    instance = stack.instances[target]
+    doc = get_json(f"{stack.prometheus}/api/v1/rules?type=alert")
+    rules = [r for g in doc["data"]["groups"] for r in g["rules"]]
+    names = set(re.findall(r"^\s*- alert: (\w+)", (PROM_DIR / "alerts.yml").read_text(), re.M))
+    assert {r["name"] for r in rules} == names
+    only_here = f'placement_info{{instance="{instance}"}}'
+    checks = [
+        (r["name"], f"({strip_conditions(r['query'])}) and on(instance) {only_here}") for r in rules
+    ]
+    missing = missing_until_deadline(stack, checks, 45)
+    assert not missing, f"{target}: alerts whose series are missing: {missing}"
+
+    def evaluated() -> bool:
+        doc = get_json(f"{stack.prometheus}/api/v1/rules?type=alert")
+        rules = [r for g in doc["data"]["groups"] for r in g["rules"]]
+        return all(r["health"] == "ok" and r.get("lastEvaluation") for r in rules)
+
+    wait_for("rules evaluated with health ok", evaluated, 30, [])
+    # The conditions judge real data right: the harness's snapshot has one
+    # standing drift finding (rank 1), which makes exactly that alert pending;
+    # the demo daemon is healthy.
+    expected = {"harness": {"PlacementDriftPersists"}, "daemon": set()}[target]
+
+    def alerts() -> set[str]:
+        found = stack.query(f'ALERTS{{instance="{instance}"}}')
+        return {a["metric"]["alertname"] for a in found}
+
+    wait_until(lambda: alerts() == expected, 20, 0.5)
+    assert alerts() == expected
+
+
+def test_strip_conditions_rule() -> None:
+    assert strip_conditions("placement_local_memory_ratio < 0.9") == "placement_local_memory_ratio"
+    assert strip_conditions('up{job="x"} == 0') == 'up{job="x"}'
+    assert strip_conditions("placement_bound == 0 and placement_up == 1") == (
+        "placement_bound and placement_up"
+    )
+    assert strip_conditions('a{job!="x"} > bool 60') == 'a{job!="x"}'
+    assert strip_conditions("increase(x[10m]) >= 3") == "increase(x[10m])"
+
+
+@needs_prometheus
+def test_status_against_the_demo_daemon(stack: Stack) -> None:
+    """`placement-supervisor status` on the real daemon: every process's pid and state."""
+    listen = stack.instances["daemon"]
+    doc = json.loads(http_request(parse_listen(listen), "GET", "/placement")[2])
+    proc = run_supervisor("status", "--listen", listen)
+    assert proc.returncode == 0, proc.stderr
+    rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines()[2:] if line}
+    for entry in [doc["engine"], *doc["ranks"]]:
+        label = "engine" if "rank" not in entry else str(entry["rank"])
+        assert rows[label][1:3] == [str(entry["pid"]), entry["state"]], proc.stdout
+
+
+@needs_promtool
+def test_promtool_accepts_the_demo_daemons_metrics(stack: Stack) -> None:
+    """DESIGN 3.5 on the live demo: every required name, and a clean promtool lint."""
+    with urllib.request.urlopen(f"http://{stack.instances['daemon']}/metrics", timeout=10) as r:
+        body = r.read().decode()
+    names = {line.split("{")[0].split(" ")[0] for line in body.splitlines() if line[:1] != "#"}
+    for name in REQUIRED_METRICS:
+        assert name in names or f"{name}_count" in names, name
+    done = subprocess.run(
+        ["promtool", "check", "metrics"],
+        input=body,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr

@@ -1,0 +1,114 @@
+"""`status` against a running API server (TCP and unix socket), and its table renderer."""
+
+from __future__ import annotations
+
+import json
+from argparse import Namespace
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from supervisor.config import ApiConfig
+from supervisor.cpulist import format_cpulist
+from supervisor.serve.api import placement_doc
+from supervisor.serve.status import render_status, status_command
+from supervisor.state import Finding
+from tests.support.api_fixture import ServerThread, realistic_snapshot
+from tests.support.daemon_support import free_port, run_supervisor
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
+    sock = tmp_path_factory.mktemp("status") / "api.sock"
+    config = ApiConfig(listen="127.0.0.1:0", unix_socket=str(sock))
+    with ServerThread(realistic_snapshot(), config) as srv:
+        yield srv
+
+
+def rows(text: str) -> dict[str, list[str]]:
+    lines = text.splitlines()
+    header = lines[1].split()
+    assert header[:3] == ["RANK", "PID", "STATE"]
+    return {line.split()[0]: line.split() for line in lines[2:] if line and line[0] != " "}
+
+
+def test_table_shows_every_process(
+    server: ServerThread, capsys: pytest.CaptureFixture[str]
+) -> None:
+    listen = str(server.tcp)
+    assert status_command(Namespace(listen=listen, json=False)) == 0
+    out = capsys.readouterr().out
+    table = rows(out)
+    snap = server.store.snapshot
+    for key in snap.keys():  # noqa: SIM118 (a Snapshot method)
+        row = table[str(key)]
+        assert row[1] == str(snap.processes[key].pid)
+        assert row[2] == snap.processes[key].state
+    # CPUs per role in the kernel's list format, main first.
+    rank0 = snap.placement.rank(0).slot
+    assert f"main={format_cpulist(rank0.roles['main'])}" in table["0"]
+    assert out.splitlines()[0].endswith("ready")
+    # The drifted thread of rank 1 is counted in the table and spelled out below it.
+    assert table["1"][-2] == "1"
+    assert "drift 1: thread_affinity" in out
+
+
+def test_json_is_the_raw_document(server: ServerThread, capsys: pytest.CaptureFixture[str]) -> None:
+    where = next(a for a in server.server.addresses if a.startswith("unix:"))
+    assert status_command(Namespace(listen=where, json=True)) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc == json.loads(json.dumps(placement_doc(server.store.snapshot)))
+
+
+def test_unreachable_daemon_is_one_line_and_exit_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    port = free_port()  # closed again: nobody listens there
+    assert status_command(Namespace(listen=f"127.0.0.1:{port}", json=False)) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert f"cannot reach the daemon at 127.0.0.1:{port}" in err
+    assert status_command(Namespace(listen=f"unix:{tmp_path / 'none.sock'}", json=True)) == 1
+    assert "cannot reach the daemon" in capsys.readouterr().err
+    assert status_command(Namespace(listen="nonsense", json=False)) == 2
+    assert "--listen" in capsys.readouterr().err
+
+
+def test_the_config_names_the_address(
+    server: ServerThread, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text(
+        f'[workers]\ncommand = ["true"]\n[api]\nlisten = "{server.tcp}"\n', encoding="utf-8"
+    )
+    assert status_command(Namespace(listen=None, json=False, config=str(config))) == 0
+    assert "RANK" in capsys.readouterr().out
+
+
+def test_render_shows_backoff_failure_and_not_ready() -> None:
+    snap = realistic_snapshot()
+    procs = dict(snap.processes)
+    procs[1] = replace(procs[1], state="backoff", backoff_s=4.0, pid=None)
+    procs[2] = replace(procs[2], state="failed", exit_code=-9, pid=None)
+    procs[3] = replace(procs[3], bound=False)
+    drift = dict(snap.drift)
+    drift[3] = (Finding("memory_locality", "memory", ">= 90% on 1", "71% on 1"),)
+    text = render_status(placement_doc(replace(snap, processes=procs, drift=drift)))
+    table = rows(text)
+    assert table["1"][1:3] == ["-", "backoff(4s)"]
+    assert table["2"][1:3] == ["-", "failed(exit"]
+    assert table["3"][2] == "running(unbound)"
+    assert "NOT READY" in text.splitlines()[0]
+    assert "not ready: 1: backoff" in text
+    assert "drift 3: memory_locality memory" in text
+
+
+def test_the_cli_subcommand(server: ServerThread) -> None:
+    proc = run_supervisor("status", "--listen", str(server.tcp))
+    assert proc.returncode == 0, proc.stderr
+    assert str(server.store.snapshot.processes[0].pid) in proc.stdout
+    proc = run_supervisor("status", "--listen", str(server.tcp), "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["ranks"][0]["pid"] == server.store.snapshot.processes[0].pid

@@ -1,0 +1,1 @@
+"""Test support: fixture hosts, child programs, daemons, cgroups, the guest."""

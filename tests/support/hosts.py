@@ -1,0 +1,276 @@
+"""Fixture hosts: one function per class of real machine (DESIGN 3.2), built with FakeHost.
+
+Each takes a directory and returns the root of a new host tree under it
+(`<dir>/<name>`). The layouts follow public documentation of these machines
+(vendor user guides, `numactl -H` / `nvidia-smi topo -m` output published in
+them); each docstring says what is modelled and what had to be assumed.
+`ALL_HOSTS` maps a short name to each builder, for tests that iterate them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from tests.support.fakehost import GIB, FakeHost
+
+
+def dgx_h100(base: Path) -> Path:
+    """NVIDIA DGX H100: 2x Xeon Platinum 8480C (56 cores, 112 threads each).
+
+    224 CPUs; SMT siblings N and N+112; node 0 = 0-55,112-167, node 1 =
+    56-111,168-223; 1 TiB per node. 8 H100 SXM at the bus ids of the DGX H100
+    user guide (1b, 43, 52, 61 on socket 0; 9d, c3, d1, df on socket 1). 8
+    ConnectX-7 compute HCAs mlx5_0,3,4,5,6,9,10,11 (ibp24s0 ... ibp220s0), one
+    per GPU on the same socket, and 2 dual-port storage NICs (mlx5_1/2 on
+    0000:29:00.x, mlx5_7/8 on 0000:aa:00.x). Assumed: storage NIC bus ids,
+    distances 10/21, netdev names of the storage ports.
+    """
+    h = FakeHost(base / "dgx_h100").cpus(2, 56, 2, "intel", mem_per_node_bytes=1024 * GIB)
+    h.distances([[10, 21], [21, 10]])
+    gpus = ["1b", "43", "52", "61", "9d", "c3", "d1", "df"]
+    for i, bus in enumerate(gpus):
+        h.nvidia_gpu(
+            f"0000:{bus}:00.0",
+            0 if i < 4 else 1,
+            uuid=f"GPU-{i:x}a1e4d5c-7b6a-4c1d-9e2f-0123456789{i:02d}",
+        )
+    hcas = [
+        (0, "18"),
+        (3, "40"),
+        (4, "4f"),
+        (5, "5e"),
+        (6, "9a"),
+        (9, "c0"),
+        (10, "ce"),
+        (11, "dc"),
+    ]
+    for k, (ib, bus) in enumerate(hcas):
+        h.nic(f"0000:{bus}:00.0", 0 if k < 4 else 1, ib=f"mlx5_{ib}", netdev=f"ibp{int(bus, 16)}s0")
+    for ib, bdf, node in [
+        (1, "0000:29:00.0", 0),
+        (2, "0000:29:00.1", 0),
+        (7, "0000:aa:00.0", 1),
+        (8, "0000:aa:00.1", 1),
+    ]:
+        port = bdf[-1]
+        bus = int(bdf[5:7], 16)
+        h.nic(bdf, node, ib=f"mlx5_{ib}", netdev=f"enp{bus}s0f{port}np{port}", device=0x1021)
+    h.virtual_netdev("lo").virtual_netdev("docker0")
+    return h.build()
+
+
+def dgx_a100_nps4(base: Path) -> Path:
+    """NVIDIA DGX A100: 2x AMD EPYC 7742 (64 cores, 128 threads each) in NPS4.
+
+    8 NUMA nodes of 16 cores: node n = 16n..16n+15 and 128+16n..; siblings N
+    and N+128; 128 GiB per node; distances 10 local, 12 same socket, 32
+    remote. GPUs at the user guide's bus ids 07, 0f (node 3), 47, 4e (node
+    1), 87, 90 (node 7), b7, bd (node 5): GPU order does not follow node
+    order. HCAs mlx5_0-7 beside their GPU pairs; storage mlx5_8/9 on node 6.
+    Assumed: HCA bus ids, storage NIC node.
+    """
+    h = FakeHost(base / "dgx_a100_nps4").cpus(
+        2, 64, 2, "intel", nodes_per_socket=4, mem_per_node_bytes=128 * GIB
+    )
+    for i, (bus, node) in enumerate(
+        [("07", 3), ("0f", 3), ("47", 1), ("4e", 1), ("87", 7), ("90", 7), ("b7", 5), ("bd", 5)]
+    ):
+        h.nvidia_gpu(f"0000:{bus}:00.0", node, model="NVIDIA A100-SXM4-80GB", uuid=f"GPU-a100{i}")
+    for ib, (bus, node) in enumerate(
+        [("0c", 3), ("12", 3), ("4b", 1), ("54", 1), ("8d", 7), ("94", 7), ("ba", 5), ("cc", 5)]
+    ):
+        h.nic(f"0000:{bus}:00.0", node, ib=f"mlx5_{ib}", netdev=f"ibp{int(bus, 16)}s0")
+    h.nic("0000:e1:00.0", 6, ib="mlx5_8", netdev="enp225s0f0")
+    h.nic("0000:e1:00.1", 6, ib="mlx5_9", netdev="enp225s0f1")
+    h.virtual_netdev("lo")
+    return h.build()
+
+
+GB200_HBM_NODES = range(2, 18)
+
+
+def gb200_tray(base: Path) -> Path:
+    """NVIDIA GB200 compute tray: 2 Grace CPUs (72 Neoverse V2 cores, no SMT), 4 B200.
+
+    Nodes 0 (CPUs 0-71) and 1 (72-143) hold the CPUs and 480 GiB LPDDR5X
+    each. GPU memory appears as CPU-less NUMA nodes 2-17 (four per GPU, as the
+    driver reserves for MIG); the first of each GPU's four, 2+4i, holds its
+    ~186 GiB HBM, the others are empty. GPUs 0,1 report numa_node 0, GPUs 2,3
+    numa_node 1 (PCI domains 0008, 0009, 0018, 0019). Assumed: distances (0-1
+    = 40, CPU node to own GPU nodes 80, to others 120, GPU-GPU 120), bus ids,
+    4 ConnectX-7 with one per GPU, cluster ids of 4 cores.
+    """
+    h = FakeHost(base / "gb200_tray").cpus(
+        2, 72, 1, mem_per_node_bytes=480 * GIB, cores_per_cluster=4
+    )
+    for n in GB200_HBM_NODES:
+        h.node(n, "", 186 * GIB if (n - 2) % 4 == 0 else 0)
+    ids = [0, 1, *GB200_HBM_NODES]
+
+    def owner(n: int) -> int:
+        return n if n < 2 else (n - 2) // 4 // 2
+
+    matrix = [
+        [
+            10 if a == b else 40 if a < 2 and b < 2 else 80 if owner(a) == owner(b) else 120
+            for b in ids
+        ]
+        for a in ids
+    ]
+    h.distances(matrix)
+    for i, dom in enumerate(["0008", "0009", "0018", "0019"]):
+        h.nvidia_gpu(f"{dom}:01:00.0", i // 2, model="NVIDIA GB200", uuid=f"GPU-b200{i}")
+    for i, dom in enumerate(["0000", "0002", "0010", "0012"]):
+        h.nic(f"{dom}:03:00.0", i // 2, ib=f"mlx5_{i}", netdev=f"ibP{int(dom, 16)}p3s0")
+    h.virtual_netdev("lo")
+    return h.build()
+
+
+def ascend_a3(base: Path) -> Path:
+    """Huawei Atlas 800T A3-class server: Kunpeng CPUs, 640 CPUs, 16 Ascend NPUs.
+
+    4 sockets x 80 cores x 2 threads, adjacent SMT numbering (siblings 0,1),
+    2 NUMA nodes per socket (8 nodes of 80 CPUs, 256 GiB each). 16 NPUs
+    (19e5:d803, class 0x1200, dev/davinci0-15), four per socket. Each NPU has
+    a ubcore entry whose device/numa gives the coarse node 2*socket, folded
+    by `(raw // 2) * 2 + index % 2` onto the socket's two nodes; the PCI
+    numa_node also says the coarse node. A ubcore entry with ub_totalues 0
+    (udma8) sits between NPU 7 and NPU 8 and must be skipped. Assumed:
+    exact CPU counts per socket, bus ids, raw ubcore values.
+    """
+    h = FakeHost(base / "ascend_a3").cpus(
+        4, 80, 2, "adjacent", nodes_per_socket=2, mem_per_node_bytes=256 * GIB
+    )
+    for i in range(16):
+        socket = i // 4
+        h.ascend_npu(f"0000:{0x01 + i * 0x10:02x}:00.0", 2 * socket, ubcore_numa=2 * socket)
+        if i == 7:
+            h.ubcore_entry("udma8", 0, 0)
+    h.virtual_netdev("lo")
+    return h.build()
+
+
+def mi300x(base: Path) -> Path:
+    """AMD Instinct MI300X platform: 2x EPYC 9654 (96 cores, 192 threads), NPS1.
+
+    384 CPUs, siblings N and N+192, 2 nodes of 768 GiB. 8 MI300X OAM GPUs
+    (1002:74a1, class 0x120000, driver amdgpu, dev/kfd), four per socket,
+    each behind an AMD PCIe switch whose upstream bridge is also vendor 1002
+    (class 0x060400). Also an ASPEED AST2600 BMC display (1a03:2000, class
+    0x030000, driver ast) and an AMD display function with no compute driver
+    (1002:1478, class 0x038000, unbound): neither is an accelerator. Assumed:
+    bus ids, the unbound AMD display function.
+    """
+    h = FakeHost(base / "mi300x").cpus(2, 96, 2, "intel", mem_per_node_bytes=768 * GIB)
+    h.distances([[10, 32], [32, 10]])
+    for i, bus in enumerate(["05", "26", "46", "65", "85", "a6", "c6", "e5"]):
+        node = 0 if i < 4 else 1
+        h.amd_gpu(f"0000:{bus}:00.0", node)
+        up = f"0000:{int(bus, 16) - 2:02x}:00.0"
+        h.pci_device(up, 0x1002, 0x14A0, 0x060400, node)
+    h.pci_device("0000:c2:00.0", 0x1A03, 0x2000, 0x030000, 1, driver="ast")
+    h.pci_device("0000:e8:00.0", 0x1002, 0x1478, 0x038000, 1)
+    for i, bus in enumerate(["0c", "2c", "4c", "6c", "8c", "ac", "cc", "ec"]):
+        h.nic(f"0000:{bus}:00.0", 0 if i < 4 else 1, ib=f"mlx5_{i}", netdev=f"ibp{int(bus, 16)}s0")
+    h.virtual_netdev("lo")
+    return h.build()
+
+
+def five_three(base: Path) -> Path:
+    """Asymmetric PCIe: 2x 32-core/64-thread sockets, 5 GPUs on socket 0, 3 on socket 1.
+
+    128 CPUs (siblings N, N+64), 2 nodes of 256 GiB; NVIDIA L40S-class GPUs at
+    18, 2a, 3a, 4a, 5a (node 0) and 9a, ca, da (node 1). Assumed: all of it
+    (this models a class of machine, not one product).
+    """
+    h = FakeHost(base / "five_three").cpus(2, 32, 2, "intel", mem_per_node_bytes=256 * GIB)
+    for i, bus in enumerate(["18", "2a", "3a", "4a", "5a", "9a", "ca", "da"]):
+        h.nvidia_gpu(f"0000:{bus}:00.0", 0 if i < 5 else 1, model="NVIDIA L40S")
+    h.virtual_netdev("lo")
+    return h.build()
+
+
+def adjacent_smt(base: Path) -> Path:
+    """SMT siblings numbered adjacently (0,1 / 2,3 ...), as some AMD and ARM firmware does.
+
+    2 sockets x 16 cores x 2 threads: node 0 = CPUs 0-31, node 1 = 32-63; two
+    GPUs, one per node. Assumed: everything but the numbering.
+    """
+    h = FakeHost(base / "adjacent_smt").cpus(2, 16, 2, "adjacent")
+    h.nvidia_gpu("0000:41:00.0", 0, model="NVIDIA L40S")
+    h.nvidia_gpu("0000:c1:00.0", 1, model="NVIDIA L40S")
+    return h.build()
+
+
+CONTAINER_ALLOWED = "2-5,9,12-19,30-37,40-43"
+TIGHT_CONTAINER_ALLOWED = "2-5,9,12-15,40-43"
+
+
+def container_holes(base: Path, allowed: str = CONTAINER_ALLOWED) -> Path:
+    """A container whose cgroup v2 cpuset is a non-contiguous subset: 2-5,9,12-19,30-37,40-43.
+
+    Host: 2 sockets x 24 cores x 2 threads (node 0 = 0-23,48-71, node 1 =
+    24-47,72-95), 4 GPUs, two per node. The process's affinity (status) is
+    still all CPUs; cgroup /kubepods.slice/pod-a/cri-b has
+    cpuset.cpus.effective as given and mems 0-1. Siblings of the allowed
+    CPUs (50-53, ...) are outside the set, so each allowed CPU is a core of
+    its own to the planner.
+    """
+    h = FakeHost(base / "container_holes").cpus(2, 24, 2, "intel")
+    h.cgroup_v2("/kubepods.slice/pod-a/cri-b", allowed, "0-1")
+    for i, bus in enumerate(["18", "3b", "86", "af"]):
+        h.nvidia_gpu(f"0000:{bus}:00.0", 0 if i < 2 else 1, model="NVIDIA A10")
+    h.virtual_netdev("lo")
+    return h.build()
+
+
+def tight_container(base: Path) -> Path:
+    """The same container squeezed to 2-5,9,12-15,40-43: node 1 keeps 4 CPUs for
+    2 GPUs, too few for irq + comm + main each (the shortage cases)."""
+    return container_holes(base, TIGHT_CONTAINER_ALLOWED)
+
+
+def numa_unknown(base: Path) -> Path:
+    """GPUs whose PCI numa_node is -1 (firmware gives no proximity).
+
+    2 sockets x 16 cores x 2 threads (node 0 = 0-15,32-47; node 1 = 16-31,48-63).
+    GPU 0000:3b:00.0: numa_node -1 but local_cpulist 16-31,48-63 (node 1).
+    GPU 0000:5e:00.0: numa_node -1 and local_cpulist = all CPUs -> unknown.
+    GPU 0000:af:00.0: numa_node 0 (a normal one).
+    """
+    h = FakeHost(base / "numa_unknown").cpus(2, 16, 2, "intel")
+    h.nvidia_gpu("0000:3b:00.0", -1, local_cpulist="16-31,48-63", model="NVIDIA A10")
+    h.nvidia_gpu("0000:5e:00.0", -1, local_cpulist="0-63", model="NVIDIA A10")
+    h.nvidia_gpu("0000:af:00.0", 0, model="NVIDIA A10")
+    return h.build()
+
+
+def no_accel_2node(base: Path) -> Path:
+    """A 2-socket host without accelerators: 2 x 8 cores x 2 threads, 2 nodes.
+
+    One Intel X710 port (eth0, 0000:3b:00.0, node 1) with i40e-named IRQs,
+    plus lo and a bridge without device links.
+    """
+    h = FakeHost(base / "no_accel_2node").cpus(2, 8, 2, "intel")
+    h.pci_device(
+        "0000:3b:00.0", 0x8086, 0x1572, 0x020000, 1, irqs=[60, 61, 62], driver="i40e",
+        irq_names=["i40e-0000:3b:00.0:misc", "i40e-eth0-TxRx-0", "i40e-eth0-TxRx-1"],
+    )  # fmt: skip
+    h.netdev("eth0", "0000:3b:00.0")
+    h.virtual_netdev("lo").virtual_netdev("br0")
+    return h.build()
+
+
+ALL_HOSTS: dict[str, Callable[[Path], Path]] = {
+    "dgx_h100": dgx_h100,
+    "dgx_a100_nps4": dgx_a100_nps4,
+    "gb200_tray": gb200_tray,
+    "ascend_a3": ascend_a3,
+    "mi300x": mi300x,
+    "five_three": five_three,
+    "adjacent_smt": adjacent_smt,
+    "container_holes": container_holes,
+    "numa_unknown": numa_unknown,
+    "no_accel_2node": no_accel_2node,
+}

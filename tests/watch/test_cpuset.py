@@ -1,0 +1,69 @@
+"""A cpuset change on this host (cgroup v1): the daemon re-plans and re-binds its ranks.
+
+The daemon runs as a real subprocess (tests/vm_checks/checker_daemon.py)
+confined to a v1 cpuset made for the test (cpus 0-1, mems 0), with one
+per-rank cgroup per worker below it. The test plays the orchestrator: it
+shrinks the supervisor's cpuset to CPU 1 (children first: the v1 kernel
+refuses a parent below its children's CPUs with EBUSY) and grows it back,
+and reads every worker thread's Cpus_allowed_list from /proc. Everything is
+removed afterwards (processes stopped, tasks moved to the root cpuset,
+cgroups rmdir'ed deepest first).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.support.cgroup_v1 import v1_available, write_v1_cpus
+from tests.support.daemon_support import confined_daemon, poll, rank_pids, thread_cpus_as_planned
+
+
+@pytest.mark.timeout(120)
+def test_v1_cpuset_shrink_and_grow_replan_and_rebind(tmp_path: Path) -> None:
+    why = v1_available()
+    if why is not None:
+        pytest.skip(why)
+    with confined_daemon(tmp_path, "cpuset") as (daemon, cg):
+        doc = poll(
+            lambda: (d := daemon.placement()) and len(rank_pids(d)) == 2 and d,
+            30,
+            what="both ranks running",
+        )
+        assert [r["cpus"] for r in doc["ranks"]] == [[0], [1]], doc["ranks"]
+        assert not doc["shared"]
+        inst = cg / f"placement-supervisor-cpuset-{os.getpid()}"
+        assert (inst / "rank0").is_dir(), "the daemon made no per-rank cgroups"
+        poll(
+            lambda: thread_cpus_as_planned(daemon.placement() or {}, {0: "0", 1: "1"}),
+            10,
+            what="start placement",
+        )
+        pids = rank_pids(doc)
+
+        write_v1_cpus(cg, {1})
+        doc = poll(
+            lambda: (d := daemon.placement()) and thread_cpus_as_planned(d, {0: "1", 1: "1"}) and d,
+            10,
+            what="both ranks re-planned onto CPU 1",
+        )
+        assert doc["shared"] and doc["supervisor"]["cpuset_changes"] == 1
+        assert (inst / "rank0" / "cpuset.cpus").read_text().strip() == "1"
+        assert rank_pids(doc) == pids  # re-bound, not restarted
+
+        write_v1_cpus(cg, {0, 1})
+        doc = poll(
+            lambda: (d := daemon.placement()) and thread_cpus_as_planned(d, {0: "0", 1: "1"}) and d,
+            10,
+            what="ranks back on their own CPUs after the grow",
+        )
+        assert not doc["shared"] and doc["supervisor"]["cpuset_changes"] == 2
+        assert (inst / "rank0" / "cpuset.cpus").read_text().strip() == "0"
+        assert (inst / "cpuset.cpus").read_text().strip() == "0-1"
+        assert rank_pids(doc) == pids
+        cpuset_events = daemon.events("cpuset")
+        assert [e["fields"]["new_cpus"] for e in cpuset_events] == [[1], [0, 1]]
+        rebinds = [e for e in daemon.events("rebind") if e["fields"]["reason"] == "cpuset_changed"]
+        assert rebinds, daemon.tail()
