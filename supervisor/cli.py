@@ -14,6 +14,7 @@ import json
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from json.encoder import encode_basestring_ascii
 from typing import Any
 
 from supervisor import __version__
@@ -64,11 +65,21 @@ def dump_json(doc: Any) -> str:
     """JSON with objects indented and lists of numbers on one line (CPU lists stay readable)."""
 
     def render(value: Any, depth: int) -> str:
+        # Scalars first and without json.dumps: a 1,024-node topology holds a
+        # million distance values, and dumps() per value was most of its cost.
+        kind = type(value)
+        if kind is int:
+            return str(value)
+        if kind is str:
+            return encode_basestring_ascii(value)
         pad = "  " * (depth + 1)
         if isinstance(value, dict):
             if not value:
                 return "{}"
-            items = [f"{pad}{json.dumps(str(k))}: {render(v, depth + 1)}" for k, v in value.items()]
+            items = [
+                f"{pad}{encode_basestring_ascii(str(k))}: {render(v, depth + 1)}"
+                for k, v in value.items()
+            ]
             return "{\n" + ",\n".join(items) + "\n" + "  " * depth + "}"
         if isinstance(value, list):
             if all(not isinstance(v, dict | list) for v in value):

@@ -32,7 +32,7 @@ def parse_distance(text: str, node_ids: list[int], rel: str) -> tuple[tuple[int,
     (drivers/base/node.c node_read_distance walks for_each_online_node)."""
     fields = text.split()
     try:
-        values = [int(f, 10) for f in fields]
+        values = list(map(int, fields))  # int() is base 10, like int(f, 10)
     except ValueError:
         raise TopologyError(f"garbled distance row in {rel}: {text.strip()!r}", rel) from None
     if len(values) != len(node_ids):

@@ -38,9 +38,9 @@ def render_topology_text(topo: Topology) -> str:
     ids = [n.id for n in topo.nodes]
     lines.append("node " + "".join(f"{i:>4}" for i in ids))
     for node in topo.nodes:
-        row = "".join(
-            f"{node.distance_to(i) if node.distance_to(i) is not None else '-':>4}" for i in ids
-        )
+        # One dict per row, not a lookup per cell: the matrix is nodes² cells.
+        row_of = dict(node.distances)
+        row = "".join([str(row_of.get(i, "-")).rjust(4) for i in ids])
         lines.append(f"{node.id:>3}: {row}")
     a = topo.allowed
     cg = "none" if a.cgroup_version is None else f"v{a.cgroup_version} {a.cgroup_path}"
