@@ -266,12 +266,27 @@ def _check_template(table: _Table, key: str, argv: tuple[str, ...]) -> None:
                 raise table.fail(key, f"bad placeholder {shown} in {word!r}; allowed: {allowed}")
 
 
+def _check_exec_strings(t: _Table, argv: tuple[str, ...], env: Mapping[str, str]) -> None:
+    """What execve(2) cannot pass: a NUL ends a C string, so the child would get
+    another argv than the config says (the spawn failed, and nothing said so);
+    an env key that is empty or holds `=` is not a variable (environ(7))."""
+    for i, word in enumerate(argv):
+        if "\0" in word:
+            raise t.fail("command", f"item {i} contains a NUL byte: {word!r}")
+    for name, value in env.items():
+        if not name or "=" in name or "\0" in name:
+            raise t.fail("env", f"bad variable name {name!r}: empty, or holds '=' or a NUL")
+        if "\0" in value:
+            raise t.fail(f"env.{name}", f"contains a NUL byte: {value!r}")
+
+
 def _process(top: _Table, key: str, *, template: bool) -> ProcessConfig:
     t = top.table(key)
     argv = t.command("command")
     if template:
         _check_template(t, "command", argv)
     env = t.str_map("env")
+    _check_exec_strings(t, argv, env)
     t.done()
     return ProcessConfig(argv, env)
 
@@ -294,6 +309,8 @@ def _ready(t: _Table) -> ReadyProbe | None:
         host, sep, port = probe.tcp.rpartition(":")
         if not sep or not host or not port.isdigit():
             raise t.fail("tcp", f"expected HOST:PORT, got {probe.tcp!r}")
+        if not 1 <= int(port) <= 65535:  # a larger one wrapped modulo 65536 when dialled
+            raise t.fail("tcp", f"port must be 1-65535, got {port} in {probe.tcp!r}")
     if probe.http is not None and not probe.http.startswith(("http://", "https://")):
         raise t.fail("http", f"expected an http:// URL, got {probe.http!r}")
     return probe
@@ -413,6 +430,14 @@ def parse_config(doc: Mapping[str, Any], file: str = "<config>") -> Config:
     restart_t.done()
     if restart.backoff_max_s < restart.backoff_initial_s:
         raise restart_t.fail("backoff_max_s", "must be >= backoff_initial_s")
+    if restart.crash_loop_window_s == 0 and restart.backoff_initial_s == 0:
+        # No window never counts a crash loop, and no backoff restarts at
+        # once: a crashing process would be restarted as fast as it can fork.
+        raise restart_t.fail(
+            "crash_loop_window_s",
+            "0 together with backoff_initial_s = 0 restarts a crashing process without "
+            "pause or limit; give one of them a value above 0",
+        )
     irq_t = top.table("irq")
     irq = IrqConfig(
         enabled=irq_t.flag("enabled", True),

@@ -215,3 +215,55 @@ def test_pci_addresses_are_normalized_to_the_sysfs_spelling() -> None:
 def test_pci_accelerator_needs_devices() -> None:
     with pytest.raises(ConfigError, match='devices: accelerator = "pci" needs'):
         parse_config({"accelerator": "pci", "workers": {"command": "w"}})
+
+
+# -- what execve cannot pass, and values that wrap or spin (issue 11, item 4) ---------
+
+
+@pytest.mark.parametrize(
+    ("doc", "needle"),
+    [
+        (
+            {"workers": {"command": ["w", "a\0b"]}},
+            "workers.command: item 1 contains a NUL byte",
+        ),
+        (
+            {"workers": {"command": "w"}, "engine": {"command": ["e\0"]}},
+            "engine.command: item 0 contains a NUL byte",
+        ),
+        (
+            {"workers": {"command": "w", "env": {"HF_HOME": "/x\0y"}}},
+            "workers.env.HF_HOME: contains a NUL byte",
+        ),
+        (
+            {"workers": {"command": "w", "env": {"A=B": "1"}}},
+            "workers.env: bad variable name 'A=B'",
+        ),
+        ({"workers": {"command": "w", "env": {"": "1"}}}, "workers.env: bad variable name ''"),
+        (
+            {
+                "workers": {"command": "w"},
+                "restart": {"crash_loop_window_s": 0, "backoff_initial_s": 0},
+            },
+            "restart.crash_loop_window_s: 0 together with backoff_initial_s = 0",
+        ),
+        (
+            {"workers": {"command": "w"}, "engine": {"command": "e"}, "ready": {"tcp": "h:85638"}},
+            "ready.tcp: port must be 1-65535, got 85638",
+        ),
+        (
+            {"workers": {"command": "w"}, "engine": {"command": "e"}, "ready": {"tcp": "h:0"}},
+            "ready.tcp: port must be 1-65535, got 0",
+        ),
+    ],
+)
+def test_unrunnable_values_are_config_errors(doc: dict[str, object], needle: str) -> None:
+    with pytest.raises(ConfigError, match="^c.toml: " + needle.replace("(", r"\(")):
+        parse_config(doc, "c.toml")
+
+
+def test_a_window_or_a_backoff_alone_may_be_zero() -> None:
+    for restart in ({"crash_loop_window_s": 0}, {"backoff_initial_s": 0}):
+        parse_config({"workers": {"command": "w"}, "restart": restart})
+    ready = {"tcp": "127.0.0.1:65535"}
+    assert parse_config({"workers": {"command": "w"}, "engine": {"command": "e"}, "ready": ready})
