@@ -37,6 +37,7 @@ from supervisor.logs import format_fields, setup_logging
 from supervisor.plan.placement import Placement, Slot
 from supervisor.plan.planner import plan
 from supervisor.plan.render import render_plan_table
+from supervisor.run.instance_lock import hold_instance_lock
 from supervisor.run.procs import is_same_process
 from supervisor.run.runner import ProcessCgroups, Runner, Runtime, first_of
 from supervisor.run.sdnotify import Notifier, watchdog_interval_s
@@ -572,25 +573,28 @@ def run_command(args: argparse.Namespace) -> int:
     listen = getattr(args, "listen", None)
     if listen is not None:
         check_listen("--listen", listen)
-    fs = HostFS("/")
-    topology, placement = prepare(config, env, fs)
-    daemon = Daemon(
-        config,
-        topology,
-        placement,
-        listen=listen,
-        env=env,
-        fs=fs,
-        cgroups=cgroups_for(config, fs, env),
-        check_loop=default_check_loop,
-    )
-    log.info(
-        "starting %s",
-        format_fields(
-            config=config.path, pid=os.getpid(), processes=len(daemon.specs), action="spawn"
-        ),
-    )
-    return run_loop(daemon.run())
+    # Before any cgroup or process is touched: a second daemon of this config
+    # (whatever its --listen) would share them. Held until this returns.
+    with hold_instance_lock(instance_suffix(config, env), env, f"{config.path}"):
+        fs = HostFS("/")
+        topology, placement = prepare(config, env, fs)
+        daemon = Daemon(
+            config,
+            topology,
+            placement,
+            listen=listen,
+            env=env,
+            fs=fs,
+            cgroups=cgroups_for(config, fs, env),
+            check_loop=default_check_loop,
+        )
+        log.info(
+            "starting %s",
+            format_fields(
+                config=config.path, pid=os.getpid(), processes=len(daemon.specs), action="spawn"
+            ),
+        )
+        return run_loop(daemon.run())
 
 
 def run_loop(main: Awaitable[int]) -> int:
