@@ -23,6 +23,7 @@ def parse_cpulist(text: str) -> frozenset[int]:
     body = text.strip()
     if not body:
         return frozenset()
+    expanded = 0
     for item in body.split(","):
         part = item.strip()
         if not part:
@@ -37,6 +38,11 @@ def parse_cpulist(text: str) -> frozenset[int]:
             raise ValueError(f"bad item {part!r} in list {body!r}") from None
         if lo < 0 or hi < lo or hi >= MAX_ID:
             raise ValueError(f"bad range {part!r} in list {body!r}")
+        # The kernel's ranges are disjoint, so together they never exceed
+        # MAX_ID ids; "0-65535" repeated a thousand times would spin here.
+        expanded += hi - lo + 1
+        if expanded > MAX_ID:
+            raise ValueError(f"ranges overlap past {MAX_ID} ids in list {body[:80]!r}...")
         result.update(range(lo, hi + 1))
     return frozenset(result)
 
@@ -60,11 +66,14 @@ def parse_mask(text: str) -> frozenset[int]:
     body = text.strip().replace(",", "")
     if not body:
         return frozenset()
+    if len(body) * 4 > MAX_ID:  # each hex digit is 4 ids
+        raise ValueError(f"hex mask wider than {MAX_ID} bits: {body[:80]!r}...")
     try:
         value = int(body, 16)
     except ValueError:
         raise ValueError(f"bad hex mask {text.strip()!r}") from None
-    return frozenset(i for i in range(value.bit_length()) if value >> i & 1)
+    bits = bin(value)[:1:-1]  # least significant first; one pass, not a shift per bit
+    return frozenset(i for i, bit in enumerate(bits) if bit == "1")
 
 
 def format_mask(ids: Iterable[int]) -> str:

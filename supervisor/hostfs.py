@@ -9,11 +9,72 @@ file, directory listing and link it read, which is what `snapshot` copies.
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass, field
 
 from supervisor.errors import TopologyError
 
 _CHUNK = 1 << 16
+# Caps per file kind. A sysfs attribute is one page (PAGE_SIZE, 64 KiB at
+# most); procfs status-like files are a few KiB. The files that grow with the
+# host or a process: /proc/interrupts (a column per CPU, a line per IRQ) and a
+# process's numa_maps (a line per mapping). Reading past a cap is a garbled
+# tree, not a reason to allocate without bound.
+MAX_FILE_BYTES = 1 << 20
+MAX_LARGE_FILE_BYTES = 256 << 20
+_LARGE_FILES = ("proc/interrupts", "/numa_maps", "/smaps", "/maps")
+
+
+def max_bytes_for(rel: str) -> int:
+    """The read cap for `rel` (pure)."""
+    return MAX_LARGE_FILE_BYTES if rel.endswith(_LARGE_FILES) else MAX_FILE_BYTES
+
+
+class SpecialFileError(TopologyError):
+    """A file that must be a plain file is a FIFO, device, socket or directory, or
+    larger than its cap: the tree is garbled (exit 3), never a hang or a MemoryError."""
+
+
+def read_regular_file(path: str, max_bytes: int, *, sysfs: bool = False) -> bytes:
+    """The bytes of the regular file at `path`, at most `max_bytes`.
+
+    Opened O_NONBLOCK so a FIFO cannot block the open (fifo(7)), then checked
+    with fstat on the open fd (no race with a rename): only S_ISREG is read,
+    so /dev/zero or /dev/urandom behind a link never stream. Raises OSError as
+    the kernel returned it, SpecialFileError for the rest, naming `path`.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise SpecialFileError(f"{path}: {_kind(st.st_mode)}, not a regular file", path)
+        chunk = os.read(fd, _CHUNK)
+        if len(chunk) < _CHUNK and sysfs:
+            return chunk  # sysfs attributes come whole in one read (one page)
+        parts = [chunk]
+        total = len(chunk)
+        while chunk:
+            if total > max_bytes:
+                raise SpecialFileError(f"{path}: larger than {max_bytes} bytes", path)
+            chunk = os.read(fd, _CHUNK)
+            parts.append(chunk)
+            total += len(chunk)
+        return b"".join(parts)
+    finally:
+        os.close(fd)
+
+
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISDIR, "a directory"),
+    ):
+        if test(mode):
+            return name
+    return "a special file"
 
 
 @dataclass(slots=True)
@@ -49,25 +110,15 @@ class HostFS:
     # -- reads -------------------------------------------------------------
 
     def read_text(self, rel: str) -> str:
-        """The whole file; raises OSError (FileNotFoundError when missing).
+        """The whole file; raises OSError (FileNotFoundError when missing), and
+        SpecialFileError (exit 3, naming the file) when it is no regular file
+        or is larger than its cap (`max_bytes_for`).
 
         Raw os.open/os.read rather than open(): discovery reads thousands of
         tiny sysfs files and the text-layer setup is half the cost of each.
         Reads until EOF because procfs seq_files return a page at a time.
         """
-        fd = os.open(self.path(rel), os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            chunk = os.read(fd, _CHUNK)
-            if len(chunk) < _CHUNK and rel.startswith("sys/"):
-                data = chunk  # sysfs attributes come whole in one read (one page)
-            else:
-                parts = [chunk]
-                while chunk:
-                    chunk = os.read(fd, _CHUNK)
-                    parts.append(chunk)
-                data = b"".join(parts)
-        finally:
-            os.close(fd)
+        data = read_regular_file(self.path(rel), max_bytes_for(rel), sysfs=rel.startswith("sys/"))
         if self.log is not None:
             self.log.files.add(rel)
         return data.decode("utf-8", errors="replace")

@@ -27,9 +27,12 @@ def parse_list_text(text: str, rel: str, what: str) -> frozenset[int]:
 
 
 def parse_int_text(text: str, rel: str, what: str) -> int:
-    """A file holding one decimal integer (may be negative), or TopologyError."""
+    """A file holding one integer, or TopologyError. Decimal (may be negative), or
+    hex with 0x where the kernel prints with %#x (ubcore's `numa`: "0x02")."""
     body = text.strip()
     try:
+        if body.lower().startswith(("0x", "-0x")):
+            return int(body, 16)
         return int(body, 10)
     except ValueError:
         raise TopologyError(f"garbled {what} in {rel}: {body!r} is not an integer", rel) from None

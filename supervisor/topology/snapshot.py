@@ -15,7 +15,7 @@ import os
 import shutil
 
 from supervisor.errors import ConfigError
-from supervisor.hostfs import HostFS
+from supervisor.hostfs import HostFS, max_bytes_for, read_regular_file
 from supervisor.topology.discover import read_topology
 from supervisor.topology.model import DiscoveryOptions
 
@@ -69,8 +69,7 @@ class _Mirror:
     def copy_file(self, rel: str) -> bool:
         parent = self.real_dir(os.path.dirname(rel))
         try:
-            with open(os.path.join(self.src, rel), "rb") as f:
-                data = f.read()
+            data = read_regular_file(os.path.join(self.src, rel), max_bytes_for(rel))
         except OSError:
             return False  # vanished since discovery read it (a process's /proc entry)
         dst = os.path.join(self.out, parent, os.path.basename(rel))
