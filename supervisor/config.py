@@ -8,7 +8,9 @@ No environment is read here: visibility variables are resolved by the caller.
 from __future__ import annotations
 
 import math
+import os
 import shlex
+import stat
 import string
 import tomllib
 from collections.abc import Mapping
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal, TypeVar
 
 from supervisor.errors import ConfigError
+from supervisor.hostfs import SpecialFileError, read_regular_file
 from supervisor.plan.placement import PlanSettings, Shortage, StrategySetting
 from supervisor.serve.listen import parse_listen
 from supervisor.topology.model import DiscoveryOptions
@@ -497,15 +500,45 @@ def discovery_options(config: Config | None, environ: Mapping[str, str]) -> Disc
     )
 
 
+MAX_CONFIG_BYTES = 1 << 20  # the shipped configs are a few KiB
+MAX_TOKEN_BYTES = 1 << 16
+
+
+def _read_operator_file(path: str, what: str, max_bytes: int) -> tuple[bytes, os.stat_result]:
+    """A file the operator names: regular, capped, never blocking on a FIFO."""
+    try:
+        data = read_regular_file(path, max_bytes)
+        st = os.stat(path)
+    except OSError as err:
+        raise ConfigError(f"{path}: {what}: {err.strerror or err}") from None
+    except SpecialFileError as err:  # a FIFO, a device, a directory, too large
+        raise ConfigError(f"{path}: {what}: {str(err).removeprefix(path + ': ')}") from None
+    return data, st
+
+
 def load_config(path: str) -> Config:
     """Read and validate a TOML config file; ConfigError names the file and key."""
+    data, _ = _read_operator_file(path, "cannot read config", MAX_CONFIG_BYTES)
     try:
-        with open(path, "rb") as f:
-            doc = tomllib.load(f)
-    except OSError as err:
-        raise ConfigError(f"{path}: cannot read config: {err.strerror or err}") from None
+        doc = tomllib.loads(data.decode("utf-8"))
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"{path}: not valid TOML: {err}") from None
     except UnicodeDecodeError as err:
         raise ConfigError(f"{path}: not UTF-8 text (TOML must be): {err.reason}") from None
     return parse_config(doc, path)
+
+
+def read_token_file(path: str) -> bytes:
+    """The API bearer token (api.token_file), stripped; ConfigError when the file is
+    not a regular file, is readable or writable by every user (as ssh refuses a
+    key: a token anyone can read is no secret), or is empty."""
+    data, st = _read_operator_file(path, "api.token_file: cannot read", MAX_TOKEN_BYTES)
+    token = data.strip()
+    if not token:
+        raise ConfigError(f"{path}: api.token_file: the file is empty")
+    if st.st_mode & (stat.S_IROTH | stat.S_IWOTH):
+        raise ConfigError(
+            f"{path}: api.token_file: readable or writable by every user "
+            f"(mode {stat.S_IMODE(st.st_mode):04o}); chmod o-rwx it"
+        )
+    return token

@@ -29,7 +29,13 @@ import uvloop
 
 from supervisor.bind.binder import Binder, ProcessBind
 from supervisor.bind.cgroup import CgroupManager, ProcessCgroup, detect_cgroup_setup
-from supervisor.config import Config, check_listen, discovery_options, load_config
+from supervisor.config import (
+    Config,
+    check_listen,
+    discovery_options,
+    load_config,
+    read_token_file,
+)
 from supervisor.cpulist import format_cpulist
 from supervisor.errors import ConfigError, KernelError, SupervisorError
 from supervisor.hostfs import HostFS
@@ -573,6 +579,8 @@ def run_command(args: argparse.Namespace) -> int:
     listen = getattr(args, "listen", None)
     if listen is not None:
         check_listen("--listen", listen)
+    if config.api.token_file is not None:
+        read_token_file(config.api.token_file)  # a bad token file stops us before any spawn
     # Before any cgroup or process is touched: a second daemon of this config
     # (whatever its --listen) would share them. Held until this returns.
     with hold_instance_lock(instance_suffix(config, env), env, f"{config.path}"):

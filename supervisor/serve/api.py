@@ -30,8 +30,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
 from supervisor import __version__
-from supervisor.config import ApiConfig
-from supervisor.errors import ConfigError, SupervisorError
+from supervisor.config import ApiConfig, read_token_file
+from supervisor.errors import SupervisorError
 from supervisor.plan.placement import Placement, RankPlacement, Slot
 from supervisor.serve.listen import Listen, parse_listen
 from supervisor.serve.metrics import build_registry, collected_parts, not_ready_reasons
@@ -501,14 +501,7 @@ async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResp
 
 
 def _read_token(path: str) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            token = f.read().strip()
-    except OSError as err:
-        raise ConfigError(f"{path}: api.token_file: cannot read: {err.strerror or err}") from None
-    if not token:
-        raise ConfigError(f"{path}: api.token_file: the file is empty")
-    return token
+    return read_token_file(path)  # regular, capped, not world-readable (supervisor.config)
 
 
 def _format_sockname(name: Any) -> str:
