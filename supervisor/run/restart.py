@@ -37,10 +37,13 @@ class RunOutcome:
     exit_code: int | None
     ran_s: float  # from spawn to exit
     ended_at: float  # monotonic
+    not_ready: bool = False  # the readiness probe gave up and the process was stopped
 
     @property
     def failed(self) -> bool:
-        return self.exit_code != 0
+        # A probe that timed out is a failed start whatever the stopped
+        # process exited with (an engine stopped by TERM may well exit 0).
+        return self.exit_code != 0 or self.not_ready
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,10 +72,14 @@ def record_outcome(
     config: RestartConfig, history: RestartHistory, outcome: RunOutcome
 ) -> RestartHistory:
     """The history after a run: a stable run resets the backoff, a failure is counted."""
-    attempt = 0 if outcome.ran_s >= config.stable_after_s else history.attempt
+    stable = outcome.ran_s >= config.stable_after_s
+    attempt = 0 if stable else history.attempt
     window_start = outcome.ended_at - config.crash_loop_window_s
     failures = tuple(t for t in history.failures if t > window_start)
-    if outcome.failed:
+    # Under `always` a clean exit restarts too, so one that comes before the
+    # run is stable counts toward the crash loop: else `exit 0` at once would
+    # be restarted for ever (systemd's start limit counts every start alike).
+    if outcome.failed or (config.policy == "always" and not stable):
         failures = (*failures, outcome.ended_at)
     return RestartHistory(attempt=attempt, failures=failures)
 
@@ -85,21 +92,25 @@ def decide_restart(
     - never: stop after a clean exit, fail after a failed one;
     - on-failure: stop after a clean exit, else restart;
     - always: restart after any exit.
-    A restart that would make `crash_loop_limit` failed starts within
-    `crash_loop_window_s` turns into fail: the process stays down (others keep
-    running) until someone restarts it by hand.
+    A readiness timeout is a failed start. A restart that would make
+    `crash_loop_limit` failed starts (under `always`, clean exits before
+    `stable_after_s` too) within `crash_loop_window_s` turns into fail: the
+    process stays down (others keep running) until someone restarts it by hand.
     """
     updated = record_outcome(config, history, outcome)
     how = _describe(outcome.exit_code)
+    if outcome.not_ready:
+        how = f"not ready in time (stopped, {how})"
     if config.policy == "never" or (config.policy == "on-failure" and not outcome.failed):
         action: RestartAction = "fail" if outcome.failed else "stop"
         return RestartDecision(action, 0.0, updated, f"{how}, policy={config.policy}")
     if len(updated.failures) >= config.crash_loop_limit:
+        short = f" or runs under {config.stable_after_s:g}s" if config.policy == "always" else ""
         return RestartDecision(
             "fail",
             0.0,
             updated,
-            f"{how}; crash loop: {len(updated.failures)} failed starts"
+            f"{how}; crash loop: {len(updated.failures)} failed starts{short}"
             f" within {config.crash_loop_window_s:g}s",
         )
     delay = backoff_s(config, updated.attempt)

@@ -174,9 +174,36 @@ class Runner:
         try:
             if self.gate is not None and not await self._wait_gate():
                 return
-            await self._supervise()
+            while True:
+                try:
+                    await self._supervise()
+                    return
+                except Exception as err:  # any bug, or an OSError of ours (EMFILE)
+                    # Isolated to this rank: reported as failed at once, held
+                    # down like a crash loop; the daemon and other ranks go on.
+                    await self._reap_on_exit()
+                    self._runner_failed(err)
+                    if not await self._hold_down():
+                        return
+                    self._manual_restart()
         finally:
             await self._reap_on_exit()
+
+    def _runner_failed(self, err: Exception) -> None:
+        reason = f"supervision error: {type(err).__name__}: {err}"
+        self.set_status(state="failed", pid=None, backoff_s=0.0, next_start_at=None)
+        self.rt.store.emit("failed", self.key, f"{self.label}: {reason}", reason=reason)
+        log.error(
+            "process down %s",
+            format_fields(rank=self.label, state="failed", reason=reason, action="hold"),
+            exc_info=err,
+        )
+
+    async def _hold_down(self) -> bool:
+        """Held down until someone restarts it by hand (True) or the daemon stops (False)."""
+        while not self.stopping and not self.restart_requested:
+            await self._wait_interrupt(None)
+        return not self.stopping
 
     async def _wait_gate(self) -> bool:
         """Wait for the engine's first readiness; False when stopping.
@@ -261,10 +288,7 @@ class Runner:
                 "process down %s",
                 format_fields(rank=self.label, state=state, reason=decision.reason, action="hold"),
             )
-            # Held down until someone restarts it by hand (or the daemon stops).
-            while not self.stopping and not self.restart_requested:
-                await self._wait_interrupt(None)
-            if self.stopping:
+            if not await self._hold_down():
                 return
             self._manual_restart()
 
@@ -291,12 +315,15 @@ class Runner:
             return RunOutcome(None, 0.0, time.monotonic())
         exit_future = child.wait()
         exec_ok = self.report is not None and not self.report.exec_failed
+        not_ready = False
         if self.report is None:
             # No report: the shim failed before binding or hangs; never leave
             # an unaccounted-for process behind.
             await child.stop(self.rt.config.stop_timeout_s)
         elif exec_ok and not await self._await_ready(child, exit_future):
-            # The probe gave up on a live engine: stop it and count a failed start.
+            # The probe gave up on a live engine: stop it and count a failed
+            # start, whatever it exits with once stopped (often 0 on TERM).
+            not_ready = True
             await child.stop(self.rt.config.stop_timeout_s)
         elif exec_ok:
             await first_of(exit_future, self.interrupt.wait())
@@ -321,7 +348,7 @@ class Runner:
                 rank=self.label, pid=child.pid, code=code, ran_s=f"{ended - started:.1f}"
             ),
         )
-        return RunOutcome(code if exec_ok else None, ended - started, ended)
+        return RunOutcome(code if exec_ok else None, ended - started, ended, not_ready=not_ready)
 
     async def _stop_child(self, child: ChildProcess, why: str) -> int:
         timeout_s = self.rt.config.stop_timeout_s

@@ -105,11 +105,34 @@ def test_on_failure_stops_after_a_clean_exit() -> None:
     assert decision.action == "stop"
 
 
-def test_always_restarts_a_clean_exit_without_counting_a_failure() -> None:
-    cfg = RestartConfig(policy="always", crash_loop_limit=1)
-    decision = decide_restart(cfg, RestartHistory(), crash(at=0.0, code=0))
+def test_always_restarts_a_clean_exit_after_a_stable_run_without_counting_it() -> None:
+    cfg = RestartConfig(policy="always", crash_loop_limit=1, stable_after_s=30.0)
+    decision = decide_restart(cfg, RestartHistory(), crash(at=100.0, ran_s=31.0, code=0))
     assert decision.action == "restart"
     assert decision.history.failures == ()
+
+
+def test_always_with_quick_clean_exits_reaches_the_crash_loop_limit() -> None:
+    cfg = RestartConfig(policy="always", crash_loop_limit=3, stable_after_s=30.0)
+    history = RestartHistory()
+    actions = []
+    for i in range(3):
+        decision = decide_restart(cfg, history, crash(at=float(i), ran_s=0.01, code=0))
+        actions.append(decision.action)
+        history = decision.history
+    assert actions == ["restart", "restart", "fail"]
+    assert "crash loop" in decision.reason and "runs under 30s" in decision.reason
+
+
+def test_a_readiness_timeout_is_a_failed_start_whatever_the_exit_code() -> None:
+    not_ready = RunOutcome(exit_code=0, ran_s=120.0, ended_at=0.0, not_ready=True)
+    assert not_ready.failed
+    decision = decide_restart(CFG, RestartHistory(), not_ready)
+    assert decision.action == "restart"  # on-failure: a failure, not a clean stop
+    assert decision.reason.startswith("not ready in time")
+    assert decision.history.failures == (0.0,)
+    never = RestartConfig(policy="never")
+    assert decide_restart(never, RestartHistory(), not_ready).action == "fail"
 
 
 def test_never_fails_a_crash_and_stops_a_clean_exit() -> None:
