@@ -106,10 +106,24 @@ def test_always_with_a_process_that_exits_0_at_once_ends_failed(tmp_path: Path) 
         assert daemon.proc.poll() is None
 
 
+# An engine as real ones behave: SIGTERM is a clean shutdown, exit 0. It
+# reports its start and never creates the ready file.
+ENGINE_EXITING_0_ON_TERM = r"""
+import json, os, signal, sys, time
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+with open(os.path.join(sys.argv[1], f"engine-{os.getpid()}.json"), "w") as f:
+    json.dump({"pid": os.getpid()}, f)
+while True:
+    time.sleep(3600)
+"""
+
+
 def test_a_readiness_timeout_is_a_failed_start_never_ready(tmp_path: Path) -> None:
     script, out = write_child(tmp_path)
+    engine = tmp_path / "engine.py"
+    engine.write_text(ENGINE_EXITING_0_ON_TERM)
     doc = child_config(script, out, engine=True, restart=FAST_RESTARTS)
-    doc["engine"]["command"][-1] = "sleep"  # never creates the ready file
+    doc["engine"]["command"] = ["python", str(engine), str(out)]
     doc["ready"]["timeout_s"] = 0.5
     doc["stop_timeout_s"] = 2
     env = daemon_env(RUNTIME_DIRECTORY=str(tmp_path))
@@ -128,6 +142,7 @@ def test_a_readiness_timeout_is_a_failed_start_never_ready(tmp_path: Path) -> No
         assert reports(out, "0") == [] and reports(out, "1") == []  # workers never started
         failed = daemon.events("failed")
         assert failed and failed[-1]["message"].startswith("engine: not ready in time"), failed
+        assert "(stopped, exited with status 0)" in failed[-1]["message"]
         assert not [e for e in daemon.events("ready") if e["rank"] == "engine"]
 
 
