@@ -42,6 +42,16 @@ CASES = int(os.environ.get("FUZZ_CASES", "120"))
 DEADLINE_S = 20.0  # a healthy run takes well under a second; a hang never ends
 PARALLEL = 2
 PREFIX = "placement-supervisor: error: "
+MEMORY_CEILING = 2 << 30
+# `python -m supervisor ARGS` under an address-space ceiling, set by a tiny
+# exec wrapper (preexec_fn is unsafe with the lanes' threads): a file read
+# without bound fails fast as a MemoryError instead of eating the box.
+CEILING = [
+    sys.executable, "-I", "-S", "-c",
+    "import os, resource, sys; "
+    f"resource.setrlimit(resource.RLIMIT_AS, ({MEMORY_CEILING}, {MEMORY_CEILING})); "
+    "os.execv(sys.executable, [sys.executable, '-m', 'supervisor', *sys.argv[1:]])",
+]  # fmt: skip
 BASES: dict[str, Callable[[Path], Path]] = {
     "dgx_h100": hosts.dgx_h100,
     "ascend_a3": hosts.ascend_a3,
@@ -224,7 +234,7 @@ def run_case(case: Case, root: Path, work: Path) -> tuple[int | None, str | None
             argv = [case.command, *args]
         try:
             result = subprocess.run(
-                [sys.executable, "-m", "supervisor", *argv],
+                [*CEILING, *argv],
                 cwd=REPO, capture_output=True, text=True, timeout=DEADLINE_S, check=False,
             )  # fmt: skip
         except subprocess.TimeoutExpired:  # subprocess.run has killed it
