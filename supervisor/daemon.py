@@ -582,26 +582,28 @@ def run_command(args: argparse.Namespace) -> int:
     if config.api.token_file is not None:
         read_token_file(config.api.token_file)  # a bad token file stops us before any spawn
     # Before any cgroup or process is touched: a second daemon of this config
-    # (whatever its --listen) would share them. Held until this returns.
-    with hold_instance_lock(instance_suffix(config, env), env, f"{config.path}"):
-        fs = HostFS("/")
-        topology, placement = prepare(config, env, fs)
-        daemon = Daemon(
-            config,
-            topology,
-            placement,
-            listen=listen,
-            env=env,
-            fs=fs,
-            cgroups=cgroups_for(config, fs, env),
-            check_loop=default_check_loop,
-        )
-        log.info(
-            "starting %s",
-            format_fields(
-                config=config.path, pid=os.getpid(), processes=len(daemon.specs), action="spawn"
-            ),
-        )
+    # (whatever its --listen) would share them. Held until this returns (the
+    # kernel drops it at exit, however this process ends).
+    lock = hold_instance_lock(instance_suffix(config, env), env, f"{config.path}")
+    fs = HostFS("/")
+    topology, placement = prepare(config, env, fs)
+    daemon = Daemon(
+        config,
+        topology,
+        placement,
+        listen=listen,
+        env=env,
+        fs=fs,
+        cgroups=cgroups_for(config, fs, env),
+        check_loop=default_check_loop,
+    )
+    log.info(
+        "starting %s",
+        format_fields(
+            config=config.path, pid=os.getpid(), processes=len(daemon.specs), action="spawn"
+        ),
+    )
+    with lock:
         return run_loop(daemon.run())
 
 
