@@ -12,11 +12,13 @@ import resource
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.bench.scale_bench import scratch_dir
 from tests.support import hosts
 from tests.support.daemon_support import REPO, daemon_env
 from tests.support.fakehost import FakeHost
@@ -146,17 +148,29 @@ TARGETS = [
 
 
 @pytest.fixture(scope="module")
-def dgx(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return hosts.dgx_h100(tmp_path_factory.mktemp("hosts"))
+def scratch() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="special-", dir=scratch_dir()) as tmp:
+        yield Path(tmp)
+
+
+@pytest.fixture(scope="module")
+def dgx(scratch: Path) -> Path:
+    return hosts.dgx_h100(scratch / "pristine")
+
+
+def copy_of(tree: Path) -> Path:
+    """A hard-linked copy (cheap): every sabotage unlinks before it writes."""
+    root = Path(tempfile.mkdtemp(dir=tree.parent.parent)) / "host"
+    subprocess.run(["cp", "-al", str(tree), str(root)], check=True)
+    return root
 
 
 @pytest.mark.parametrize("kind", sorted(SABOTAGE))
 @pytest.mark.parametrize("target", TARGETS)
 def test_special_files_in_a_host_tree_exit_3_naming_the_file(
-    dgx: Path, tmp_path: Path, kind: str, target: str
+    dgx: Path, kind: str, target: str
 ) -> None:
-    root = tmp_path / "host"
-    subprocess.run(["cp", "-a", str(dgx), str(root)], check=True)
+    root = copy_of(dgx)
     assert (root / target).is_file()
     SABOTAGE[kind](root / target)
     command = "topology" if "nvidia" not in target else "plan"
@@ -164,24 +178,23 @@ def test_special_files_in_a_host_tree_exit_3_naming_the_file(
 
 
 def test_snapshot_of_a_tree_with_a_fifo_exits_3(dgx: Path, tmp_path: Path) -> None:
-    root = tmp_path / "host"
-    subprocess.run(["cp", "-a", str(dgx), str(root)], check=True)
+    root = copy_of(dgx)
     fifo(root / "sys/devices/system/node/node0/distance")
     result = run_cli("snapshot", str(tmp_path / "out"), "--root", str(root))
     one_error(result, 3, "node0/distance", "FIFO")
 
 
-def test_a_huge_file_is_capped_not_read_whole(dgx: Path, tmp_path: Path) -> None:
-    root = tmp_path / "host"
-    subprocess.run(["cp", "-a", str(dgx), str(root)], check=True)
+def test_a_huge_file_is_capped_not_read_whole(dgx: Path) -> None:
+    root = copy_of(dgx)
+    (root / "sys/devices/system/node/node1/distance").unlink()  # hard-linked: a new file
     with open(root / "sys/devices/system/node/node1/distance", "wb") as f:
         f.truncate(64 << 20)  # sparse: 64 MiB of NULs that take no disk
     one_error(run_cli("topology", "--root", str(root)), 3, "node1/distance", "larger than")
 
 
-def test_overlapping_ranges_in_a_list_are_refused_not_expanded(dgx: Path, tmp_path: Path) -> None:
-    root = tmp_path / "host"
-    subprocess.run(["cp", "-a", str(dgx), str(root)], check=True)
+def test_overlapping_ranges_in_a_list_are_refused_not_expanded(dgx: Path) -> None:
+    root = copy_of(dgx)
+    (root / "sys/devices/system/node/node0/cpulist").unlink()
     (root / "sys/devices/system/node/node0/cpulist").write_text(",".join(["0-65535"] * 5000))
     one_error(run_cli("topology", "--root", str(root)), 3, "node0/cpulist", "overlap")
 
