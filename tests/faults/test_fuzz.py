@@ -35,7 +35,7 @@ from supervisor.topology.discover import read_topology
 from supervisor.topology.model import DiscoveryOptions
 from tests.bench.scale_bench import many_node_host, scratch_dir
 from tests.support import hosts
-from tests.support.daemon_support import REPO, to_toml
+from tests.support.daemon_support import REPO, daemon_env, free_port, stop_process, to_toml
 
 SEED = int(os.environ.get("FUZZ_SEED", "20261201"))
 CASES = int(os.environ.get("FUZZ_CASES", "120"))
@@ -155,10 +155,11 @@ _KEYS = [
 ]  # fmt: skip
 
 
-def mutated_config(rng: random.Random) -> str:
+def mutated_config(rng: random.Random, command: tuple[str, ...] = ("w", "{rank}")) -> str:
     doc: dict[str, Any] = {
         "cpu_ranks": 2,
-        "workers": {"command": ["w", "{rank}"], "env": {"K": "v"}},
+        "cgroup": "off",
+        "workers": {"command": list(command), "env": {"K": "v"}},
         "placement": {"rank_roles": {"irq": 1}},
         "restart": {"policy": "on-failure"},
     }
@@ -303,3 +304,46 @@ def test_hostile_trees_and_configs_never_traceback_or_hang(
     # The cases reach the readers: most end in a refusal, some still plan.
     assert codes.count(3) + codes.count(2) >= len(cases) // 3, codes
     assert codes.count(0) >= 1, codes
+
+
+# -- hostile configs through `run` ------------------------------------------------------
+
+RUN_CASES = int(os.environ.get("FUZZ_RUN_CASES", "8"))
+RUN_GRACE_S = 3.0  # a config that loads runs this long, then gets SIGTERM
+
+
+def test_hostile_configs_through_run_exit_clean_or_stop_on_sigterm(tmp_path: Path) -> None:
+    """`run` with a mutated config: it refuses at once (2, 3; one line), or it runs
+    and stops on SIGTERM with 0; never a traceback, never a hang."""
+    rng = random.Random(SEED + 1)
+    problems = []
+    outcomes = []
+    for number in range(RUN_CASES):
+        text = mutated_config(rng, ("sleep", "30"))
+        config = tmp_path / f"run{number}.toml"
+        config.write_text(text)
+        env = daemon_env(RUNTIME_DIRECTORY=str(tmp_path))
+        env["PLACEMENT_SUPERVISOR_INSTANCE"] = f"fuzz-{os.getpid()}-{number}"
+        proc = subprocess.Popen(
+            [*CEILING, "run", "--config", str(config), "--listen", f"127.0.0.1:{free_port()}"],
+            cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            _, err = proc.communicate(timeout=RUN_GRACE_S)
+            ran = False
+        except subprocess.TimeoutExpired:
+            ran = True
+            code = stop_process(proc, timeout_s=DEADLINE_S, group=False)
+            err = proc.stderr.read() if proc.stderr else ""
+        outcomes.append(ran)
+        where = f"run case {number} (FUZZ_SEED={SEED}):\n{text}"
+        if "Traceback" in err:
+            problems.append(f"{where}  traceback:\n{err[-3000:]}")
+        elif ran and code != 0:
+            problems.append(f"{where}  ran, then exit {code} on SIGTERM:\n{err[-2000:]}")
+        elif not ran:
+            lines = err.strip().splitlines()
+            if proc.returncode not in (2, 3) or len(lines) != 1 or not lines[0].startswith(PREFIX):
+                problems.append(f"{where}  exit {proc.returncode}:\n{err[-2000:]}")
+    assert not problems, "\n".join(problems)
+    assert True in outcomes and False in outcomes, "the seed must give runs and refusals"
