@@ -196,8 +196,8 @@ class Runner:
         log.error(
             "process down %s",
             format_fields(rank=self.label, state="failed", reason=reason, action="hold"),
-            exc_info=err,
         )
+        log.debug("supervision error traceback rank=%s", self.label, exc_info=err)
 
     async def _hold_down(self) -> bool:
         """Held down until someone restarts it by hand (True) or the daemon stops (False)."""
