@@ -81,6 +81,8 @@ def render_topology_text(topo: Topology) -> str:
 
 def topology_to_doc(topo: Topology) -> dict[str, Any]:
     """JSON-able, deterministic: every set becomes a sorted list."""
+    # Node ids as JSON keys, made once: the distance rows hold nodes² of them.
+    key = {n.id: str(n.id) for n in topo.nodes}
     return {
         "version": 1,
         "cpus": [
@@ -103,7 +105,7 @@ def topology_to_doc(topo: Topology) -> dict[str, Any]:
                 "id": n.id,
                 "cpus": sorted(n.cpus),
                 "mem_total_bytes": n.mem_total_bytes,
-                "distances": {str(other): dist for other, dist in n.distances},
+                "distances": {key.get(other) or str(other): d for other, d in n.distances},
             }
             for n in topo.nodes
         ],
