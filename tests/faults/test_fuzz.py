@@ -2,11 +2,12 @@
 
 Each case takes a fixture host (tests/support/hosts.py, or one of hundreds of
 nodes), replaces a few of the files discovery reads with something hostile
-(a FIFO, a link to /dev/zero or /dev/urandom, a directory, garbage bytes, a
-huge list, a huge number, a 2 MiB line), optionally writes a mutated config,
-and runs the real command (`topology`, `plan`, `plan --config`, `snapshot`)
-as a subprocess with a deadline. It must end within the deadline with 0, 2
-or 3, and when not 0 with exactly one `placement-supervisor: error:` line.
+(a FIFO, a link to /dev/zero or /dev/urandom, a link loop, a dangling link, a
+directory, garbage bytes, a huge list, a huge number, a 2 MiB line),
+optionally writes a mutated config, and runs the real command (`topology`,
+`plan`, `plan --config`, `snapshot`) as a subprocess with a deadline. It
+must end within the deadline with 0, 2 or 3, and when not 0 with exactly
+one `placement-supervisor: error:` line.
 
 The seed is fixed (FUZZ_SEED overrides it; FUZZ_CASES the count) and every
 failure message names the case, so any failure reproduces. Two cases run at
@@ -71,7 +72,7 @@ def _garbage(rng: random.Random) -> bytes:
     return bytes(rng.randrange(256) for _ in range(rng.randrange(1, 2048)))
 
 
-SPECIAL = ("fifo", "dev_zero", "dev_urandom", "directory")
+SPECIAL = ("fifo", "dev_zero", "dev_urandom", "directory", "link_loop", "dangling")
 PLAIN = (
     "garbage", "empty", "huge_list", "overlap_list", "huge_number", "negative", "hex",
     "long_line", "truncated", "nul",
@@ -132,6 +133,10 @@ def mutate(path: Path, content: bytes | str, backup: Path) -> Mutation:
         path.symlink_to("/dev/urandom")
     elif content == "directory":
         path.mkdir()
+    elif content == "link_loop":
+        path.symlink_to(path.name)  # ELOOP
+    elif content == "dangling":
+        path.symlink_to("/nonexistent/placement-supervisor-fuzz")
     else:
         assert isinstance(content, bytes)
         path.write_bytes(content)
