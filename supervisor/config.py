@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal, TypeVar
 
 from supervisor.errors import ConfigError
-from supervisor.hostfs import SpecialFileError, read_regular_file
+from supervisor.hostfs import SpecialFileError, read_regular_file_stat
 from supervisor.plan.placement import PlanSettings, Shortage, StrategySetting
 from supervisor.serve.listen import parse_listen
 from supervisor.topology.model import DiscoveryOptions
@@ -507,8 +507,7 @@ MAX_TOKEN_BYTES = 1 << 16
 def _read_operator_file(path: str, what: str, max_bytes: int) -> tuple[bytes, os.stat_result]:
     """A file the operator names: regular, capped, never blocking on a FIFO."""
     try:
-        data = read_regular_file(path, max_bytes)
-        st = os.stat(path)
+        data, st = read_regular_file_stat(path, max_bytes)  # the mode of the file read
     except OSError as err:
         raise ConfigError(f"{path}: {what}: {err.strerror or err}") from None
     except SpecialFileError as err:  # a FIFO, a device, a directory, too large

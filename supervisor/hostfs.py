@@ -43,6 +43,13 @@ def read_regular_file(path: str, max_bytes: int, *, sysfs: bool = False) -> byte
     so /dev/zero or /dev/urandom behind a link never stream. Raises OSError as
     the kernel returned it, SpecialFileError for the rest, naming `path`.
     """
+    return read_regular_file_stat(path, max_bytes, sysfs=sysfs)[0]
+
+
+def read_regular_file_stat(
+    path: str, max_bytes: int, *, sysfs: bool = False
+) -> tuple[bytes, os.stat_result]:
+    """`read_regular_file`, with the fstat of the very file read (its mode, owner)."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
     try:
         st = os.fstat(fd)
@@ -50,7 +57,7 @@ def read_regular_file(path: str, max_bytes: int, *, sysfs: bool = False) -> byte
             raise SpecialFileError(f"{path}: {_kind(st.st_mode)}, not a regular file", path)
         chunk = os.read(fd, _CHUNK)
         if len(chunk) < _CHUNK and sysfs:
-            return chunk  # sysfs attributes come whole in one read (one page)
+            return chunk, st  # sysfs attributes come whole in one read (one page)
         parts = [chunk]
         total = len(chunk)
         while chunk:
@@ -59,7 +66,7 @@ def read_regular_file(path: str, max_bytes: int, *, sysfs: bool = False) -> byte
             chunk = os.read(fd, _CHUNK)
             parts.append(chunk)
             total += len(chunk)
-        return b"".join(parts)
+        return b"".join(parts), st
     finally:
         os.close(fd)
 
