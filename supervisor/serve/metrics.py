@@ -53,6 +53,9 @@ BIND_TARGETS: tuple[str, ...] = get_args(BindTarget)
 # KernelError.reason values (supervisor.errors); "managed" only happens on IRQs.
 BIND_REASONS: tuple[str, ...] = ("gone", "denied", "invalid", "error")
 IRQ_ONLY_REASONS: tuple[str, ...] = ("managed",)
+# The supervisor's own binds that can fail (checker: the IRQ re-plan and the
+# instance cgroup), always counted with reason "error"; pre-initialised too.
+HOST_BIND_FAILURES: tuple[tuple[str, str], ...] = (("cgroup", "error"), ("irq", "error"))
 # Re-bind reasons pre-initialised for every process: those the daemon and the
 # check loop count under (the drift kind that was corrected, a new thread put
 # in its role, a cpuset change, an API call). Other values still appear, from
@@ -81,6 +84,7 @@ def collected_parts(snap: Snapshot) -> tuple[object, ...]:
         snap.accelerator_kind,
         snap.started_at,
         snap.stopping,
+        snap.local_memory_threshold,
     )
 
 
@@ -175,6 +179,11 @@ def _families(snap: Snapshot | None) -> Iterator[Metric]:
         "Resident memory on the planned nodes / all resident memory (0..1).",
         labels=("rank",),
     )
+    ratio_threshold = GaugeMetricFamily(
+        "placement_local_memory_ratio_threshold",
+        "drift.local_memory_threshold: a local memory ratio below it is a memory_locality "
+        "finding (alert PlacementLocalMemoryLow compares with it).",
+    )
     memory = GaugeMetricFamily(
         "placement_memory_bytes",
         "Resident memory of the process per NUMA node.",
@@ -245,6 +254,8 @@ def _families(snap: Snapshot | None) -> Iterator[Metric]:
         start_time.add_metric([], snap.started_at)
         ready.add_metric([], 0.0 if not_ready_reasons(snap) else 1.0)
         cpuset_changes.add_metric([], counters.cpuset_changes)
+        if snap.local_memory_threshold is not None:
+            ratio_threshold.add_metric([], snap.local_memory_threshold)
 
         failures: dict[tuple[str, str, str], int] = {}
         drifts: dict[tuple[str, str], int] = {}
@@ -289,6 +300,7 @@ def _families(snap: Snapshot | None) -> Iterator[Metric]:
             drifts.update(dict.fromkeys(((rank, kind) for kind in DRIFT_KINDS), 0))
             rebind_counts.update(dict.fromkeys(((rank, r) for r in REBIND_REASONS), 0))
 
+        failures.update(dict.fromkeys(((HOST_LABEL, *tr) for tr in HOST_BIND_FAILURES), 0))
         failures.update(counters.bind_failures)
         drifts.update(counters.drift_events)
         rebind_counts.update(counters.rebinds)
@@ -312,6 +324,7 @@ def _families(snap: Snapshot | None) -> Iterator[Metric]:
     yield mempolicy
     yield restarts
     yield ratio
+    yield ratio_threshold
     yield memory
     yield threads
     yield planned

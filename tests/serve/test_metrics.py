@@ -6,9 +6,11 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import tomllib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,16 +18,22 @@ from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
+from supervisor.config import parse_config
+from supervisor.daemon import Daemon, prepare
+from supervisor.hostfs import HostFS
 from supervisor.serve.api import placement_doc
 from supervisor.serve.metrics import (
     BIND_REASONS,
     BIND_TARGETS,
     DRIFT_KINDS,
+    HOST_BIND_FAILURES,
     REBIND_REASONS,
     build_registry,
 )
 from supervisor.state import HOST_LABEL, ProcessStatus, Snapshot, StateStore
 from tests.support.api_fixture import Scenario, realistic_snapshot
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def registry_for(snap: Snapshot) -> Any:
@@ -94,6 +102,10 @@ def test_counters_exist_at_zero_for_every_process_and_label() -> None:
     assert v("placement_bind_failures_total", managed) == 0.0
     managed["target"] = "thread"
     assert v("placement_bind_failures_total", managed) is None  # EIO is an IRQ's answer only
+    for target, reason in HOST_BIND_FAILURES:
+        labels = {"target": target, "reason": reason}
+        assert v("placement_host_bind_failures_total", labels) == 0.0
+    assert {target for target, _ in HOST_BIND_FAILURES} == {"cgroup", "irq"}
 
 
 def test_states_backoff_and_mempolicy_follow_the_process() -> None:
@@ -217,3 +229,19 @@ def test_failures_of_no_process_keep_out_of_the_rank_label() -> None:
     }
     assert HOST_LABEL not in ranks
     assert ranks == {"engine", *(str(r.rank) for r in store.snapshot.placement.ranks)}
+
+
+def test_local_memory_threshold_gauge_is_the_configured_threshold() -> None:
+    """PlacementLocalMemoryLow compares the ratio with this gauge, so the daemon
+    must export its own drift.local_memory_threshold, not a default."""
+    doc = tomllib.loads((REPO / "supervisor" / "demo" / "demo.toml").read_text())
+    doc.setdefault("drift", {})["local_memory_threshold"] = 0.83  # not the default 0.9
+    config = parse_config(doc)
+    fs = HostFS("/")
+    topology, placement = prepare(config, {}, fs)
+    daemon = Daemon(config, topology, placement, env={}, fs=fs, api=False)
+    value = build_registry(daemon.store).get_sample_value("placement_local_memory_ratio_threshold")
+    assert value == 0.83
+    # A snapshot no config made has no threshold to export: no sample, not a made-up one.
+    snap = replace(realistic_snapshot(), local_memory_threshold=None)
+    assert registry_for(snap).get_sample_value("placement_local_memory_ratio_threshold") is None
