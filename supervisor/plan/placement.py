@@ -109,13 +109,19 @@ class RankPlacement:
 
 @dataclass(frozen=True, slots=True)
 class Placement:
-    """The whole plan. `engine` is None when the config runs no engine."""
+    """The whole plan. `engine` is None when the config runs no engine.
+
+    `engine_node` is the node the engine sits on when the planner put it on a
+    node with no device (SNC hosts), None when it shares rank 0's node or
+    slice; the document carries it as "engine_node" only when set.
+    """
 
     strategy: Strategy
     engine: Slot | None
     ranks: tuple[RankPlacement, ...]
     warnings: tuple[str, ...] = ()
     shared: bool = False  # True when some CPUs serve more than one process (tiny hosts)
+    engine_node: int | None = None
 
     def rank(self, rank: int) -> RankPlacement:
         for r in self.ranks:
@@ -139,7 +145,7 @@ class Placement:
             "ranks": [r.to_doc() for r in self.ranks],
             "warnings": list(self.warnings),
             "shared": self.shared,
-        }
+        } | ({} if self.engine_node is None else {"engine_node": self.engine_node})
 
     @classmethod
     def from_doc(cls, doc: Mapping[str, Any]) -> Placement:
@@ -152,6 +158,7 @@ class Placement:
             ranks=tuple(RankPlacement.from_doc(r) for r in doc["ranks"]),
             warnings=tuple(doc.get("warnings", ())),
             shared=bool(doc.get("shared", False)),
+            engine_node=None if doc.get("engine_node") is None else int(doc["engine_node"]),
         )
 
 
