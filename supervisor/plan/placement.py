@@ -19,24 +19,31 @@ Strategy = Literal["numa-affine", "global-slice", "mixed", "shared"]
 
 @dataclass(frozen=True, slots=True)
 class DeviceRef:
-    """The device a rank drives, as the plan document names it."""
+    """The device a rank drives, as the plan document names it (`uuid`, NVIDIA's
+    "GPU-...", only when known: the document carries it only then)."""
 
     kind: DeviceKind
     index: int
     bus_id: str | None
     numa_node: int | None
+    uuid: str | None = None
 
     def to_doc(self) -> dict[str, Any]:
-        return {
+        doc: dict[str, Any] = {
             "kind": self.kind,
             "index": self.index,
             "bus_id": self.bus_id,
             "numa_node": self.numa_node,
         }
+        if self.uuid is not None:
+            doc["uuid"] = self.uuid
+        return doc
 
     @classmethod
     def from_doc(cls, doc: Mapping[str, Any]) -> DeviceRef:
-        return cls(doc["kind"], int(doc["index"]), doc.get("bus_id"), doc.get("numa_node"))
+        return cls(
+            doc["kind"], int(doc["index"]), doc.get("bus_id"), doc.get("numa_node"), doc.get("uuid")
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -634,7 +634,7 @@ def _rank_placement(
         mems.update(_device_mems(view, draft, d, strategies[_key(d)]))
     kinds = {strategies[_key(d)] for d in devices}
     strategy: Strategy = kinds.pop() if len(kinds) == 1 else "mixed"
-    refs = tuple(DeviceRef(d.kind, d.index, d.bdf, d.numa_node) for d in devices)
+    refs = tuple(DeviceRef(d.kind, d.index, d.bdf, d.numa_node, d.uuid) for d in devices)
     return RankPlacement(
         rank=rank,
         device=refs[0],
