@@ -56,6 +56,22 @@ def visible_devices_var(kind: DeviceKind, override: str | None) -> str | None:
     return VISIBLE_DEVICES_VAR.get(kind)
 
 
+def visible_value(rank: RankPlacement, var: str, base_env: Mapping[str, str]) -> str:
+    """The rank's own device(s), as the worker's visibility variable names them.
+
+    By index (PCI bus order, with CUDA_DEVICE_ORDER=PCI_BUS_ID by default);
+    by UUID where the operator's CUDA_VISIBLE_DEVICES names GPUs by UUID,
+    because a UUID means the same GPU whatever CUDA_DEVICE_ORDER says. The
+    rank itself is the device's place in the operator's list (DESIGN 3.3).
+    """
+    devices = rank.all_devices
+    listed = base_env.get(var, "") if var == "CUDA_VISIBLE_DEVICES" else ""
+    by_uuid = any(e.strip().upper().startswith("GPU-") for e in listed.split(","))
+    if by_uuid and all(d.uuid for d in devices):
+        return ",".join(str(d.uuid) for d in devices)
+    return ",".join(str(d.index) for d in devices)
+
+
 def command_fields(rank: RankPlacement, world_size: int) -> dict[str, object]:
     devices = rank.all_devices
     return {
@@ -143,7 +159,7 @@ def _rank_spec(
     drop: list[str] = []
     var = visible_devices_var(kind, config.visible_devices_env)
     if var is not None:
-        forced[var] = ",".join(str(d.index) for d in rank.all_devices)
+        forced[var] = visible_value(rank, var, base_env)
         if kind == "amd" and var == "HIP_VISIBLE_DEVICES":
             # HIP indexes into what ROCR_VISIBLE_DEVICES leaves; our index is
             # over all devices, so the operator's ROCR filter must not apply.
