@@ -41,6 +41,7 @@ from supervisor.run.procs import is_same_process
 from supervisor.run.runner import ProcessCgroups, Runner, Runtime, first_of
 from supervisor.run.sdnotify import Notifier, watchdog_interval_s
 from supervisor.run.spec import ChildSpec, build_specs, child_env, resolve_python, worker_argv
+from supervisor.run.users import resolve_accounts
 from supervisor.serve.api import Actions, ApiServer
 from supervisor.state import ProcessStatus, ProcKey, Snapshot, StateStore, key_label
 from supervisor.topology.discover import read_topology
@@ -114,7 +115,9 @@ class Daemon:
         self.want_api = api
         self.server: Server | None = None
         kind = placement.ranks[0].device.kind if placement.ranks else "cpu"
-        specs = build_specs(config, placement, self.env)
+        # Who engines and workers run as, looked up once: a typo is exit 2.
+        self.accounts = resolve_accounts(config)
+        specs = build_specs(config, placement, self.env, accounts=self.accounts)
         initial = Snapshot(
             placement=placement,
             topology=topology,
@@ -151,7 +154,9 @@ class Daemon:
         """
         self.placement = placement
         self.topology = topology
-        self.specs = build_specs(self.config, placement, self.env, self.runtime.python)
+        self.specs = build_specs(
+            self.config, placement, self.env, self.runtime.python, self.accounts
+        )
         by_key = {spec.key: spec for spec in self.specs}
         for r in self.runners:
             r.spec = by_key[r.key]

@@ -403,6 +403,7 @@ class Runner:
             cgroups=cgroup_dirs,
             report_fd=write_fd,
             parent_pid=os.getpid(),
+            user=spec.account.shim_user if spec.account is not None else None,
         )
         try:
             # On the loop's thread, never a pool thread: see procs.spawn (PDEATHSIG).
@@ -425,6 +426,9 @@ class Runner:
             self._spawn_failed(f"the shim reported nothing ({err})", child.pid)
             return child
         self.report = report
+        if report.user_error is not None:
+            self._spawn_failed(report.user_error, child.pid)
+            return child
         if report.exec_failed:
             self._spawn_failed(
                 f"cannot execute {spec.argv[0]!r}: {report.exec_error} ({report.errno})",

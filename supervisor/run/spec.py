@@ -14,6 +14,7 @@ from types import MappingProxyType
 from supervisor.config import Config, ProcessConfig
 from supervisor.plan.placement import Placement, RankPlacement, Slot
 from supervisor.run.sdnotify import NOTIFY_VARS
+from supervisor.run.users import Account
 from supervisor.state import ProcKey
 from supervisor.topology.model import DeviceKind
 from supervisor.worker import SLOT_ENV, slot_env_value
@@ -47,6 +48,7 @@ class ChildSpec:
     argv: tuple[str, ...]
     env: Mapping[str, str]
     slot: Slot
+    account: Account | None = None  # run as this user (the shim drops to it)
 
 
 def visible_devices_var(kind: DeviceKind, override: str | None) -> str | None:
@@ -113,9 +115,15 @@ def build_specs(
     placement: Placement,
     base_env: Mapping[str, str],
     python: str = sys.executable,
+    accounts: Mapping[str, Account] | None = None,
 ) -> list[ChildSpec]:
-    """The engine (when planned) then one spec per rank, in rank order."""
+    """The engine (when planned) then one spec per rank, in rank order.
+
+    `accounts` ("engine", "workers": see supervisor.run.users) sets who each
+    runs as, and their HOME/USER/LOGNAME.
+    """
     specs: list[ChildSpec] = []
+    accounts = accounts or {}
     if config.engine is not None and placement.engine is not None:
         slot = placement.engine
         env = child_env(
@@ -123,12 +131,20 @@ def build_specs(
             config.engine.env,
             {SLOT_ENV: slot_env_value("engine", slot.to_doc())},
         )
-        specs.append(ChildSpec("engine", resolve_python(config.engine.command, python), env, slot))
+        argv = resolve_python(config.engine.command, python)
+        specs.append(_as_account(ChildSpec("engine", argv, env, slot), accounts.get("engine")))
     world_size = len(placement.ranks)
     for rank in placement.ranks:
         spec = _rank_spec(config.workers, config, rank, world_size, base_env)
-        specs.append(replace(spec, argv=resolve_python(spec.argv, python)))
+        spec = replace(spec, argv=resolve_python(spec.argv, python))
+        specs.append(_as_account(spec, accounts.get("workers")))
     return specs
+
+
+def _as_account(spec: ChildSpec, account: Account | None) -> ChildSpec:
+    if account is None:
+        return spec
+    return replace(spec, account=account, env={**spec.env, **account.env()})
 
 
 def _rank_spec(
