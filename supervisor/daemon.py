@@ -144,6 +144,7 @@ class Daemon:
         self.actions = DaemonActions(self)  # the API's; the drift step may set its rebinder
         self._ready_sent = False
         self._last_status = ""
+        self._was_ready = False
 
     # -- pieces for the API and the check loop ------------------------------
 
@@ -251,10 +252,13 @@ class Daemon:
         self.server = server
 
     async def _wait_started(self) -> None:
-        """Until every runner has first settled (running, failed or stopped), or a stop."""
+        """Until every runner has made its first spawn (bound, or failed to) or
+        waits on the engine, or a stop. Not until the engine's probe passes: that
+        may take ready.timeout_s (a 10-minute model load), longer than any start
+        timeout systemd should wait; STATUS= and /readyz show it instead."""
         assert self.rt is not None
         await first_of(
-            self.rt.stopping.wait(), asyncio.gather(*(r.settled.wait() for r in self.runners))
+            self.rt.stopping.wait(), asyncio.gather(*(r.launched.wait() for r in self.runners))
         )
 
     async def _wait_stop(self) -> None:
@@ -281,34 +285,49 @@ class Daemon:
             stop.cancel()
 
     def status_line(self) -> str:
-        procs = self.store.snapshot.processes
+        """systemd's STATUS=: "2/3 running; failed: rank 1; not ready" and the like.
+
+        Says which processes are down for good (failed, or stopped by their
+        policy), what the engine's probe is waiting for, and whether the whole
+        is ready (every process running and bound: what /readyz answers).
+        """
+        snap = self.store.snapshot
+        procs = snap.processes
         running = sum(1 for p in procs.values() if p.state == "running")
-        down = sorted(
-            f"{key_label(k)}={p.state}"
-            for k, p in procs.items()
-            if p.state in ("failed", "stopped")
-        )
-        text = f"{running}/{len(procs)} running"
-        if down:
-            text += "; " + ", ".join(down)
-        return text
+        parts = [f"{running}/{len(procs)} running"]
+        parts += [r.waiting for r in self.runners if r.waiting]
+        for state in ("failed", "stopped"):
+            down = [_display(k) for k, p in procs.items() if p.state == state]
+            if down:
+                parts.append(f"{state}: {', '.join(down)}")
+        parts.append("ready" if snap.ready else "not ready")
+        return "; ".join(parts)
 
     def _publish_status(self) -> None:
-        """systemd STATUS= whenever the summary changes (after READY=1)."""
-        if not self._ready_sent:
-            return
+        """systemd STATUS= whenever the summary changes; a log line when some
+        process is down for good, or when everything first becomes ready."""
         status = self.status_line()
-        if status != self._last_status:
-            self._last_status = status
-            self.notifier.status(status)
+        if status == self._last_status:
+            return
+        self._last_status = status
+        self.notifier.status(status)
+        snap = self.store.snapshot
+        if any(p.state == "failed" for p in snap.processes.values()):
+            log.warning("degraded %s", format_fields(status=status, action="stay up"))
+        elif snap.ready and not self._was_ready:
+            log.info("ready %s", format_fields(status=status))
+        self._was_ready = snap.ready
 
     def _notify_ready(self) -> None:
+        """READY=1: the API listens and every process is spawned and bound (or
+        waits for the engine); the engine's own readiness follows in STATUS=."""
         status = self.status_line()
         self._ready_sent = True
         self._last_status = status
+        self._was_ready = self.store.snapshot.ready
         self.notifier.ready(status)
-        self.store.emit("ready", None, f"supervisor ready: {status}")
-        log.info("supervisor ready %s", format_fields(status=status, pid=os.getpid()))
+        self.store.emit("ready", None, f"supervisor started: {status}")
+        log.info("supervisor started %s", format_fields(status=status, pid=os.getpid()))
 
     async def _watchdog_loop(self, interval_s: float) -> None:
         """WATCHDOG=1 every interval while the loop runs and every runner is alive."""
@@ -402,6 +421,10 @@ class DaemonActions:
 
     async def restart(self, rank: ProcKey) -> dict[str, Any]:
         return await self.daemon.restart_rank(rank)
+
+
+def _display(key: ProcKey) -> str:
+    return "engine" if key == "engine" else f"rank {key}"
 
 
 async def rebind_processes(daemon: Daemon, rank: ProcKey | None, reason: str) -> dict[str, Any]:
