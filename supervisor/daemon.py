@@ -42,7 +42,7 @@ from supervisor.run.runner import ProcessCgroups, Runner, Runtime, first_of
 from supervisor.run.sdnotify import Notifier, watchdog_interval_s
 from supervisor.run.spec import ChildSpec, build_specs, child_env, resolve_python, worker_argv
 from supervisor.run.users import resolve_accounts
-from supervisor.serve.api import Actions, ApiServer
+from supervisor.serve.api import Actions, ApiServer, ListenError
 from supervisor.state import ProcessStatus, ProcKey, Snapshot, StateStore, key_label
 from supervisor.topology.discover import read_topology
 from supervisor.topology.model import Topology
@@ -248,7 +248,12 @@ class Daemon:
         server = ApiServer(
             self.store, actions, self.config.api, self.listen, stale_after_s=stale_after_s
         )
-        await server.start()
+        try:
+            await server.start()
+        except ListenError as err:
+            # Exit 2, not 1: a taken port or a bad socket path is not fixed by
+            # Restart=on-failure starting us again every RestartSec.
+            raise ConfigError(str(err)) from None
         self.server = server
 
     async def _wait_started(self) -> None:
