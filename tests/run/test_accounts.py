@@ -31,6 +31,7 @@ from tests.support.children import read_all, start_shimmed, status_field
 from tests.support.daemon_support import (
     DaemonProcess,
     daemon_env,
+    free_port,
     poll,
     run_supervisor,
     to_toml,
@@ -214,3 +215,72 @@ def test_run_with_an_unknown_user_exits_2(tmp_path: Path) -> None:
     result = run_supervisor("run", "--config", str(config), env=daemon_env())
     assert result.returncode == 2, result.stderr
     assert f"{config}: workers.user: no such user 'no-such-user-ps'" in result.stderr
+
+
+UNIT = Path(__file__).resolve().parents[2] / "systemd/placement-supervisor.service"
+
+# The engine: listens on its port (the tcp probe's owner check reads its fd
+# table: another user's, so CAP_SYS_PTRACE); /usr/bin/python3 because the
+# test's own Python may sit under root's 0700 home.
+ENGINE = r"""
+import socket, sys
+s = socket.socket()
+s.bind(("127.0.0.1", int(sys.argv[1])))
+s.listen()
+while True:
+    s.accept()[0].close()
+"""
+
+
+def unit_bounding_set() -> list[str]:
+    for line in UNIT.read_text().splitlines():
+        if line.startswith("CapabilityBoundingSet="):
+            return line.partition("=")[2].split()
+    raise AssertionError("the unit has no CapabilityBoundingSet")
+
+
+def test_the_daemon_works_within_the_units_capabilities(shared_dir: Path, tmp_path: Path) -> None:
+    # What the unit leaves the daemon (bounding set, no_new_privs) is enough to
+    # bind, drop to nobody, probe the engine's own listener, signal and reap.
+    caps = ",".join("+" + c.removeprefix("CAP_").lower() for c in unit_bounding_set())
+    engine = shared_dir / "engine.py"
+    engine.write_text(ENGINE)
+    engine.chmod(0o644)
+    port = free_port()
+    config = tmp_path / "c.toml"
+    doc = {
+        "cpu_ranks": 1,
+        "stop_timeout_s": 5,
+        "engine": {"command": ["/usr/bin/python3", str(engine), str(port)], "user": "nobody"},
+        "workers": {"command": ["sleep", "600"], "user": "nobody"},
+        "ready": {"tcp": f"127.0.0.1:{port}", "timeout_s": 30},
+        "placement": {"rank_roles": {}},
+    }
+    config.write_text(to_toml(doc))
+    confine = [SETPRIV, "--no-new-privs", f"--bounding-set=-all,{caps}"]
+    with DaemonProcess(config, tmp_path / "stderr.log", env=daemon_env(), prefix=confine) as daemon:
+        doc_now = poll(daemon.running, timeout_s=60)
+        assert status_field(daemon.pid, "NoNewPrivs") == "1"
+        assert int(status_field(daemon.pid, "CapBnd"), 16) == capability_mask(unit_bounding_set())
+        for entry in [doc_now["engine"], *doc_now["ranks"]]:
+            assert status_field(entry["pid"], "Uid").split()[0] == str(NOBODY.pw_uid)
+            assert entry["bound"] is True
+        assert daemon.events("ready")
+        assert daemon.stop(timeout_s=60) == 0, daemon.tail()
+    pids = [doc_now["engine"]["pid"], doc_now["ranks"][0]["pid"]]
+    assert wait_until(lambda: not any(Path(f"/proc/{p}").exists() for p in pids), 10)
+
+
+def capability_mask(names: list[str]) -> int:
+    """The CapBnd bits of capability names (capability.h numbers)."""
+    numbers = {
+        "CAP_DAC_OVERRIDE": 1,
+        "CAP_DAC_READ_SEARCH": 2,
+        "CAP_KILL": 5,
+        "CAP_SETGID": 6,
+        "CAP_SETUID": 7,
+        "CAP_NET_ADMIN": 12,
+        "CAP_SYS_PTRACE": 19,
+        "CAP_SYS_NICE": 23,
+    }
+    return sum(1 << numbers[name] for name in names)
