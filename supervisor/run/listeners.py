@@ -124,6 +124,14 @@ def check_listener_owner(fs: HostFS, pid: int, host: str, port: int) -> str | No
     for member in tree_pids(fs, pid):
         if socket_inodes(fs, member) & wanted:
             return None
+    fds = fs.listdir(f"proc/{pid}/fd")
+    if fs.exists(f"proc/{pid}") and all(fs.readlink(f"proc/{pid}/fd/{fd}") is None for fd in fds):
+        # Every live process holds some fd: no listing, or no link readable
+        # (listing needs only DAC; each link needs ptrace access), is a refusal.
+        return (
+            f"cannot read the open files of pid {pid} to see who listens on port {port} "
+            "(another user's process: the supervisor needs CAP_SYS_PTRACE)"
+        )
     return (
         f"port {port} is held by a process outside the engine's tree "
         f"(pid {pid} and its children hold no listener there)"

@@ -265,3 +265,45 @@ def test_the_owner_check_finds_a_grandchilds_listener_and_refuses_a_strangers() 
         stranger.kill()
         engine.wait()
         stranger.wait()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to start a process as nobody")
+def test_without_cap_sys_ptrace_the_owner_check_says_why() -> None:
+    # The engine as nobody; the checker as root without CAP_SYS_PTRACE (what a
+    # unit missing it would give): the fd table is refused, and the message says so.
+    port = free_port()
+    setpriv = "/usr/bin/setpriv"
+    engine = subprocess.Popen(
+        [
+            *(setpriv, "--reuid=65534", "--regid=65534", "--clear-groups"),
+            *("/usr/bin/python3", "-c", LISTENER, str(port)),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    check = (
+        "import sys; from supervisor.hostfs import HostFS;"
+        "from supervisor.run.listeners import check_listener_owner;"
+        "print(check_listener_owner(HostFS('/'), int(sys.argv[1]), '127.0.0.1', int(sys.argv[2])))"
+    )
+    try:
+        assert engine.stdout is not None
+        assert engine.stdout.readline().strip() == "listening"
+        done = subprocess.run(
+            [
+                *(setpriv, "--bounding-set=-sys_ptrace", "--inh-caps=-sys_ptrace"),
+                *(sys.executable, "-c", check, str(engine.pid), str(port)),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        assert done.stdout.strip() == (
+            f"cannot read the open files of pid {engine.pid} to see who listens on port "
+            f"{port} (another user's process: the supervisor needs CAP_SYS_PTRACE)"
+        )
+        assert check_listener_owner(FS, engine.pid, "127.0.0.1", port) is None  # with it
+    finally:
+        engine.kill()
+        engine.wait()
