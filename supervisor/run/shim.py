@@ -332,6 +332,13 @@ def drop_privileges(uid: int, gid: int, groups: list[int] | None) -> str | None:
     real, effective and saved ids all change (setresuid), so the worker
     cannot regain root.
     """
+    wanted_groups = set(groups if groups is not None else [gid]) - {gid}
+    if (
+        os.getresuid() == (uid, uid, uid)
+        and os.getresgid() == (gid, gid, gid)
+        and set(os.getgroups()) - {gid} == wanted_groups
+    ):
+        return None  # already that account (a supervisor run as the user itself)
     step = f"setgroups({groups if groups is not None else [gid]})"
     try:
         os.setgroups(groups if groups is not None else [gid])

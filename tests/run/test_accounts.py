@@ -284,3 +284,18 @@ def capability_mask(names: list[str]) -> int:
         "CAP_SYS_NICE": 23,
     }
     return sum(1 << numbers[name] for name in names)
+
+
+def test_a_shim_that_already_is_the_user_needs_no_privilege(shared_dir: Path) -> None:
+    # A supervisor run as `nobody` with `user = "nobody"`: nothing to drop, and
+    # setgroups (which needs CAP_SETGID even to a no-op) is not called.
+    r, w = os.pipe()
+    argv = shim_argv(sys.executable, [], [], ["true"], report_fd=w, user=NOBODY_IDS)
+    as_nobody = [SETPRIV, f"--reuid={NOBODY.pw_uid}", f"--regid={NOBODY.pw_gid}", "--clear-groups"]
+    done = subprocess.run(
+        as_nobody + argv, pass_fds=[w], capture_output=True, text=True, timeout=60, check=False
+    )
+    os.close(w)
+    report = parse_shim_report(read_all(r))
+    assert (done.returncode, report.user_error) == (0, None), done.stderr
+    assert (report.uid, report.gid) == (NOBODY.pw_uid, NOBODY.pw_gid)
