@@ -50,8 +50,9 @@ class ProcessConfig:
     env: Mapping[str, str] = field(default_factory=dict)  # set only where unset
     # Run as this account (the shim drops root after binding, before exec);
     # None keeps the supervisor's. `group` None: the user's primary group.
-    user: str | None = None
-    group: str | None = None
+    # Keyword-only: positional construction elsewhere never lands here.
+    user: str | None = field(default=None, kw_only=True)
+    group: str | None = field(default=None, kw_only=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -303,7 +304,7 @@ def _process(top: _Table, key: str, *, template: bool) -> ProcessConfig:
         raise t.fail("group", "needs `user` too (the group of which account?)")
     if group == "":
         raise t.fail("group", "must not be empty (leave it out for the user's primary group)")
-    return ProcessConfig(argv, env, user, group)
+    return ProcessConfig(argv, env, user=user, group=group)
 
 
 def _ready(t: _Table) -> ReadyProbe | None:

@@ -41,8 +41,8 @@ from supervisor.run.procs import is_same_process
 from supervisor.run.runner import ProcessCgroups, Runner, Runtime, first_of
 from supervisor.run.sdnotify import Notifier, watchdog_interval_s
 from supervisor.run.spec import ChildSpec, build_specs, child_env, resolve_python, worker_argv
-from supervisor.run.users import resolve_accounts
-from supervisor.serve.api import Actions, ApiServer, ListenError
+from supervisor.run.users import resolve_accounts, with_accounts
+from supervisor.serve.api import Actions, ApiServer
 from supervisor.state import ProcessStatus, ProcKey, Snapshot, StateStore, key_label
 from supervisor.topology.discover import read_topology
 from supervisor.topology.model import Topology
@@ -117,7 +117,7 @@ class Daemon:
         kind = placement.ranks[0].device.kind if placement.ranks else "cpu"
         # Who engines and workers run as, looked up once: a typo is exit 2.
         self.accounts = resolve_accounts(config)
-        specs = build_specs(config, placement, self.env, accounts=self.accounts)
+        specs = with_accounts(build_specs(config, placement, self.env), self.accounts)
         initial = Snapshot(
             placement=placement,
             topology=topology,
@@ -155,8 +155,8 @@ class Daemon:
         """
         self.placement = placement
         self.topology = topology
-        self.specs = build_specs(
-            self.config, placement, self.env, self.runtime.python, self.accounts
+        self.specs = with_accounts(
+            build_specs(self.config, placement, self.env, self.runtime.python), self.accounts
         )
         by_key = {spec.key: spec for spec in self.specs}
         for r in self.runners:
@@ -250,9 +250,11 @@ class Daemon:
         )
         try:
             await server.start()
-        except ListenError as err:
-            # Exit 2, not 1: a taken port or a bad socket path is not fixed by
-            # Restart=on-failure starting us again every RestartSec.
+        except SupervisorError as err:
+            if err.exit_code != 1:
+                raise
+            # The API cannot listen (port taken, a path that is not a socket):
+            # exit 2, not 1, which Restart=on-failure would retry forever.
             raise ConfigError(str(err)) from None
         self.server = server
 

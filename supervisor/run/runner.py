@@ -309,8 +309,6 @@ class Runner:
             if not exit_future.done():  # stop or restart request
                 self.interrupt.clear()
                 await self._stop_child(child, "restart" if self.restart_requested else "stop")
-        # An exit nobody asked for is worth an operator's attention.
-        expected = self.stopping or self.restart_requested
         code = await exit_future
         ended = time.monotonic()
         self.child = None
@@ -323,6 +321,8 @@ class Runner:
             exit_code=code,
             ran_s=round(ended - started, 3),
         )
+        # An exit nobody asked for is worth an operator's attention.
+        expected = self.stopping or self.restart_requested
         (log.info if expected else log.warning)(
             "exit %s",
             format_fields(

@@ -10,14 +10,17 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 from supervisor.config import Config, ProcessConfig
 from supervisor.plan.placement import Placement, RankPlacement, Slot
 from supervisor.run.sdnotify import NOTIFY_VARS
-from supervisor.run.users import Account
 from supervisor.state import ProcKey
 from supervisor.topology.model import DeviceKind
 from supervisor.worker import SLOT_ENV, slot_env_value
+
+if TYPE_CHECKING:
+    from supervisor.run.users import Account
 
 # The variable that tells a worker which device(s) it drives, per kind, as in
 # DeepInfer's assign_visible_devices. `cpu` stand-ins and config-named `pci`
@@ -48,7 +51,7 @@ class ChildSpec:
     argv: tuple[str, ...]
     env: Mapping[str, str]
     slot: Slot
-    account: Account | None = None  # run as this user (the shim drops to it)
+    account: Account | None = None  # run as this user (supervisor.run.users.with_accounts)
 
 
 def visible_devices_var(kind: DeviceKind, override: str | None) -> str | None:
@@ -115,15 +118,9 @@ def build_specs(
     placement: Placement,
     base_env: Mapping[str, str],
     python: str = sys.executable,
-    accounts: Mapping[str, Account] | None = None,
 ) -> list[ChildSpec]:
-    """The engine (when planned) then one spec per rank, in rank order.
-
-    `accounts` ("engine", "workers": see supervisor.run.users) sets who each
-    runs as, and their HOME/USER/LOGNAME.
-    """
+    """The engine (when planned) then one spec per rank, in rank order."""
     specs: list[ChildSpec] = []
-    accounts = accounts or {}
     if config.engine is not None and placement.engine is not None:
         slot = placement.engine
         env = child_env(
@@ -131,20 +128,12 @@ def build_specs(
             config.engine.env,
             {SLOT_ENV: slot_env_value("engine", slot.to_doc())},
         )
-        argv = resolve_python(config.engine.command, python)
-        specs.append(_as_account(ChildSpec("engine", argv, env, slot), accounts.get("engine")))
+        specs.append(ChildSpec("engine", resolve_python(config.engine.command, python), env, slot))
     world_size = len(placement.ranks)
     for rank in placement.ranks:
         spec = _rank_spec(config.workers, config, rank, world_size, base_env)
-        spec = replace(spec, argv=resolve_python(spec.argv, python))
-        specs.append(_as_account(spec, accounts.get("workers")))
+        specs.append(replace(spec, argv=resolve_python(spec.argv, python)))
     return specs
-
-
-def _as_account(spec: ChildSpec, account: Account | None) -> ChildSpec:
-    if account is None:
-        return spec
-    return replace(spec, account=account, env={**spec.env, **account.env()})
 
 
 def _rank_spec(

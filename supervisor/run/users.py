@@ -2,7 +2,8 @@
 
 `resolve_account` turns `[engine] user`/`group` into numeric ids once, at
 start-up, so that a typo is a config error (exit 2) rather than a crash loop;
-the exec shim then drops to them after binding, before exec.
+`with_accounts` puts them on the child specs; the exec shim then drops to
+them after binding, before exec.
 """
 
 from __future__ import annotations
@@ -10,10 +11,12 @@ from __future__ import annotations
 import grp
 import os
 import pwd
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 
 from supervisor.config import Config
 from supervisor.errors import ConfigError
+from supervisor.run.spec import ChildSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,4 +64,17 @@ def resolve_accounts(config: Config) -> dict[str, Account]:
     for where, proc in (("engine", config.engine), ("workers", config.workers)):
         if proc is not None and proc.user is not None:
             out[where] = resolve_account(proc.user, proc.group, f"{config.path}: {where}")
+    return out
+
+
+def with_accounts(specs: Sequence[ChildSpec], accounts: Mapping[str, Account]) -> list[ChildSpec]:
+    """`specs` with the engine's and the workers' accounts, and each account's
+    HOME/USER/LOGNAME in its environment (pure)."""
+    out: list[ChildSpec] = []
+    for spec in specs:
+        account = accounts.get("engine" if spec.key == "engine" else "workers")
+        if account is None:
+            out.append(spec)
+        else:
+            out.append(replace(spec, account=account, env={**spec.env, **account.env()}))
     return out
