@@ -47,12 +47,12 @@ class ProcessConfig:
     """The engine, or the worker template (argv may hold {rank} and friends)."""
 
     command: tuple[str, ...]
-    env: Mapping[str, str] = field(default_factory=dict)  # set only where unset
     # Run as this account (the shim drops root after binding, before exec);
     # None keeps the supervisor's. `group` None: the user's primary group.
     # Keyword-only: positional construction elsewhere never lands here.
     user: str | None = field(default=None, kw_only=True)
     group: str | None = field(default=None, kw_only=True)
+    env: Mapping[str, str] = field(default_factory=dict)  # set only where unset
 
 
 @dataclass(frozen=True, slots=True)
@@ -294,17 +294,23 @@ def _process(top: _Table, key: str, *, template: bool) -> ProcessConfig:
     argv = t.command("command")
     if template:
         _check_template(t, "command", argv)
+    user, group = _account(t)
     env = t.str_map("env")
+    t.done()
+    return ProcessConfig(argv, env, user=user, group=group)
+
+
+def _account(t: _Table) -> tuple[str | None, str | None]:
+    """`user` and `group` of [engine] or [workers]: names or numbers, looked up at start."""
     user = t.text("user", None)
     group = t.text("group", None)
-    t.done()
     if user == "":
         raise t.fail("user", "must not be empty (leave it out to keep the supervisor's user)")
     if group is not None and user is None:
         raise t.fail("group", "needs `user` too (the group of which account?)")
     if group == "":
         raise t.fail("group", "must not be empty (leave it out for the user's primary group)")
-    return ProcessConfig(argv, env, user=user, group=group)
+    return user, group
 
 
 def _ready(t: _Table) -> ReadyProbe | None:

@@ -37,11 +37,11 @@ from supervisor.logs import format_fields, setup_logging
 from supervisor.plan.placement import Placement, Slot
 from supervisor.plan.planner import plan
 from supervisor.plan.render import render_plan_table
+from supervisor.run import users
 from supervisor.run.procs import is_same_process
 from supervisor.run.runner import ProcessCgroups, Runner, Runtime, first_of
 from supervisor.run.sdnotify import Notifier, watchdog_interval_s
 from supervisor.run.spec import ChildSpec, build_specs, child_env, resolve_python, worker_argv
-from supervisor.run.users import resolve_accounts, with_accounts
 from supervisor.serve.api import Actions, ApiServer
 from supervisor.state import ProcessStatus, ProcKey, Snapshot, StateStore, key_label
 from supervisor.topology.discover import read_topology
@@ -116,8 +116,8 @@ class Daemon:
         self.server: Server | None = None
         kind = placement.ranks[0].device.kind if placement.ranks else "cpu"
         # Who engines and workers run as, looked up once: a typo is exit 2.
-        self.accounts = resolve_accounts(config)
-        specs = with_accounts(build_specs(config, placement, self.env), self.accounts)
+        self.accounts = users.resolve_accounts(config)
+        specs = users.with_accounts(build_specs(config, placement, self.env), self.accounts)
         initial = Snapshot(
             placement=placement,
             topology=topology,
@@ -155,7 +155,7 @@ class Daemon:
         """
         self.placement = placement
         self.topology = topology
-        self.specs = with_accounts(
+        self.specs = users.with_accounts(
             build_specs(self.config, placement, self.env, self.runtime.python), self.accounts
         )
         by_key = {spec.key: spec for spec in self.specs}
@@ -304,7 +304,9 @@ class Daemon:
         parts = [f"{running}/{len(procs)} running"]
         parts += [r.waiting for r in self.runners if r.waiting]
         for state in ("failed", "stopped"):
-            down = [_display(k) for k, p in procs.items() if p.state == state]
+            down = [
+                f"rank {k}" if k != "engine" else k for k, p in procs.items() if p.state == state
+            ]
             if down:
                 parts.append(f"{state}: {', '.join(down)}")
         parts.append("ready" if snap.ready else "not ready")
@@ -428,10 +430,6 @@ class DaemonActions:
 
     async def restart(self, rank: ProcKey) -> dict[str, Any]:
         return await self.daemon.restart_rank(rank)
-
-
-def _display(key: ProcKey) -> str:
-    return "engine" if key == "engine" else f"rank {key}"
 
 
 async def rebind_processes(daemon: Daemon, rank: ProcKey | None, reason: str) -> dict[str, Any]:

@@ -441,9 +441,9 @@ class Runner:
             spec.slot.mems,
             spec.argv,
             cgroups=cgroup_dirs,
+            user=spec.account.shim_user if spec.account is not None else None,
             report_fd=write_fd,
             parent_pid=os.getpid(),
-            user=spec.account.shim_user if spec.account is not None else None,
         )
         try:
             # On the loop's thread, never a pool thread: see procs.spawn (PDEATHSIG).
