@@ -7,6 +7,7 @@ No environment is read here: visibility variables are resolved by the caller.
 
 from __future__ import annotations
 
+import difflib
 import math
 import shlex
 import string
@@ -46,6 +47,11 @@ class ProcessConfig:
     """The engine, or the worker template (argv may hold {rank} and friends)."""
 
     command: tuple[str, ...]
+    # Run as this account (the shim drops root after binding, before exec);
+    # None keeps the supervisor's. `group` None: the user's primary group.
+    # Keyword-only: positional construction elsewhere never lands here.
+    user: str | None = field(default=None, kw_only=True)
+    group: str | None = field(default=None, kw_only=True)
     env: Mapping[str, str] = field(default_factory=dict)  # set only where unset
 
 
@@ -133,6 +139,7 @@ class _Table:
         self.path = path
         self.file = file
         self.seen: set[str] = set()
+        self.known: set[str] = set()  # every key asked for, present or not: for suggestions
 
     def where(self, key: str) -> str:
         return f"{self.path}.{key}" if self.path else key
@@ -141,6 +148,12 @@ class _Table:
         return ConfigError(f"{self.file}: {self.where(key)}: {message}")
 
     def has(self, key: str) -> bool:
+        self.known.add(key)
+        return key in self.doc
+
+    def _asked(self, key: str) -> bool:
+        """Note `key` as a known key; True when the document holds it."""
+        self.known.add(key)
         return key in self.doc
 
     def _get(self, key: str, kinds: tuple[type, ...], expected: str) -> Any:
@@ -154,19 +167,19 @@ class _Table:
         return value
 
     def text(self, key: str, default: T) -> str | T:
-        if key not in self.doc:
+        if not self._asked(key):
             return default
         value: str = self._get(key, (str,), "a string")
         return value
 
     def flag(self, key: str, default: bool) -> bool:
-        if key not in self.doc:
+        if not self._asked(key):
             return default
         value: bool = self._get(key, (bool,), "true or false")
         return value
 
     def integer(self, key: str, default: int, minimum: int = 0, maximum: int | None = None) -> int:
-        if key not in self.doc:
+        if not self._asked(key):
             return default
         value: int = self._get(key, (int,), "an integer")
         if value < minimum:
@@ -178,7 +191,7 @@ class _Table:
     def number(
         self, key: str, default: float, minimum: float = 0.0, *, strict: bool = False
     ) -> float:
-        if key not in self.doc:
+        if not self._asked(key):
             return default
         value = float(self._get(key, (int, float), "a number"))
         if not math.isfinite(value):  # TOML allows nan and inf; no duration is either
@@ -189,7 +202,7 @@ class _Table:
         return value
 
     def choice(self, key: str, default: T, choices: tuple[str, ...]) -> T:
-        if key not in self.doc:
+        if not self._asked(key):
             return default
         value = self._get(key, (str,), "a string")
         if value not in choices:
@@ -197,7 +210,7 @@ class _Table:
         return value  # type: ignore[no-any-return]
 
     def str_list(self, key: str) -> tuple[str, ...]:
-        if key not in self.doc:
+        if not self._asked(key):
             return ()
         value = self._get(key, (list,), "a list of strings")
         for i, item in enumerate(value):
@@ -207,7 +220,7 @@ class _Table:
 
     def command(self, key: str) -> tuple[str, ...]:
         """A command as a list of strings or one shell-quoted string; required."""
-        if key not in self.doc:
+        if not self._asked(key):
             raise self.fail(key, "is required")
         raw = self._get(key, (str, list), "a list of strings or a string")
         if isinstance(raw, str):
@@ -222,7 +235,7 @@ class _Table:
         return argv
 
     def table(self, key: str) -> _Table:
-        value = self._get(key, (dict,), "a table") if key in self.doc else {}
+        value = self._get(key, (dict,), "a table") if self._asked(key) else {}
         self.seen.add(key)
         return _Table(value, self.where(key), self.file)
 
@@ -233,7 +246,7 @@ class _Table:
         return out
 
     def int_map(self, key: str, default: Mapping[str, int]) -> dict[str, int]:
-        if key not in self.doc:
+        if not self._asked(key):
             return dict(default)
         sub = self.table(key)
         out = {name: sub.integer(name, 0) for name in sub.doc}
@@ -243,7 +256,17 @@ class _Table:
     def done(self) -> None:
         unknown = sorted(set(self.doc) - self.seen)
         if unknown:
-            raise self.fail(unknown[0], "unknown key")
+            raise self.fail(unknown[0], "unknown key" + suggest_key(unknown[0], self.known))
+
+
+def suggest_key(key: str, known: set[str]) -> str:
+    """The "; did you mean `x`?" tail naming the nearest known key, or "" (pure).
+
+    difflib's default cutoff (ratio >= 0.6) catches a dropped, doubled or
+    swapped letter (`stop_timout_s`) without suggesting unrelated keys.
+    """
+    close = difflib.get_close_matches(key, sorted(known), n=1)
+    return f"; did you mean `{close[0]}`?" if close else ""
 
 
 def _check_template(table: _Table, key: str, argv: tuple[str, ...]) -> None:
@@ -271,9 +294,23 @@ def _process(top: _Table, key: str, *, template: bool) -> ProcessConfig:
     argv = t.command("command")
     if template:
         _check_template(t, "command", argv)
+    user, group = _account(t)
     env = t.str_map("env")
     t.done()
-    return ProcessConfig(argv, env)
+    return ProcessConfig(argv, env, user=user, group=group)
+
+
+def _account(t: _Table) -> tuple[str | None, str | None]:
+    """`user` and `group` of [engine] or [workers]: names or numbers, looked up at start."""
+    user = t.text("user", None)
+    group = t.text("group", None)
+    if user == "":
+        raise t.fail("user", "must not be empty (leave it out to keep the supervisor's user)")
+    if group is not None and user is None:
+        raise t.fail("group", "needs `user` too (the group of which account?)")
+    if group == "":
+        raise t.fail("group", "must not be empty (leave it out for the user's primary group)")
+    return user, group
 
 
 def _ready(t: _Table) -> ReadyProbe | None:

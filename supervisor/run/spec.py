@@ -10,6 +10,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 from supervisor.config import Config, ProcessConfig
 from supervisor.plan.placement import Placement, RankPlacement, Slot
@@ -17,6 +18,9 @@ from supervisor.run.sdnotify import NOTIFY_VARS
 from supervisor.state import ProcKey
 from supervisor.topology.model import DeviceKind
 from supervisor.worker import SLOT_ENV, slot_env_value
+
+if TYPE_CHECKING:
+    from supervisor.run.users import Account
 
 # The variable that tells a worker which device(s) it drives, per kind, as in
 # DeepInfer's assign_visible_devices. `cpu` stand-ins and config-named `pci`
@@ -47,6 +51,7 @@ class ChildSpec:
     argv: tuple[str, ...]
     env: Mapping[str, str]
     slot: Slot
+    account: Account | None = None  # run as this user (supervisor.run.users.with_accounts)
 
 
 def visible_devices_var(kind: DeviceKind, override: str | None) -> str | None:
