@@ -29,7 +29,8 @@ from dataclasses import replace
 from aiohttp import ClientSession, TCPConnector, web
 
 from supervisor.config import ApiConfig
-from supervisor.serve.api import ApiServer, placement_doc
+from supervisor.serve.documents import placement_doc
+from supervisor.serve.server import ApiServer
 from supervisor.state import StateStore
 from tests.support.api_fixture import RecordingActions, synthetic_snapshot
 
@@ -110,7 +111,7 @@ async def _bench(requests: int, clients: int) -> list[tuple[str, dict[str, float
     store = StateStore(snap)
     actions = RecordingActions(tuple(r.rank for r in snap.placement.ranks))
     cached = ApiServer(store, actions, ApiConfig(listen="127.0.0.1:0"))
-    uncached = ApiServer(store, actions, ApiConfig(listen="127.0.0.1:0"), cache=False)
+    uncached = ApiServer(store, actions, ApiConfig(listen="127.0.0.1:0"))
 
     small = json.dumps({"status": 200, "ready": True}).encode()
     # The same number of bytes as /placement: what is left of the gap between

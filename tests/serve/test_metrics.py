@@ -16,7 +16,7 @@ from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
-from supervisor.serve.api import placement_doc
+from supervisor.serve.documents import placement_doc
 from supervisor.serve.metrics import (
     BIND_REASONS,
     BIND_TARGETS,
