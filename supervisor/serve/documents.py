@@ -73,6 +73,8 @@ def readiness(
             reasons.append(f"{key_label(key)}: {status.state}")
         elif not status.bound:
             reasons.append(f"{key_label(key)}: running but not bound as planned")
+    # `Snapshot.ready`'s rule, over the same two fields: it also covers a
+    # status the plan no longer names (after a re-plan).
     if not reasons and not all(p.state == "running" and p.bound for p in processes.values()):
         reasons.append("a supervised process is not running and bound")
     return reasons

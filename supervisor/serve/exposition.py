@@ -36,7 +36,8 @@ MetricKind = Literal["gauge", "counter", "info", "summary"]
 Encoder = Callable[[Collector], bytes]
 Fill = TypeVar("Fill", bound=Callable[..., None])
 
-_METRIC_CLASSES: dict[MetricKind, type[Metric]] = {
+# Each takes (name, documentation, labels=...); Metric itself takes a type instead.
+_METRIC_CLASSES: dict[MetricKind, Callable[..., Metric]] = {
     "gauge": GaugeMetricFamily,
     "counter": CounterMetricFamily,
     "info": InfoMetricFamily,
@@ -74,8 +75,7 @@ class Family:
 
     def empty(self) -> Metric:
         """The family with no samples (what `describe()` answers)."""
-        cls = _METRIC_CLASSES[self.kind]
-        return cls(self.name, self.help, labels=self.labels)  # type: ignore[call-arg]
+        return _METRIC_CLASSES[self.kind](self.name, self.help, labels=self.labels)
 
     def values(self, snap: Snapshot) -> tuple[object, ...]:
         return tuple(INPUTS[name](snap) for name in self.inputs)
