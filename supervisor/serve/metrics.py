@@ -4,7 +4,8 @@
 with `@FAMILIES.add(kind, name, help, labels)`; its parameters after the
 metric are the Snapshot/Counters fields it reads (supervisor.serve.exposition),
 which is all the incremental renderer needs to know. To add a family, add a
-function here. `build_registry(store)` returns the daemon's own registry
+function here (a configured value it shows goes into the snapshot first, so
+the function can name it). `build_registry(store)` returns the daemon's own registry
 (never the global one) holding one `SnapshotCollector`.
 
 Counters that alerts and dashboards take `increase()`/`rate()` of are
