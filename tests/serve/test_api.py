@@ -160,6 +160,28 @@ def test_metrics_follow_what_they_show_and_not_events(server: ServerThread) -> N
     assert again == {"placement_restarts"}
 
 
+def test_metrics_show_the_servers_own_cpu_and_memory(server: ServerThread) -> None:
+    """The server samples its process on a timer from start(); /metrics shows the sample."""
+
+    async def after_the_first_sample() -> None:
+        pass  # queued behind the sampler task that start() created
+
+    server.run(after_the_first_sample())
+    usage = server.store.snapshot.self_usage
+    assert usage is not None and usage.cpu_seconds > 0 and usage.resident_memory_bytes > 0
+    _, _, body = get(server.tcp, "/metrics")
+    lines = dict(
+        line.split(b" ", 1)
+        for line in body.splitlines()
+        if line.startswith(b"placement_supervisor_")
+    )
+    assert set(lines) == {
+        b"placement_supervisor_cpu_seconds_total",
+        b"placement_supervisor_resident_memory_bytes",
+    }
+    assert float(lines[b"placement_supervisor_resident_memory_bytes"]) > 10 << 20
+
+
 def test_placement_over_the_unix_socket(server: ServerThread) -> None:
     path = unix(server).path
     assert path is not None
