@@ -123,6 +123,7 @@ class Daemon:
             started_at=time.time(),
             accelerator_kind=kind,
             config_path=config.path,
+            local_memory_threshold=config.drift.local_memory_threshold,
         )
         self.store = StateStore(initial)
         self.specs = specs

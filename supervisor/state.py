@@ -164,6 +164,9 @@ class Snapshot:
     stopping: bool = False
     accelerator_kind: str = "cpu"
     config_path: str | None = None
+    # drift.local_memory_threshold, exported for the alert that compares the
+    # ratio with it; None where no config made the snapshot (tests).
+    local_memory_threshold: float | None = None
     self_usage: SelfUsage | None = None  # None until the first sample
 
     @property

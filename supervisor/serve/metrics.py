@@ -59,6 +59,9 @@ BIND_TARGETS: tuple[str, ...] = get_args(BindTarget)
 # KernelError.reason values (supervisor.errors); "managed" only happens on IRQs.
 BIND_REASONS: tuple[str, ...] = ("gone", "denied", "invalid", "error")
 IRQ_ONLY_REASONS: tuple[str, ...] = ("managed",)
+# The supervisor's own binds that can fail (checker: the IRQ re-plan and the
+# instance cgroup), always counted with reason "error"; pre-initialised too.
+HOST_BIND_FAILURES: tuple[tuple[str, str], ...] = (("cgroup", "error"), ("irq", "error"))
 # Re-bind reasons pre-initialised for every process: those the daemon and the
 # check loop count under (the drift kind that was corrected, a new thread put
 # in its role, a cpuset change, an API call). Other values still appear, from
@@ -203,6 +206,17 @@ def _ratio(m: GaugeMetricFamily, placement: Placement, observed: Observed) -> No
 
 @FAMILIES.add(
     "gauge",
+    "placement_local_memory_ratio_threshold",
+    "drift.local_memory_threshold: a local memory ratio below it is a memory_locality "
+    "finding (alert PlacementLocalMemoryLow compares with it).",
+)
+def _ratio_threshold(m: GaugeMetricFamily, local_memory_threshold: float | None) -> None:
+    if local_memory_threshold is not None:
+        m.add_metric([], local_memory_threshold)
+
+
+@FAMILIES.add(
+    "gauge",
     "placement_memory_bytes",
     "Resident memory of the process per NUMA node.",
     ("rank", "node"),
@@ -283,9 +297,10 @@ def _bind_failures(
 def _host_bind_failures(
     m: CounterMetricFamily, bind_failures: Mapping[tuple[str, str, str], int]
 ) -> None:
-    for labels, n in sorted(bind_failures.items()):
-        if labels[0] == HOST_LABEL:
-            m.add_metric(list(labels[1:]), n)
+    table: dict[tuple[str, str], int] = dict.fromkeys(HOST_BIND_FAILURES, 0)
+    table.update((k[1:], n) for k, n in bind_failures.items() if k[0] == HOST_LABEL)
+    for labels, n in sorted(table.items()):
+        m.add_metric(list(labels), n)
 
 
 def _per_process(

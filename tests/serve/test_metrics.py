@@ -10,9 +10,11 @@ import shutil
 import subprocess
 import sys
 import time
+import tomllib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
@@ -24,6 +26,9 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
+from supervisor.config import parse_config
+from supervisor.daemon import Daemon, prepare
+from supervisor.hostfs import HostFS
 from supervisor.serve.documents import placement_doc
 from supervisor.serve.exposition import FORMATS_KEPT, INPUTS, FamilyTable, SnapshotCollector
 from supervisor.serve.metrics import (
@@ -31,6 +36,7 @@ from supervisor.serve.metrics import (
     BIND_TARGETS,
     DRIFT_KINDS,
     FAMILIES,
+    HOST_BIND_FAILURES,
     REBIND_REASONS,
     build_collector,
     build_registry,
@@ -38,6 +44,8 @@ from supervisor.serve.metrics import (
 from supervisor.serve.usage import read_self_usage, self_usage_loop
 from supervisor.state import HOST_LABEL, ProcessStatus, SelfUsage, Snapshot, StateStore
 from tests.support.api_fixture import Scenario, realistic_snapshot
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def registry_for(snap: Snapshot) -> Any:
@@ -106,6 +114,10 @@ def test_counters_exist_at_zero_for_every_process_and_label() -> None:
     assert v("placement_bind_failures_total", managed) == 0.0
     managed["target"] = "thread"
     assert v("placement_bind_failures_total", managed) is None  # EIO is an IRQ's answer only
+    for target, reason in HOST_BIND_FAILURES:
+        labels = {"target": target, "reason": reason}
+        assert v("placement_host_bind_failures_total", labels) == 0.0
+    assert {target for target, _ in HOST_BIND_FAILURES} == {"cgroup", "irq"}
 
 
 def test_states_backoff_and_mempolicy_follow_the_process() -> None:
@@ -274,6 +286,7 @@ def test_a_change_rebuilds_exactly_the_families_that_read_it() -> None:
         "started_at": lambda: store.update(started_at=1.0),
         "accelerator_kind": lambda: store.update(accelerator_kind="amd"),
         "self_usage": lambda: store.update(self_usage=SelfUsage(1.5, 1 << 20, 2.0)),
+        "local_memory_threshold": lambda: store.update(local_memory_threshold=0.8),
         "placement": lambda: store.update(placement=replace(snap.placement, warnings=("w",))),
     }
     for name, change in changes.items():
@@ -397,3 +410,19 @@ def test_the_sampler_publishes_now_and_on_its_interval() -> None:
     assert len(samples) == 3
     assert [s.sampled_at for s in samples] == sorted(s.sampled_at for s in samples)
     assert all(s.resident_memory_bytes > 0 and s.cpu_seconds > 0 for s in samples)
+
+
+def test_local_memory_threshold_gauge_is_the_configured_threshold() -> None:
+    """PlacementLocalMemoryLow compares the ratio with this gauge, so the daemon
+    must export its own drift.local_memory_threshold, not a default."""
+    doc = tomllib.loads((REPO / "supervisor" / "demo" / "demo.toml").read_text())
+    doc.setdefault("drift", {})["local_memory_threshold"] = 0.83  # not the default 0.9
+    config = parse_config(doc)
+    fs = HostFS("/")
+    topology, placement = prepare(config, {}, fs)
+    daemon = Daemon(config, topology, placement, env={}, fs=fs, api=False)
+    value = build_registry(daemon.store).get_sample_value("placement_local_memory_ratio_threshold")
+    assert value == 0.83
+    # A snapshot no config made has no threshold to export: no sample, not a made-up one.
+    snap = replace(realistic_snapshot(), local_memory_threshold=None)
+    assert registry_for(snap).get_sample_value("placement_local_memory_ratio_threshold") is None

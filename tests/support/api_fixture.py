@@ -232,6 +232,7 @@ def _populate(
         started_at=now - 60.0,
         accelerator_kind="nvidia",
         config_path="/etc/placement-supervisor/config.toml",
+        local_memory_threshold=0.9,
     )
 
 
