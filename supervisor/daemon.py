@@ -42,7 +42,8 @@ from supervisor.run.procs import is_same_process
 from supervisor.run.runner import ProcessCgroups, Runner, Runtime, first_of
 from supervisor.run.sdnotify import Notifier, watchdog_interval_s
 from supervisor.run.spec import ChildSpec, build_specs, child_env, resolve_python, worker_argv
-from supervisor.serve.api import Actions, ApiServer
+from supervisor.serve.routes import Actions
+from supervisor.serve.server import ApiServer
 from supervisor.state import ProcessStatus, ProcKey, Snapshot, StateStore, key_label
 from supervisor.topology.discover import read_topology
 from supervisor.topology.model import Topology
@@ -414,7 +415,7 @@ class Daemon:
 
 
 class DaemonActions:
-    """The API's changing calls, done on the daemon (implements supervisor.serve.api.Actions)."""
+    """The API's changing calls, done on the daemon (implements supervisor.serve.routes.Actions)."""
 
     def __init__(self, daemon: Daemon) -> None:
         self.daemon = daemon
