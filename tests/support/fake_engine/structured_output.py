@@ -31,16 +31,21 @@ def schema(i: int) -> str:
 def compile_until(out: Path, compiler_threads: int) -> None:
     """Compile schemas on an unnamed pool until `out/stop` exists.
 
-    Writes `out/pool.json` (max_workers, as the pool ended up) once the
-    first compile ran on a pool thread, then `out/compiled` with the count.
+    Writes `out/pool.json` (max_workers as the pool ended up, this pid, and
+    the threads that existed before the pool: `import torch` starts one from
+    the main thread) once the first compile ran on a pool thread, then
+    `out/compiled` with the number of compiles.
     """
     import xgrammar as xgr  # noqa: PLC0415 - imports torch: only in the compiling process
 
     info = xgr.TokenizerInfo(encoded_vocab=VOCAB)
     compiler = xgr.GrammarCompiler(info, max_threads=compiler_threads, cache_enabled=False)
-    pool = ThreadPoolExecutor(max_workers=(multiprocessing.cpu_count() + 1) // 2)
+    before = sorted(int(t) for t in os.listdir("/proc/self/task"))
+    # vLLM sizes it (cpu_count + 1) // 2, already 1 on a 2-CPU test box;
+    # 4 x cpu_count so the plan's cap has something to cut.
+    pool = ThreadPoolExecutor(max_workers=multiprocessing.cpu_count() * 4)
     pool.submit(compiler.compile_json_schema, schema(0)).result()
-    ready = {"max_workers": pool._max_workers, "pid": os.getpid()}
+    ready = {"max_workers": pool._max_workers, "pid": os.getpid(), "before": before}
     (out / "pool.json").write_text(json.dumps(ready))
     count = 0
     deadline = time.monotonic() + 120  # never outlive a test that died
