@@ -266,7 +266,7 @@ def test_a_failing_hook_logs_once_and_the_process_runs_unhooked(
     report, stderr = pool_report({**child_env(), **change})
     (line,) = stderr.splitlines()  # one line, however many pools
     assert line.startswith(f"placement-supervisor hook: {event} ")
-    assert line.endswith("action=run unhooked")
+    assert line.endswith(" action=unhooked")
     max_workers, threads, calls = report["listed"]
     assert max_workers == 8 and calls == ["ran"] * len(threads)
     assert not threads[0]["comm"].startswith("so_compiler")
@@ -300,11 +300,21 @@ def test_an_adopted_process_outside_the_slots_cpuset_is_named_but_left_to_the_da
     with v1_cpuset(f"ps-hook-{os.getpid()}", cpus="0") as cg:
         join = f"open({str(cg / 'cgroup.procs')!r}, 'w').write(str(__import__('os').getpid()))\n"
         done = run_python(join + POOL_PROGRAM, child_env())
+        # Made in the engine's slot, adopted before its first thread starts:
+        # the decision is taken per thread, so it is not bound either.
+        late = run_python(
+            "from tests.support.fake_engine import pools\n"
+            "import json\n"
+            "pool = pools.make_pool()\n" + join + "print(json.dumps(pools.report(pool, 1)))\n",
+            child_env(),
+        )
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout.splitlines()[-1])
     max_workers, threads, _ = report["listed"]
     assert max_workers == 1
     assert [(t["comm"], t["cpus"]) for t in threads] == [("so_compiler-0", [0])]
+    assert late.returncode == 0 and late.stderr == "", late.stderr
+    assert [(t["comm"], t["cpus"]) for t in json.loads(late.stdout)] == [("so_compiler-0", [0])]
 
 
 # -- real xgrammar in an engine-shaped process tree --------------------------------------------

@@ -22,8 +22,9 @@ Rules it keeps:
 - Off unless `PLACEMENT_SUPERVISOR_HOOK` is set *and* the supervisor whose
   pid it names is an ancestor of this process: a process that merely copied
   the environment is left untouched.
-- Never breaks start-up: any failure of its own is one line on stderr, then
-  the process runs unhooked.
+- Never breaks start-up: any failure of its own is one line on stderr
+  (`placement-supervisor hook: <event> key=value ... action=unhooked`), then
+  the process runs as it would have without the hook.
 - Chains to the `sitecustomize` that would have run without it (the next one
   on sys.path after this directory), as ddtrace's and OpenTelemetry's
   auto-instrumentation hooks do.
@@ -68,7 +69,7 @@ MARK = "_placement_supervisor_hook"
 _warned = False
 
 
-def warn_once(event: str, **fields: object) -> None:
+def warn_once(event: str, action: str = "unhooked", **fields: object) -> None:
     """One line on stderr for the first failure of this process, then silence."""
     global _warned
     if _warned:
@@ -76,7 +77,7 @@ def warn_once(event: str, **fields: object) -> None:
     _warned = True
     try:
         text = " ".join(f"{k}={v}" for k, v in fields.items())
-        sys.stderr.write(f"placement-supervisor hook: {event} {text} action=run unhooked\n")
+        sys.stderr.write(f"placement-supervisor hook: {event} {text} action={action}\n")
     except Exception:  # stderr closed or broken: nothing left to tell
         pass
 
@@ -263,11 +264,14 @@ def name_thread(name: str) -> None:
 def pool_initializer(
     role: str, cpus: tuple[int, ...], inner: Callable[..., object] | None
 ) -> Callable[..., None]:
-    """Name the thread `<role>-N`, bind it to `cpus` (when any), then run `inner`.
+    """Name the thread `<role>-N`, bind it to `cpus` where `bind_target` allows,
+    then run `inner`.
 
-    N counts the role's pool threads in this process. `inner`, the caller's
-    own initializer, runs as before and may raise (the pool then breaks, as
-    it would have); our own failures are one warning and no more.
+    N counts the role's pool threads in this process. Whether to bind is
+    decided as each thread starts (pools start threads on demand, maybe after
+    the daemon adopted the process). `inner`, the caller's own initializer,
+    runs as before and may raise (the pool then breaks, as it would have);
+    our own failures are one warning and no more.
     """
 
     def initialize(*initargs: object) -> None:
@@ -276,11 +280,17 @@ def pool_initializer(
             _counters[role] = n + 1
         try:
             name_thread(f"{role}-{n}")
-            if cpus:
-                # pid 0: the calling thread only (sched_setaffinity(2)).
-                os.sched_setaffinity(0, cpus)
         except Exception as err:
-            warn_once("pool thread", role=role, cpus=",".join(map(str, cpus)), error=repr(err))
+            warn_once("pool thread", role=role, error=repr(err))
+        try:
+            target = bind_target(cpus)
+            if target:
+                # pid 0: the calling thread only (sched_setaffinity(2)).
+                os.sched_setaffinity(0, target)
+        except Exception as err:
+            # The daemon still binds the thread by its name.
+            shown = ",".join(map(str, cpus))
+            warn_once("bind failed", "skip", role=role, cpus=shown, error=repr(err))
         if inner is not None:
             inner(*initargs)
 
@@ -329,7 +339,7 @@ def adjust_pool_args(
     inner = params.get("initializer")
     if inner is not None and not callable(inner):
         return args, kwargs  # the original raises its TypeError
-    params["initializer"] = pool_initializer(role, bind_target(cpus), inner)
+    params["initializer"] = pool_initializer(role, cpus, inner)
     return (), params
 
 
