@@ -37,6 +37,7 @@ POOLS = "tests.support.fake_engine.pools"
 COMPILER = "tests.support.fake_engine.structured_output"
 SLOT_DOC = {"cpus": [0, 1], "mems": [0], "roles": {"main": [0], "so_compiler": [1]}}
 SLOT = slot_env_value("engine", SLOT_DOC)
+HOOK_FILE = str(Path(HOOK_DIR) / "sitecustomize.py")
 
 # What a child prints about itself and its pools (POOLS is the listed module).
 POOL_PROGRAM = """
@@ -270,6 +271,41 @@ def test_a_failing_hook_logs_once_and_the_process_runs_unhooked(
     max_workers, threads, calls = report["listed"]
     assert max_workers == 8 and calls == ["ran"] * len(threads)
     assert not threads[0]["comm"].startswith("so_compiler")
+
+
+def test_the_hook_is_stdlib_only_and_isolated_interpreters_are_not_hooked() -> None:
+    """`python -I` ignores PYTHONPATH, so the hook cannot reach it (documented);
+    loaded by hand into `python -I -S` (no site-packages at all) it works."""
+    find_repo = f"import sys; sys.path.insert(0, {str(REPO)!r})\n"
+    isolated = subprocess.run(
+        [sys.executable, "-I", "-c", find_repo + POOL_PROGRAM],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert isolated.returncode == 0, isolated.stderr
+    report = json.loads(isolated.stdout.splitlines()[-1])
+    assert not report["patched"] and report["listed"][0] == 8
+    load = (
+        "import importlib.util\n"
+        f"spec = importlib.util.spec_from_file_location('sitecustomize', {HOOK_FILE!r})\n"
+        "module = importlib.util.module_from_spec(spec)\n"
+        "sys.modules['sitecustomize'] = module\n"
+        "spec.loader.exec_module(module)\n"
+    )
+    by_hand = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", find_repo + load + POOL_PROGRAM],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert by_hand.returncode == 0 and by_hand.stderr == "", by_hand.stderr
+    report = json.loads(by_hand.stdout.splitlines()[-1])
+    assert report["patched"] and report["listed"][0] == 1
 
 
 def test_a_process_outside_the_supervisors_tree_is_untouched() -> None:

@@ -352,6 +352,11 @@ def patch_executor(module: ModuleType, roles: dict[str, tuple[str, ...]]) -> Non
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         try:
+            # 3.14's InterpreterPoolExecutor runs its initializer in another
+            # interpreter, where our closure cannot go: left alone.
+            if any(k.__name__ == "InterpreterPoolExecutor" for k in type(self).__mro__):
+                original(self, *args, **kwargs)
+                return
             skip = init_codes(self)
             role = module_role(creator_module(sys._getframe(1), skip), roles)
             if role is not None:
@@ -450,14 +455,19 @@ def chain(here: str) -> None:
 
     Its own errors propagate: `site` reports them exactly as it would have.
     """
-    import importlib.machinery
-    import importlib.util
+    try:
+        import importlib.machinery
+        import importlib.util
 
-    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", later_path(sys.path, here))
-    if spec is None or spec.loader is None:
+        rest = later_path(sys.path, here)
+        spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
+        if spec is None or spec.loader is None:
+            return
+        module = importlib.util.module_from_spec(spec)
+    except Exception as err:
+        warn_once("chain", "skip", error=repr(err))
         return
     ours = sys.modules.get("sitecustomize")
-    module = importlib.util.module_from_spec(spec)
     sys.modules["sitecustomize"] = module
     try:
         spec.loader.exec_module(module)
