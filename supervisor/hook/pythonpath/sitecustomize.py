@@ -26,8 +26,13 @@ Rules it keeps:
   (`placement-supervisor hook: <event> key=value ... action=unhooked`), then
   the process runs as it would have without the hook.
 - Chains to the `sitecustomize` that would have run without it (the next one
-  on sys.path after this directory), as ddtrace's and OpenTelemetry's
-  auto-instrumentation hooks do.
+  on sys.path after this directory), as ddtrace's and signalfx-tracing's
+  bootstrap sitecustomize modules do.
+- The mechanism is opentelemetry-instrument's (its directory first on
+  PYTHONPATH: opentelemetry-instrumentation auto_instrumentation/__init__.py
+  run()), with one difference: OpenTelemetry's initialize() takes its
+  directory out of PYTHONPATH so subprocesses are not instrumented; this hook
+  keeps it, because the pools it is for live in spawn children.
 - Costs almost nothing where unused: concurrent.futures is not imported here
   (about 10 ms); a meta-path finder patches it when the program imports it.
 
