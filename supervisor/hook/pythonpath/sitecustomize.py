@@ -5,8 +5,9 @@ The supervisor puts this directory first on the engine's PYTHONPATH (and
 every Python process of the engine's tree runs this file at start-up
 (`site` imports `sitecustomize`; multiprocessing spawn children inherit both
 variables). It does I/O only in such processes: it reads /proc to check it
-runs below the supervisor, and /proc/self/cgroup plus the cgroup's
-cpuset.cpus.effective when a listed pool is created.
+runs below the supervisor, and /proc/self/cgroup plus the cgroup's cpuset
+CPUs (v1 cpuset.effective_cpus, v2 cpuset.cpus.effective) as each thread of
+a listed pool starts.
 
 What it changes: each `concurrent.futures.ThreadPoolExecutor` created by code
 in a module under one of a role's prefixes ("vllm.v1.structured_output")
@@ -16,7 +17,8 @@ initializer that names each pool thread `<role>-N` (prctl PR_SET_NAME, the
 comm the daemon matches) and, where this process still sits in the slot's
 cpuset, binds it to the role's CPUs with sched_setaffinity(0, ...). Threads a
 pool thread starts later (xgrammar's per-compile std::threads) inherit that
-mask from the kernel (clone(2) copies it).
+mask and the name from the kernel (clone(2) copies both), so the daemon's
+role match covers them too.
 
 Rules it keeps:
 - Off unless `PLACEMENT_SUPERVISOR_HOOK` is set *and* the supervisor whose
