@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import difflib
 import math
+import re
 import shlex
 import string
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from fnmatch import fnmatchcase
 from typing import Any, Literal, TypeVar
 
 from supervisor.errors import ConfigError
@@ -62,6 +64,9 @@ class ThreadRole:
     role: str
     process: Literal["engine", "workers"]
     pattern: str  # fnmatch glob over /proc/<pid>/task/<tid>/comm (15 chars)
+    # Module-name prefixes: a ThreadPoolExecutor created in one of them is
+    # renamed `<role>-N`, sized and bound by the start-up hook (supervisor.hook).
+    executors: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -372,6 +377,44 @@ def _placement(t: _Table) -> PlanSettings:
     return settings
 
 
+# An `executors` prefix is a dotted module name ("vllm.v1.structured_output").
+_MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
+# The hook names pool threads "<role>-N" and comm keeps 15 bytes: a role of at
+# most 12 keeps "-NN" visible; its characters must be literal in a glob.
+_HOOK_ROLE = re.compile(r"[A-Za-z0-9_]{1,12}")
+
+
+def _executors(sub: _Table, role: str, pattern: str | None) -> tuple[tuple[str, ...], str | None]:
+    """`executors` of a [threads.*] table, validated, and the pattern its role gets."""
+    executors = sub.str_list("executors")
+    if not sub.has("executors"):
+        return executors, pattern
+    if not executors:
+        raise sub.fail("executors", "must name at least one module prefix")
+    for i, prefix in enumerate(executors):
+        if not _MODULE_NAME.fullmatch(prefix):
+            raise sub.fail(
+                "executors",
+                f"item {i}: expected a module name like vllm.v1.structured_output, got {prefix!r}",
+            )
+    if not _HOOK_ROLE.fullmatch(role):
+        raise sub.fail(
+            "role" if sub.has("role") else "executors",
+            f"role {role!r} names the hook's threads ({role}-N, 15 bytes kept): "
+            "use at most 12 letters, digits or _",
+        )
+    hook_glob = f"{role}-[0-9]*"
+    if pattern is None:
+        return executors, hook_glob
+    if not fnmatchcase(f"{role}-0", pattern):
+        raise sub.fail(
+            "pattern",
+            f"{pattern!r} does not match the hook's thread names ({role}-0, {role}-1, ...); "
+            f"leave pattern out (it defaults to {hook_glob!r}) or widen it",
+        )
+    return executors, pattern
+
+
 def _threads(t: _Table) -> tuple[ThreadRole, ...]:
     roles: list[ThreadRole] = []
     # File order, not sorted: the first matching pattern wins, as the
@@ -381,10 +424,11 @@ def _threads(t: _Table) -> tuple[ThreadRole, ...]:
         process = sub.choice("process", None, ("engine", "workers"))
         if process is None:
             raise sub.fail("process", "is required (engine or workers)")
-        pattern = sub.text("pattern", None)
+        role = sub.text("role", name)
+        executors, pattern = _executors(sub, role, sub.text("pattern", None))
         if not pattern:
             raise sub.fail("pattern", "is required (a glob over the thread name)")
-        roles.append(ThreadRole(sub.text("role", name), process, pattern))
+        roles.append(ThreadRole(role, process, pattern, executors))
         sub.done()
     t.done()
     return tuple(roles)

@@ -6,6 +6,7 @@ engine (when planned) and one per rank; `supervisor.run.runner` spawns them.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -13,6 +14,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from supervisor.config import Config, ProcessConfig
+from supervisor.hook import hook_env, hook_roles
 from supervisor.plan.placement import Placement, RankPlacement, Slot
 from supervisor.run.sdnotify import NOTIFY_VARS
 from supervisor.state import ProcKey
@@ -134,8 +136,15 @@ def build_specs(
     placement: Placement,
     base_env: Mapping[str, str],
     python: str = sys.executable,
+    supervisor_pid: int | None = None,
 ) -> list[ChildSpec]:
-    """The engine (when planned) then one spec per rank, in rank order."""
+    """The engine (when planned) then one spec per rank, in rank order.
+
+    Roles with `executors` turn on the start-up hook (`supervisor.hook`) in
+    the trees of their `process` kind; it acts only below `supervisor_pid`
+    (default: this process, the one that spawns them).
+    """
+    sup_pid = os.getpid() if supervisor_pid is None else supervisor_pid
     specs: list[ChildSpec] = []
     if config.engine is not None and placement.engine is not None:
         slot = placement.engine
@@ -144,11 +153,14 @@ def build_specs(
             config.engine.env,
             {SLOT_ENV: slot_env_value("engine", slot.to_doc())},
         )
+        env.update(hook_env(env, hook_roles(config.threads, ("engine",)), sup_pid))
         specs.append(ChildSpec("engine", resolve_python(config.engine.command, python), env, slot))
     world_size = len(placement.ranks)
+    worker_hook = hook_roles(config.threads, ("workers",))
     for rank in placement.ranks:
         spec = _rank_spec(config.workers, config, rank, world_size, base_env)
-        specs.append(replace(spec, argv=resolve_python(spec.argv, python)))
+        env = {**spec.env, **hook_env(spec.env, worker_hook, sup_pid)}
+        specs.append(replace(spec, argv=resolve_python(spec.argv, python), env=env))
     return specs
 
 
