@@ -1,7 +1,8 @@
 """The `placement-supervisor` command line (DESIGN 3.1): the one place that exits (does I/O).
 
 Subcommands: topology, plan, snapshot (here), run and status (imported only
-when called). Reads os.environ for the visibility variables only, here, and
+when called). `plan --config` also checks what `run` would fail on
+(supervisor.preflight). Reads os.environ for the visibility variables only, here, and
 hands them to discovery. Exit codes: 0 ok, 2 bad config or arguments, 3
 infeasible plan or unusable topology; a user error is one line on stderr.
 """
@@ -25,6 +26,7 @@ from supervisor.hostfs import HostFS
 from supervisor.plan.placement import Placement, PlanSettings
 from supervisor.plan.planner import plan
 from supervisor.plan.render import render_plan_table
+from supervisor.preflight import check_config
 from supervisor.topology.discover import read_topology
 from supervisor.topology.model import DiscoveryOptions, Topology
 from supervisor.topology.render import render_topology_text, topology_to_doc
@@ -114,7 +116,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         for warning in topology.warnings:
             print(f"discovery warning: {warning}")
         print(render_plan_table(placement, topology))
-    return 0
+    # What `run` would fail on: only for this host (not a captured --root).
+    if args.config is None or os.path.abspath(args.root) != "/" or args.no_checks:
+        return 0
+    problems = check_config(load_config(args.config), os.environ, sys.executable)
+    for problem in problems:
+        print(f"{PROG}: error: {problem}", file=sys.stderr)
+    return EXIT_CONFIG if problems else 0
 
 
 def _cmd_snapshot(args: argparse.Namespace) -> int:
@@ -174,6 +182,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="TOML config (default: built-in defaults)")
     p.add_argument("--root", default="/", help="host tree root (default /)")
     p.add_argument("--json", action="store_true", help="print the plan document")
+    p.add_argument(
+        "--no-checks",
+        action="store_true",
+        help="with --config: skip the checks of commands, users, token file and ports "
+        "(e.g. on a host where the service already runs and holds its ports)",
+    )
     p.set_defaults(func=_cmd_plan)
 
     p = sub.add_parser("snapshot", help="copy every file discovery reads into OUT")

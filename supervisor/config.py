@@ -7,14 +7,17 @@ No environment is read here: visibility variables are resolved by the caller.
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
+import re
 import shlex
 import stat
 import string
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from fnmatch import fnmatchcase
 from typing import Any, Literal, TypeVar
 
 from supervisor.errors import ConfigError
@@ -49,6 +52,11 @@ class ProcessConfig:
     """The engine, or the worker template (argv may hold {rank} and friends)."""
 
     command: tuple[str, ...]
+    # Run as this account (the shim drops root after binding, before exec);
+    # None keeps the supervisor's. `group` None: the user's primary group.
+    # Keyword-only: positional construction elsewhere never lands here.
+    user: str | None = field(default=None, kw_only=True)
+    group: str | None = field(default=None, kw_only=True)
     env: Mapping[str, str] = field(default_factory=dict)  # set only where unset
 
 
@@ -59,6 +67,9 @@ class ThreadRole:
     role: str
     process: Literal["engine", "workers"]
     pattern: str  # fnmatch glob over /proc/<pid>/task/<tid>/comm (15 chars)
+    # Module-name prefixes: a ThreadPoolExecutor created in one of them is
+    # renamed `<role>-N`, sized and bound by the start-up hook (supervisor.hook).
+    executors: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +147,7 @@ class _Table:
         self.path = path
         self.file = file
         self.seen: set[str] = set()
+        self.known: set[str] = set()  # every key asked for, present or not: for suggestions
 
     def where(self, key: str) -> str:
         return f"{self.path}.{key}" if self.path else key
@@ -144,6 +156,12 @@ class _Table:
         return ConfigError(f"{self.file}: {self.where(key)}: {message}")
 
     def has(self, key: str) -> bool:
+        self.known.add(key)
+        return key in self.doc
+
+    def _asked(self, key: str) -> bool:
+        """Note `key` as a known key; True when the document holds it."""
+        self.known.add(key)
         return key in self.doc
 
     def _get(self, key: str, kinds: tuple[type, ...], expected: str) -> Any:
@@ -157,19 +175,19 @@ class _Table:
         return value
 
     def text(self, key: str, default: T) -> str | T:
-        if key not in self.doc:
+        if not self._asked(key):
             return default
         value: str = self._get(key, (str,), "a string")
         return value
 
     def flag(self, key: str, default: bool) -> bool:
-        if key not in self.doc:
+        if not self._asked(key):
             return default
         value: bool = self._get(key, (bool,), "true or false")
         return value
 
     def integer(self, key: str, default: int, minimum: int = 0, maximum: int | None = None) -> int:
-        if key not in self.doc:
+        if not self._asked(key):
             return default
         value: int = self._get(key, (int,), "an integer")
         if value < minimum:
@@ -181,7 +199,7 @@ class _Table:
     def number(
         self, key: str, default: float, minimum: float = 0.0, *, strict: bool = False
     ) -> float:
-        if key not in self.doc:
+        if not self._asked(key):
             return default
         value = float(self._get(key, (int, float), "a number"))
         if not math.isfinite(value):  # TOML allows nan and inf; no duration is either
@@ -192,7 +210,7 @@ class _Table:
         return value
 
     def choice(self, key: str, default: T, choices: tuple[str, ...]) -> T:
-        if key not in self.doc:
+        if not self._asked(key):
             return default
         value = self._get(key, (str,), "a string")
         if value not in choices:
@@ -200,7 +218,7 @@ class _Table:
         return value  # type: ignore[no-any-return]
 
     def str_list(self, key: str) -> tuple[str, ...]:
-        if key not in self.doc:
+        if not self._asked(key):
             return ()
         value = self._get(key, (list,), "a list of strings")
         for i, item in enumerate(value):
@@ -210,7 +228,7 @@ class _Table:
 
     def command(self, key: str) -> tuple[str, ...]:
         """A command as a list of strings or one shell-quoted string; required."""
-        if key not in self.doc:
+        if not self._asked(key):
             raise self.fail(key, "is required")
         raw = self._get(key, (str, list), "a list of strings or a string")
         if isinstance(raw, str):
@@ -225,7 +243,7 @@ class _Table:
         return argv
 
     def table(self, key: str) -> _Table:
-        value = self._get(key, (dict,), "a table") if key in self.doc else {}
+        value = self._get(key, (dict,), "a table") if self._asked(key) else {}
         self.seen.add(key)
         return _Table(value, self.where(key), self.file)
 
@@ -236,7 +254,7 @@ class _Table:
         return out
 
     def int_map(self, key: str, default: Mapping[str, int]) -> dict[str, int]:
-        if key not in self.doc:
+        if not self._asked(key):
             return dict(default)
         sub = self.table(key)
         out = {name: sub.integer(name, 0) for name in sub.doc}
@@ -246,7 +264,17 @@ class _Table:
     def done(self) -> None:
         unknown = sorted(set(self.doc) - self.seen)
         if unknown:
-            raise self.fail(unknown[0], "unknown key")
+            raise self.fail(unknown[0], "unknown key" + suggest_key(unknown[0], self.known))
+
+
+def suggest_key(key: str, known: set[str]) -> str:
+    """The "; did you mean `x`?" tail naming the nearest known key, or "" (pure).
+
+    difflib's default cutoff (ratio >= 0.6) catches a dropped, doubled or
+    swapped letter (`stop_timout_s`) without suggesting unrelated keys.
+    """
+    close = difflib.get_close_matches(key, sorted(known), n=1)
+    return f"; did you mean `{close[0]}`?" if close else ""
 
 
 def _check_template(table: _Table, key: str, argv: tuple[str, ...]) -> None:
@@ -288,10 +316,24 @@ def _process(top: _Table, key: str, *, template: bool) -> ProcessConfig:
     argv = t.command("command")
     if template:
         _check_template(t, "command", argv)
+    user, group = _account(t)
     env = t.str_map("env")
     _check_exec_strings(t, argv, env)
     t.done()
-    return ProcessConfig(argv, env)
+    return ProcessConfig(argv, env, user=user, group=group)
+
+
+def _account(t: _Table) -> tuple[str | None, str | None]:
+    """`user` and `group` of [engine] or [workers]: names or numbers, looked up at start."""
+    user = t.text("user", None)
+    group = t.text("group", None)
+    if user == "":
+        raise t.fail("user", "must not be empty (leave it out to keep the supervisor's user)")
+    if group is not None and user is None:
+        raise t.fail("group", "needs `user` too (the group of which account?)")
+    if group == "":
+        raise t.fail("group", "must not be empty (leave it out for the user's primary group)")
+    return user, group
 
 
 def _ready(t: _Table) -> ReadyProbe | None:
@@ -355,6 +397,44 @@ def _placement(t: _Table) -> PlanSettings:
     return settings
 
 
+# An `executors` prefix is a dotted module name ("vllm.v1.structured_output").
+_MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
+# The hook names pool threads "<role>-N" and comm keeps 15 bytes: a role of at
+# most 12 keeps "-NN" visible; its characters must be literal in a glob.
+_HOOK_ROLE = re.compile(r"[A-Za-z0-9_]{1,12}")
+
+
+def _executors(sub: _Table, role: str, pattern: str | None) -> tuple[tuple[str, ...], str | None]:
+    """`executors` of a [threads.*] table, validated, and the pattern its role gets."""
+    executors = sub.str_list("executors")
+    if not sub.has("executors"):
+        return executors, pattern
+    if not executors:
+        raise sub.fail("executors", "must name at least one module prefix")
+    for i, prefix in enumerate(executors):
+        if not _MODULE_NAME.fullmatch(prefix):
+            raise sub.fail(
+                "executors",
+                f"item {i}: expected a module name like vllm.v1.structured_output, got {prefix!r}",
+            )
+    if not _HOOK_ROLE.fullmatch(role):
+        raise sub.fail(
+            "role" if sub.has("role") else "executors",
+            f"role {role!r} names the hook's threads ({role}-N, 15 bytes kept): "
+            "use at most 12 letters, digits or _",
+        )
+    hook_glob = f"{role}-[0-9]*"
+    if pattern is None:
+        return executors, hook_glob
+    if not fnmatchcase(f"{role}-0", pattern):
+        raise sub.fail(
+            "pattern",
+            f"{pattern!r} does not match the hook's thread names ({role}-0, {role}-1, ...); "
+            f"leave pattern out (it defaults to {hook_glob!r}) or widen it",
+        )
+    return executors, pattern
+
+
 def _threads(t: _Table) -> tuple[ThreadRole, ...]:
     roles: list[ThreadRole] = []
     # File order, not sorted: the first matching pattern wins, as the
@@ -364,10 +444,11 @@ def _threads(t: _Table) -> tuple[ThreadRole, ...]:
         process = sub.choice("process", None, ("engine", "workers"))
         if process is None:
             raise sub.fail("process", "is required (engine or workers)")
-        pattern = sub.text("pattern", None)
+        role = sub.text("role", name)
+        executors, pattern = _executors(sub, role, sub.text("pattern", None))
         if not pattern:
             raise sub.fail("pattern", "is required (a glob over the thread name)")
-        roles.append(ThreadRole(sub.text("role", name), process, pattern))
+        roles.append(ThreadRole(role, process, pattern, executors))
         sub.done()
     t.done()
     return tuple(roles)
@@ -529,15 +610,15 @@ def load_config(path: str) -> Config:
 
 def read_token_file(path: str) -> bytes:
     """The API bearer token (api.token_file), stripped; ConfigError when the file is
-    not a regular file, is readable or writable by every user (as ssh refuses a
-    key: a token anyone can read is no secret), or is empty."""
+    not a regular file, is empty, or the group or others may read or write it
+    (as ssh refuses a key; the same rule as `plan --config`'s preflight)."""
     data, st = _read_operator_file(path, "api.token_file: cannot read", MAX_TOKEN_BYTES)
     token = data.strip()
     if not token:
         raise ConfigError(f"{path}: api.token_file: the file is empty")
-    if st.st_mode & (stat.S_IROTH | stat.S_IWOTH):
+    if st.st_mode & 0o077:  # as ssh: a key the group or others may touch is no secret
         raise ConfigError(
-            f"{path}: api.token_file: readable or writable by every user "
-            f"(mode {stat.S_IMODE(st.st_mode):04o}); chmod o-rwx it"
+            f"{path}: api.token_file: readable or writable by others "
+            f"(mode {stat.S_IMODE(st.st_mode):04o}); chmod 600 {path}"
         )
     return token

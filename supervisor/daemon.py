@@ -43,12 +43,14 @@ from supervisor.logs import format_fields, setup_logging
 from supervisor.plan.placement import Placement, Slot
 from supervisor.plan.planner import plan
 from supervisor.plan.render import render_plan_table
+from supervisor.run import users
 from supervisor.run.instance_lock import hold_instance_lock
 from supervisor.run.procs import is_same_process
 from supervisor.run.runner import ProcessCgroups, Runner, Runtime, first_of
 from supervisor.run.sdnotify import Notifier, watchdog_interval_s
 from supervisor.run.spec import ChildSpec, build_specs, child_env, resolve_python, worker_argv
-from supervisor.serve.api import Actions, ApiServer
+from supervisor.serve.routes import Actions
+from supervisor.serve.server import ApiServer
 from supervisor.state import ProcessStatus, ProcKey, Snapshot, StateStore, key_label
 from supervisor.topology.discover import read_topology
 from supervisor.topology.model import Topology
@@ -121,7 +123,9 @@ class Daemon:
         self.want_api = api
         self.server: Server | None = None
         kind = placement.ranks[0].device.kind if placement.ranks else "cpu"
-        specs = build_specs(config, placement, self.env)
+        # Who engines and workers run as, looked up once: a typo is exit 2.
+        self.accounts = users.resolve_accounts(config)
+        specs = users.with_accounts(build_specs(config, placement, self.env), self.accounts)
         initial = Snapshot(
             placement=placement,
             topology=topology,
@@ -129,6 +133,7 @@ class Daemon:
             started_at=time.time(),
             accelerator_kind=kind,
             config_path=config.path,
+            local_memory_threshold=config.drift.local_memory_threshold,
         )
         self.store = StateStore(initial)
         self.specs = specs
@@ -148,6 +153,7 @@ class Daemon:
         self.actions = DaemonActions(self)  # the API's; the drift step may set its rebinder
         self._ready_sent = False
         self._last_status = ""
+        self._was_ready = False
 
     # -- pieces for the API and the check loop ------------------------------
 
@@ -158,7 +164,9 @@ class Daemon:
         """
         self.placement = placement
         self.topology = topology
-        self.specs = build_specs(self.config, placement, self.env, self.runtime.python)
+        self.specs = users.with_accounts(
+            build_specs(self.config, placement, self.env, self.runtime.python), self.accounts
+        )
         by_key = {spec.key: spec for spec in self.specs}
         for r in self.runners:
             r.spec = by_key[r.key]
@@ -249,14 +257,24 @@ class Daemon:
         server = ApiServer(
             self.store, actions, self.config.api, self.listen, stale_after_s=stale_after_s
         )
-        await server.start()
+        try:
+            await server.start()
+        except SupervisorError as err:
+            if err.exit_code != 1:
+                raise
+            # The API cannot listen (port taken, a path that is not a socket):
+            # exit 2, not 1, which Restart=on-failure would retry forever.
+            raise ConfigError(str(err)) from None
         self.server = server
 
     async def _wait_started(self) -> None:
-        """Until every runner has first settled (running, failed or stopped), or a stop."""
+        """Until every runner has made its first spawn (bound, or failed to) or
+        waits on the engine, or a stop. Not until the engine's probe passes: that
+        may take ready.timeout_s (a 10-minute model load), longer than any start
+        timeout systemd should wait; STATUS= and /readyz show it instead."""
         assert self.rt is not None
         await first_of(
-            self.rt.stopping.wait(), asyncio.gather(*(r.settled.wait() for r in self.runners))
+            self.rt.stopping.wait(), asyncio.gather(*(r.launched.wait() for r in self.runners))
         )
 
     async def _wait_stop(self) -> None:
@@ -283,34 +301,51 @@ class Daemon:
             stop.cancel()
 
     def status_line(self) -> str:
-        procs = self.store.snapshot.processes
+        """systemd's STATUS=: "2/3 running; failed: rank 1; not ready" and the like.
+
+        Says which processes are down for good (failed, or stopped by their
+        policy), what the engine's probe is waiting for, and whether the whole
+        is ready (every process running and bound: what /readyz answers).
+        """
+        snap = self.store.snapshot
+        procs = snap.processes
         running = sum(1 for p in procs.values() if p.state == "running")
-        down = sorted(
-            f"{key_label(k)}={p.state}"
-            for k, p in procs.items()
-            if p.state in ("failed", "stopped")
-        )
-        text = f"{running}/{len(procs)} running"
-        if down:
-            text += "; " + ", ".join(down)
-        return text
+        parts = [f"{running}/{len(procs)} running"]
+        parts += [r.waiting for r in self.runners if r.waiting]
+        for state in ("failed", "stopped"):
+            down = [
+                f"rank {k}" if k != "engine" else k for k, p in procs.items() if p.state == state
+            ]
+            if down:
+                parts.append(f"{state}: {', '.join(down)}")
+        parts.append("ready" if snap.ready else "not ready")
+        return "; ".join(parts)
 
     def _publish_status(self) -> None:
-        """systemd STATUS= whenever the summary changes (after READY=1)."""
-        if not self._ready_sent:
-            return
+        """systemd STATUS= whenever the summary changes; a log line when some
+        process is down for good, or when everything first becomes ready."""
         status = self.status_line()
-        if status != self._last_status:
-            self._last_status = status
-            self.notifier.status(status)
+        if status == self._last_status:
+            return
+        self._last_status = status
+        self.notifier.status(status)
+        snap = self.store.snapshot
+        if any(p.state == "failed" for p in snap.processes.values()):
+            log.warning("degraded %s", format_fields(status=status, action="stay up"))
+        elif snap.ready and not self._was_ready:
+            log.info("ready %s", format_fields(status=status))
+        self._was_ready = snap.ready
 
     def _notify_ready(self) -> None:
+        """READY=1: the API listens and every process is spawned and bound (or
+        waits for the engine); the engine's own readiness follows in STATUS=."""
         status = self.status_line()
         self._ready_sent = True
         self._last_status = status
+        self._was_ready = self.store.snapshot.ready
         self.notifier.ready(status)
-        self.store.emit("ready", None, f"supervisor ready: {status}")
-        log.info("supervisor ready %s", format_fields(status=status, pid=os.getpid()))
+        self.store.emit("ready", None, f"supervisor started: {status}")
+        log.info("supervisor started %s", format_fields(status=status, pid=os.getpid()))
 
     async def _watchdog_loop(self, interval_s: float) -> None:
         """WATCHDOG=1 every interval while the loop runs and every runner is alive."""
@@ -387,7 +422,7 @@ class Daemon:
 
 
 class DaemonActions:
-    """The API's changing calls, done on the daemon (implements supervisor.serve.api.Actions)."""
+    """The API's changing calls, done on the daemon (implements supervisor.serve.routes.Actions)."""
 
     def __init__(self, daemon: Daemon) -> None:
         self.daemon = daemon

@@ -141,6 +141,15 @@ class Counters:
 
 
 @dataclass(frozen=True, slots=True)
+class SelfUsage:
+    """The supervisor's own process, sampled on a timer (supervisor.serve.usage), not at scrape."""
+
+    cpu_seconds: float  # user + system, since the process started
+    resident_memory_bytes: int
+    sampled_at: float  # unix time
+
+
+@dataclass(frozen=True, slots=True)
 class Snapshot:
     """Everything the API, metrics and status show, frozen at one instant."""
 
@@ -155,6 +164,10 @@ class Snapshot:
     stopping: bool = False
     accelerator_kind: str = "cpu"
     config_path: str | None = None
+    # drift.local_memory_threshold, exported for the alert that compares the
+    # ratio with it; None where no config made the snapshot (tests).
+    local_memory_threshold: float | None = None
+    self_usage: SelfUsage | None = None  # None until the first sample
 
     @property
     def ready(self) -> bool:

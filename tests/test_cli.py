@@ -13,7 +13,16 @@ import pytest
 from supervisor import __version__, cli
 from supervisor.plan.placement import Placement
 from tests.support.daemon_support import run_supervisor
-from tests.support.hosts import ascend_a3, dgx_h100, no_accel_2node, tight_container
+from tests.support.hosts import (
+    UUID_CONTAINER_ORDER,
+    UUID_CONTAINER_VISIBLE,
+    ascend_a3,
+    container_uuid,
+    dgx_h100,
+    no_accel_2node,
+    tight_container,
+    xeon6_snc3_b200,
+)
 from tests.support.plan_invariants import check_placement
 
 VISIBILITY = ("CUDA_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
@@ -77,6 +86,41 @@ def test_visibility_is_read_from_the_environment(dgx: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     assert [r["device"]["index"] for r in doc["ranks"]] == [6]
+
+
+def test_plan_json_numbers_ranks_by_the_uuid_list(tmp_path: Path) -> None:
+    root = container_uuid(tmp_path)
+    env = {"CUDA_VISIBLE_DEVICES": UUID_CONTAINER_VISIBLE}
+    proc = run_cli("plan", "--root", str(root), "--json", env=env)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    # rank r = local_rank r = the r-th GPU of the list (GPU 6 first, on node 1).
+    assert [r["device"]["index"] for r in doc["ranks"]] == list(UUID_CONTAINER_ORDER)
+    assert [r["local_rank"] for r in doc["ranks"]] == [0, 1, 2, 3]
+    assert [r["device"]["uuid"] for r in doc["ranks"]] == UUID_CONTAINER_VISIBLE.split(",")
+    topology, placement = cli.make_plan(str(root), None, env)
+    assert Placement.from_doc(doc) == placement
+    check_placement(topology, placement)
+    node_of = {c.id: c.node for c in topology.cpus}
+    for r in doc["ranks"]:
+        assert {node_of[c] for c in r["cpus"]} == {r["device"]["numa_node"]}
+    assert {node_of[c] for c in doc["engine"]["cpus"]} == {1}
+
+
+def test_plan_says_where_the_engine_went_on_snc3(tmp_path: Path) -> None:
+    root = xeon6_snc3_b200(tmp_path)
+    env = {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}  # rank 0 = GPU 4 on node 3
+    proc = run_cli("plan", "--root", str(root), "--json", env=env)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["engine_node"] == 4 and doc["engine"]["mems"] == [4]
+    topology, placement = cli.make_plan(str(root), None, env)
+    assert Placement.from_doc(doc) == placement
+    check_placement(topology, placement)
+    assert set(doc["engine"]["cpus"]) <= set(topology.node(4).cpus)
+    table = run_cli("plan", "--root", str(root), env=env)
+    assert table.returncode == 0, table.stderr
+    assert "warning: engine: on node 4, which has no device" in table.stdout
 
 
 def test_bad_visibility_value_is_one_line(dgx: Path) -> None:

@@ -31,6 +31,58 @@ def test_minimal_config_gets_defaults() -> None:
     assert cfg.drift.policy["thread_affinity"] == "enforce"
 
 
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            'stop_timout_s = 5\n[workers]\ncommand = "w"',
+            "c.toml: stop_timout_s: unknown key; did you mean `stop_timeout_s`?",
+        ),
+        (
+            '[workers]\ncommand = "w"\n[restart]\ncrash_loop_limt = 3',
+            "c.toml: restart.crash_loop_limt: unknown key; did you mean `crash_loop_limit`?",
+        ),
+        (
+            '[workers]\ncommand = "w"\nusr = "nobody"',
+            "c.toml: workers.usr: unknown key; did you mean `user`?",
+        ),
+        # A key that is near nothing gets no guess.
+        ('[workers]\ncommand = "w"\n[api]\nbanana = 1', "c.toml: api.banana: unknown key"),
+    ],
+)
+def test_an_unknown_key_suggests_the_nearest_known_one(
+    tmp_path: Path, text: str, message: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, text))
+    assert str(info.value) == message.replace("c.toml", str(tmp_path / "c.toml"))
+
+
+def test_engine_and_workers_user_and_group() -> None:
+    doc = {
+        "engine": {"command": ["e"], "user": "nobody", "group": "nogroup"},
+        "workers": {"command": ["w"], "user": "nobody"},
+    }
+    cfg = parse_config(doc, "c.toml")
+    assert cfg.engine is not None
+    assert (cfg.engine.user, cfg.engine.group) == ("nobody", "nogroup")
+    assert (cfg.workers.user, cfg.workers.group) == ("nobody", None)
+    assert parse_config(MINIMAL).workers.user is None
+
+
+@pytest.mark.parametrize(
+    ("workers", "needle"),
+    [
+        ({"group": "video"}, "c.toml: workers.group: needs `user` too"),
+        ({"user": ""}, "c.toml: workers.user: must not be empty"),
+        ({"user": 65534}, "c.toml: workers.user: expected a string, got 65534"),
+    ],
+)
+def test_bad_user_or_group(workers: dict[str, object], needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle.replace("`", ".")):
+        parse_config({"workers": {"command": ["w"], **workers}}, "c.toml")
+
+
 def test_full_config_round_trips(tmp_path: Path) -> None:
     path = write(
         tmp_path,

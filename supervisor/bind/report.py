@@ -36,7 +36,9 @@ class ShimReportError(ValueError):
 class ShimReport:
     """What the shim bound before exec, as the kernel read it back.
 
-    `exec_error`/`errno` are set when exec failed (the shim then exits 127/126).
+    `exec_error`/`errno` are set when exec failed (the shim then exits 127/126);
+    `user_error` when it could not become the configured user (exit 125: it
+    never execs as root instead). `uid`/`gid` are read back after the drop.
     `mems` are the nodes of the memory policy in force ([] for none).
     """
 
@@ -50,10 +52,14 @@ class ShimReport:
     pid: int | None = None
     exec_error: str | None = None
     errno: str | None = None
+    uid: int | None = None
+    gid: int | None = None
+    user_error: str | None = None
 
     @property
     def exec_failed(self) -> bool:
-        return self.exec_error is not None
+        """The command never ran: exec failed, or the user could not be taken."""
+        return self.exec_error is not None or self.user_error is not None
 
     @property
     def degraded(self) -> bool:
@@ -110,6 +116,7 @@ def parse_shim_report(data: bytes) -> ShimReport:
         raise ShimReportError(f"shim report: bad mempolicy {step!r}")
     exec_doc = next((d for d in docs[1:] if "exec_error" in d), {})
     pid = main.get("pid")
+    uid, gid = main.get("uid"), main.get("gid")
     return ShimReport(
         cpus=_ints(main, "cpus"),
         mems=_ints(main, "mems"),
@@ -121,6 +128,9 @@ def parse_shim_report(data: bytes) -> ShimReport:
         pid=pid if isinstance(pid, int) else None,
         exec_error=_opt_str(exec_doc, "exec_error"),
         errno=_opt_str(exec_doc, "errno"),
+        uid=uid if isinstance(uid, int) else None,
+        gid=gid if isinstance(gid, int) else None,
+        user_error=_opt_str(main, "user_error"),
     )
 
 
@@ -141,6 +151,7 @@ def shim_argv(
     pdeathsig: str = "TERM",
     name: str | None = None,
     isolated: bool = True,
+    user: tuple[int, int, Sequence[int]] | None = None,
 ) -> list[str]:
     """The argv that runs `argv` through the shim with `python`.
 
@@ -151,6 +162,7 @@ def shim_argv(
     `report_fd` must reach the child (pass it in `pass_fds`); `parent_pid` is
     normally os.getpid() of the spawner.
     `pdeathsig` "" or "none" sets no parent-death signal.
+    `user` (uid, gid, supplementary gids): the shim drops to it after binding.
     """
     if not argv:
         raise ValueError("shim_argv: empty command")
@@ -175,6 +187,9 @@ def shim_argv(
         cmd += ["--report-fd", str(report_fd)]
     if name:
         cmd += ["--name", name]
+    if user is not None:
+        uid, gid, groups = user
+        cmd += ["--uid", str(uid), "--gid", str(gid), "--groups", _idlist(groups)]
     cmd.append("--")
     cmd.extend(argv)
     return cmd

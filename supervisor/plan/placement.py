@@ -19,24 +19,31 @@ Strategy = Literal["numa-affine", "global-slice", "mixed", "shared"]
 
 @dataclass(frozen=True, slots=True)
 class DeviceRef:
-    """The device a rank drives, as the plan document names it."""
+    """The device a rank drives, as the plan document names it (`uuid`, NVIDIA's
+    "GPU-...", only when known: the document carries it only then)."""
 
     kind: DeviceKind
     index: int
     bus_id: str | None
     numa_node: int | None
+    uuid: str | None = None
 
     def to_doc(self) -> dict[str, Any]:
-        return {
+        doc: dict[str, Any] = {
             "kind": self.kind,
             "index": self.index,
             "bus_id": self.bus_id,
             "numa_node": self.numa_node,
         }
+        if self.uuid is not None:
+            doc["uuid"] = self.uuid
+        return doc
 
     @classmethod
     def from_doc(cls, doc: Mapping[str, Any]) -> DeviceRef:
-        return cls(doc["kind"], int(doc["index"]), doc.get("bus_id"), doc.get("numa_node"))
+        return cls(
+            doc["kind"], int(doc["index"]), doc.get("bus_id"), doc.get("numa_node"), doc.get("uuid")
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,13 +116,19 @@ class RankPlacement:
 
 @dataclass(frozen=True, slots=True)
 class Placement:
-    """The whole plan. `engine` is None when the config runs no engine."""
+    """The whole plan. `engine` is None when the config runs no engine.
+
+    `engine_node` is the node the engine sits on when the planner put it on a
+    node with no device (SNC hosts), None when it shares rank 0's node or
+    slice; the document carries it as "engine_node" only when set.
+    """
 
     strategy: Strategy
     engine: Slot | None
     ranks: tuple[RankPlacement, ...]
     warnings: tuple[str, ...] = ()
     shared: bool = False  # True when some CPUs serve more than one process (tiny hosts)
+    engine_node: int | None = None
 
     def rank(self, rank: int) -> RankPlacement:
         for r in self.ranks:
@@ -139,7 +152,7 @@ class Placement:
             "ranks": [r.to_doc() for r in self.ranks],
             "warnings": list(self.warnings),
             "shared": self.shared,
-        }
+        } | ({} if self.engine_node is None else {"engine_node": self.engine_node})
 
     @classmethod
     def from_doc(cls, doc: Mapping[str, Any]) -> Placement:
@@ -152,6 +165,7 @@ class Placement:
             ranks=tuple(RankPlacement.from_doc(r) for r in doc["ranks"]),
             warnings=tuple(doc.get("warnings", ())),
             shared=bool(doc.get("shared", False)),
+            engine_node=None if doc.get("engine_node") is None else int(doc["engine_node"]),
         )
 
 

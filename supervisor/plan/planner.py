@@ -23,7 +23,7 @@ from supervisor.plan.placement import (
     Slot,
     Strategy,
 )
-from supervisor.topology.model import Device, Node, Topology, device_order
+from supervisor.topology.model import Device, Node, Topology, device_order, rank_order
 
 Core = tuple[int, ...]
 """The allowed online SMT siblings of one physical core, sorted (one CPU without SMT)."""
@@ -66,6 +66,7 @@ class _Draft:
     where: dict[DeviceKey, tuple[str, str]] = field(default_factory=dict)
     engine: list[Core] | None = None
     engine_roles: dict[str, list[Core]] | None = None
+    engine_node: int | None = None  # set when the engine sits on a device-free node
     warnings: list[str] = field(default_factory=list)
 
 
@@ -83,8 +84,11 @@ def plan(topology: Topology, settings: PlanSettings) -> Placement:
             f"{format_cpulist(topology.allowed.cpus) or 'nothing'} of online "
             f"{format_cpulist(topology.online) or 'nothing'}"
         )
+    # Two orders: shares and slices go by the host's device order, so every
+    # supervisor on the host computes the same ones; ranks go by the
+    # visibility list (DESIGN 3.3), the ordinal the engine's workers use.
     devices = sorted(topology.devices, key=device_order)
-    visible = [d for d in devices if d.visible]
+    visible = sorted((d for d in devices if d.visible), key=rank_order)
     if not visible:
         raise PlanError(_no_visible_message(devices))
     rank_devices = _group_ranks(visible, settings.devices_per_rank)
@@ -118,17 +122,19 @@ def plan(topology: Topology, settings: PlanSettings) -> Placement:
             "global-slice devices share every allowed core: the numa-affine nodes leave none free"
         )
     rank0 = rank_devices[0][0]
+    engine_on_rank0_node = settings.engine and strategies[_key(rank0)] == "numa-affine"
+    if engine_on_rank0_node and not global_members:
+        draft.engine_node = _engine_node(view, settings, devices, cpu_node[_key(rank0)])
+        if draft.engine_node is not None:
+            engine_on_rank0_node = False
+            _place_engine_apart(view, draft, cpu_node[_key(rank0)])
 
     by_node: dict[int, list[Device]] = {}
     for d in numa_members:
         by_node.setdefault(cpu_node[_key(d)], []).append(d)
     for node_id in sorted(by_node):
         cores = [c for c in view.node_cores[node_id] if c not in taken]
-        engine_here = (
-            settings.engine
-            and strategies[_key(rank0)] == "numa-affine"
-            and cpu_node[_key(rank0)] == node_id
-        )
+        engine_here = engine_on_rank0_node and cpu_node[_key(rank0)] == node_id
         _plan_group(draft, f"node {node_id}", cores, by_node[node_id], engine_here)
     if global_members:
         _plan_group(draft, "global slice", block, global_members, engine_here=False)
@@ -154,13 +160,20 @@ def plan(topology: Topology, settings: PlanSettings) -> Placement:
     if settings.engine and draft.engine is not None and draft.engine_roles is not None:
         engine = Slot(
             _cpus(draft.engine),
-            ranks[0].slot.mems,
+            _engine_mems(view, draft.engine_node, ranks[0].slot.mems),
             {role: _cpus(cores) for role, cores in draft.engine_roles.items()},
         )
     shared = _shared_warning(ranks, engine, draft.warnings)
     used = {r.strategy for r in ranks}
     strategy: Strategy = used.pop() if len(used) == 1 else "mixed"
-    return Placement(strategy, engine, ranks, tuple(draft.warnings), shared)
+    return Placement(
+        strategy,
+        engine,
+        ranks,
+        tuple(draft.warnings),
+        shared,
+        engine_node=draft.engine_node if engine is not None else None,
+    )
 
 
 # -- the host view -----------------------------------------------------------
@@ -474,6 +487,52 @@ def _carve_engine(
     return cores[: len(cores) - count]
 
 
+def _engine_node(
+    view: _View, settings: PlanSettings, devices: Sequence[Device], rank0_node: int
+) -> int | None:
+    """The device-free node nearest rank 0's node that holds the engine's full
+    slot, or None (then the engine comes out of rank 0's node, as before).
+
+    On hosts with more nodes than device nodes (Xeon 6 SNC3 with GPUs on 4 of
+    6 nodes) the engine's scheduler and compiler pool then take nothing from
+    rank 0's cores. A node is a device's home when any device of the host,
+    visible or hidden, plans its CPUs there: another supervisor's ranks may
+    live on it. Nearest by SLIT distance from rank 0's node; ties go to the
+    lowest id.
+    """
+    homes = {_nearest_cpu_node(view, d.numa_node) for d in devices if d.numa_node is not None}
+    sizes = _engine_sizes(settings)
+    free = [
+        n
+        for n, cores in view.node_cores.items()
+        if n not in homes and _take_from_end(cores, sizes) is not None
+    ]
+    return _nearest(view, rank0_node, free)
+
+
+def _place_engine_apart(view: _View, draft: _Draft, rank0_node: int) -> None:
+    """The engine's slot from the end of its device-free node, roles as configured."""
+    node = draft.engine_node
+    assert node is not None
+    cores = list(view.node_cores[node])
+    distance = _distance(view, rank0_node, node)
+    _carve_engine(draft, cores, 0, f"node {node}", lambda rest: True)
+    draft.warnings.append(
+        f"engine: on node {node}, which has no device (nearest to rank 0's node "
+        f"{rank0_node}, distance {distance:g}); the ranks keep all of their nodes' CPUs"
+    )
+
+
+def _engine_mems(
+    view: _View, engine_node: int | None, rank0_mems: tuple[int, ...]
+) -> tuple[int, ...]:
+    """The engine's memory: its own node when it sits apart (where allowed),
+    else rank 0's nodes (DESIGN 3.3)."""
+    if engine_node is not None and (not view.allowed_mems or engine_node in view.allowed_mems):
+        return (engine_node,)
+    return rank0_mems
+
+
 def _take_from_end(cores: Sequence[Core], sizes: Sequence[tuple[str, int]]) -> int | None:
     """How many cores, counted from the end, hold `sizes` CPUs role by role; None if short."""
     j = len(cores)
@@ -575,7 +634,7 @@ def _rank_placement(
         mems.update(_device_mems(view, draft, d, strategies[_key(d)]))
     kinds = {strategies[_key(d)] for d in devices}
     strategy: Strategy = kinds.pop() if len(kinds) == 1 else "mixed"
-    refs = tuple(DeviceRef(d.kind, d.index, d.bdf, d.numa_node) for d in devices)
+    refs = tuple(DeviceRef(d.kind, d.index, d.bdf, d.numa_node, d.uuid) for d in devices)
     return RankPlacement(
         rank=rank,
         device=refs[0],

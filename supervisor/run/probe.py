@@ -2,6 +2,9 @@
 
 `wait_ready` polls one probe of the config's `[ready]` table until it passes,
 the deadline passes, or the engine exits; workers start only after it passes.
+Given the engine's pid, a `tcp` probe passes only when the listener belongs
+to the engine's process tree (`supervisor.run.listeners`), and `progress` is
+called every PROGRESS_INTERVAL_S with the time waited and the last failure.
 """
 
 from __future__ import annotations
@@ -16,9 +19,15 @@ from dataclasses import dataclass
 import aiohttp
 
 from supervisor.config import ReadyProbe
+from supervisor.hostfs import HostFS
+from supervisor.run.listeners import check_listener_owner
 
 POLL_INTERVAL_S = 0.2
 ATTEMPT_TIMEOUT_S = 2.0
+PROGRESS_INTERVAL_S = 5.0
+
+Progress = Callable[[float, str], None]
+"""Called while waiting: (seconds waited, the last failure)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,12 +45,28 @@ def describe_probe(probe: ReadyProbe) -> str:
     return f"file {probe.file}"
 
 
-async def check_tcp(address: str, timeout_s: float) -> str | None:
-    """None when a TCP connection to HOST:PORT opens, else why not."""
+def split_host_port(address: str) -> tuple[str, int]:
     host, _, port = address.rpartition(":")
-    host = host.strip("[]")  # "[::1]:8000"
+    return host.strip("[]"), int(port)  # "[::1]:8000"
+
+
+async def check_tcp(
+    address: str, timeout_s: float, owner: tuple[HostFS, int] | None = None
+) -> str | None:
+    """None when a TCP connection to HOST:PORT opens, else why not.
+
+    With `owner` (a HostFS and the engine's pid), the listening socket must
+    also belong to that process or a descendant: checked first, off the loop.
+    """
+    host, port = split_host_port(address)
+    if owner is not None:
+        fs, pid = owner
+        loop = asyncio.get_running_loop()
+        failure = await loop.run_in_executor(None, check_listener_owner, fs, pid, host, port)
+        if failure is not None:
+            return failure
     try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), timeout_s)
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
     except TimeoutError:
         return "connect timed out"
     except OSError as err:
@@ -75,10 +100,18 @@ async def wait_ready(
     probe: ReadyProbe,
     alive: Callable[[], bool],
     interval_s: float = POLL_INTERVAL_S,
+    *,
+    owner: tuple[HostFS, int] | None = None,
+    progress: Progress | None = None,
+    progress_interval_s: float = PROGRESS_INTERVAL_S,
 ) -> ProbeResult:
-    """Poll `probe` until it passes, `probe.timeout_s` passes, or `alive()` is False."""
+    """Poll `probe` until it passes, `probe.timeout_s` passes, or `alive()` is False.
+
+    `owner`: (HostFS, the engine's pid) for the tcp probe's ownership check.
+    """
     started = time.monotonic()
     deadline = started + probe.timeout_s
+    next_progress = started + progress_interval_s
     detail = "not checked"
     session: aiohttp.ClientSession | None = None
     try:
@@ -87,7 +120,7 @@ async def wait_ready(
                 return ProbeResult(False, "process exited", time.monotonic() - started)
             attempt_s = max(0.05, min(ATTEMPT_TIMEOUT_S, deadline - time.monotonic()))
             if probe.tcp is not None:
-                failure = await check_tcp(probe.tcp, attempt_s)
+                failure = await check_tcp(probe.tcp, attempt_s, owner)
             elif probe.http is not None:
                 if session is None:
                     session = aiohttp.ClientSession()
@@ -101,6 +134,9 @@ async def wait_ready(
             detail = failure
             if now >= deadline:
                 return ProbeResult(False, f"timed out: {detail}", now - started)
+            if progress is not None and now >= next_progress:
+                next_progress = now + progress_interval_s
+                progress(now - started, detail)
             await asyncio.sleep(min(interval_s, max(0.0, deadline - now)))
     finally:
         if session is not None:

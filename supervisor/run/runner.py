@@ -117,6 +117,10 @@ class Runner:
         self.restart_requested = False
         self.settled = asyncio.Event()  # first reached running, failed or stopped
         self.ready = asyncio.Event()  # first readiness (the engine's probe passed)
+        # First spawn attempt done (spawned and bound, or failed to), or waiting
+        # on the engine: what READY=1 waits for, not the engine's readiness.
+        self.launched = asyncio.Event()
+        self.waiting: str | None = None  # while the probe waits: "engine loading: ..."
         self._watchers: list[asyncio.Future[None]] = []
         self.gate: Runner | None = None  # workers wait for the engine's first readiness
         self.task: asyncio.Task[None] | None = None
@@ -214,6 +218,7 @@ class Runner:
         """
         gate = self.gate
         assert gate is not None
+        self.launched.set()  # nothing to spawn before the engine is ready
         announced = False
         while not gate.ready.is_set():
             if self.stopping:
@@ -266,7 +271,7 @@ class Runner:
                     reason=decision.reason,
                     restarts=restarts,
                 )
-                log.info(
+                log.warning(
                     "restart scheduled %s",
                     format_fields(
                         rank=self.label,
@@ -311,6 +316,7 @@ class Runner:
     async def _run_once(self) -> RunOutcome:
         started = time.monotonic()
         child = await self.spawn_child()
+        self.launched.set()
         if child is None:
             return RunOutcome(None, 0.0, time.monotonic())
         exit_future = child.wait()
@@ -342,7 +348,9 @@ class Runner:
             exit_code=code,
             ran_s=round(ended - started, 3),
         )
-        log.info(
+        # An exit nobody asked for is worth an operator's attention.
+        expected = self.stopping or self.restart_requested
+        (log.info if expected else log.warning)(
             "exit %s",
             format_fields(
                 rank=self.label, pid=child.pid, code=code, ran_s=f"{ended - started:.1f}"
@@ -364,8 +372,40 @@ class Runner:
         if probe is None:
             self.mark_running(child)
             return True
-        probe_task = asyncio.ensure_future(wait_ready(probe, lambda: not exit_future.done()))
-        await first_of(probe_task, exit_future, self.interrupt.wait())
+
+        def progress(waited_s: float, detail: str) -> None:
+            self.waiting = (
+                f"{self.label} loading: {describe_probe(probe)} not ready after "
+                f"{waited_s:.0f}s of {probe.timeout_s:g}s ({detail})"
+            )
+            log.info(
+                "waiting for readiness %s",
+                format_fields(
+                    rank=self.label,
+                    pid=child.pid,
+                    probe=describe_probe(probe),
+                    elapsed_s=f"{waited_s:.0f}",
+                    timeout_s=f"{probe.timeout_s:g}",
+                    last=detail,
+                    action="wait",
+                ),
+            )
+            if self.rt.on_state_change is not None:
+                self.rt.on_state_change()
+
+        probe_task = asyncio.ensure_future(
+            wait_ready(
+                probe,
+                lambda: not exit_future.done(),
+                # The listener must be the engine's own (not a leftover's).
+                owner=(self.rt.fs, child.pid) if self.rt.fs.is_live else None,
+                progress=progress,
+            )
+        )
+        try:
+            await first_of(probe_task, exit_future, self.interrupt.wait())
+        finally:
+            self.waiting = None
         if not probe_task.done():
             probe_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -428,6 +468,7 @@ class Runner:
             spec.slot.mems,
             spec.argv,
             cgroups=cgroup_dirs,
+            user=spec.account.shim_user if spec.account is not None else None,
             report_fd=write_fd,
             parent_pid=os.getpid(),
         )
@@ -452,6 +493,9 @@ class Runner:
             self._spawn_failed(f"the shim reported nothing ({err})", child.pid)
             return child
         self.report = report
+        if report.user_error is not None:
+            self._spawn_failed(report.user_error, child.pid)
+            return child
         if report.exec_failed:
             self._spawn_failed(
                 f"cannot execute {spec.argv[0]!r}: {report.exec_error} ({report.errno})",

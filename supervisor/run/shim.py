@@ -2,11 +2,13 @@
 
     python -m supervisor.run.shim --cpus 0-3 --mems 0 [--mempolicy bind|preferred|none]
         [--cgroup DIR ...] [--pdeathsig TERM|KILL] [--parent-pid PID]
-        [--report-fd N] [--name NAME] -- COMMAND [ARG ...]
+        [--report-fd N] [--name NAME] [--uid N --gid N [--groups LIST]]
+        -- COMMAND [ARG ...]
 
 In order: parent-death signal (then check the parent is still there), join
 the cgroups, CPU affinity, memory policy (bind, else preferred, else none;
-never fatal), read back, one JSON line on the report fd, execve. Affinity and
+never fatal), read back, drop to --uid/--gid (binding needs the privileges
+the worker should not keep), one JSON line on the report fd, execve. Affinity and
 the memory policy are inherited across execve and fork, so the worker and
 every thread its runtime starts later (CUDA, HCCL, OpenMP) begin bound: no
 preexec_fn, no window where the worker runs unbound.
@@ -39,9 +41,10 @@ PROG = "supervisor.run.shim"
 USAGE = (
     f"usage: {PROG} [--cpus LIST] [--mems LIST] [--mempolicy bind|preferred|none]"
     " [--cgroup DIR]... [--pdeathsig TERM|KILL|HUP|INT] [--parent-pid PID]"
-    " [--report-fd N] [--name NAME] -- COMMAND [ARG...]"
+    " [--report-fd N] [--name NAME] [--uid N --gid N [--groups LIST]] -- COMMAND [ARG...]"
 )
 EXIT_USAGE = 2
+EXIT_CREDENTIALS = 125  # could not become --uid/--gid: never exec with the old identity
 EXIT_NOT_EXECUTABLE = 126
 EXIT_NOT_FOUND = 127
 # Signal numbers are the same on x86-64 and aarch64 (asm-generic/signal.h);
@@ -58,6 +61,9 @@ _OPTIONS = (
     "--parent-pid",
     "--report-fd",
     "--name",
+    "--uid",
+    "--gid",
+    "--groups",
 )
 
 
@@ -70,12 +76,15 @@ class Options:
         "cgroups",
         "command",
         "cpus",
+        "gid",
+        "groups",
         "mempolicy",
         "mems",
         "name",
         "parent_pid",
         "pdeathsig",
         "report_fd",
+        "uid",
     )
 
     def __init__(self) -> None:
@@ -87,6 +96,9 @@ class Options:
         self.parent_pid: int | None = None
         self.report_fd: int | None = None
         self.name: str | None = None
+        self.uid: int | None = None
+        self.gid: int | None = None
+        self.groups: list[int] | None = None
         self.command: list[str] = []
 
 
@@ -151,6 +163,12 @@ def parse_args(args: list[str]) -> Options:
             opts.parent_pid = _int(name, value)
         elif name == "--report-fd":
             opts.report_fd = _int(name, value)
+        elif name == "--uid":
+            opts.uid = _int(name, value)
+        elif name == "--gid":
+            opts.gid = _int(name, value)
+        elif name == "--groups":
+            opts.groups = parse_idlist(name, value) if value else []
         else:
             opts.name = value
         i += 1
@@ -158,6 +176,10 @@ def parse_args(args: list[str]) -> Options:
         raise UsageError("no command given (put it after --)")
     if opts.cpus is not None and not opts.cpus:
         raise UsageError("--cpus: empty list")
+    if (opts.uid is None) != (opts.gid is None):
+        raise UsageError("--uid and --gid go together")
+    if opts.groups is not None and opts.uid is None:
+        raise UsageError("--groups needs --uid and --gid")
     return opts
 
 
@@ -302,6 +324,35 @@ def apply_binding(opts: Options) -> dict[str, object]:
     }
 
 
+def drop_privileges(uid: int, gid: int, groups: list[int] | None) -> str | None:
+    """Become uid/gid: setgroups, setgid, setuid, in that order (once setuid has
+    dropped root, the other two are refused). None, or what failed and why.
+
+    setgroups first so that no supplementary group of root's survives; the
+    real, effective and saved ids all change (setresuid), so the worker
+    cannot regain root.
+    """
+    wanted_groups = set(groups if groups is not None else [gid]) - {gid}
+    if (
+        os.getresuid() == (uid, uid, uid)
+        and os.getresgid() == (gid, gid, gid)
+        and set(os.getgroups()) - {gid} == wanted_groups
+    ):
+        return None  # already that account (a supervisor run as the user itself)
+    step = f"setgroups({groups if groups is not None else [gid]})"
+    try:
+        os.setgroups(groups if groups is not None else [gid])
+        step = f"setgid({gid})"
+        os.setresgid(gid, gid, gid)
+        step = f"setuid({uid})"
+        os.setresuid(uid, uid, uid)
+    except OSError as err:
+        return f"{step}: {_oserror_text(err)}"
+    if os.getresuid() != (uid, uid, uid) or os.getresgid() != (gid, gid, gid):
+        return f"read back uid {os.getresuid()} gid {os.getresgid()}, wanted {uid}/{gid}"
+    return None
+
+
 def _restore_signals() -> None:
     # CPython ignores SIGPIPE and SIGXFSZ; SIG_IGN survives execve: undo it,
     # as subprocess does with restore_signals=True.
@@ -310,6 +361,42 @@ def _restore_signals() -> None:
             syscalls.reset_signal_default(signum)
         except KernelError as err:
             _say(f"warning: {err}")
+
+
+def exec_path(command: list[str], env: dict[str, str] | os._Environ[str]) -> None:
+    """execvpe(3) by hand: os.execvpe imports `warnings` lazily, which fails once
+    the shim has dropped to a user who cannot read the interpreter's stdlib
+    (a Python under root's 0700 home). Raises the first error that is not
+    "not in this PATH entry", as execvp does."""
+    name = command[0]
+    if "/" in name:
+        os.execve(name, command, env)
+    first: OSError | None = None
+    for directory in (env.get("PATH") or os.defpath).split(os.pathsep):
+        try:
+            os.execve(os.path.join(directory or ".", name), command, env)
+        except OSError as err:
+            if err.errno not in (errno.ENOENT, errno.ENOTDIR) and first is None:
+                first = err
+    raise first or FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), name)
+
+
+def _arm_pdeathsig(opts: Options) -> bool:
+    """Set the parent-death signal; False (after signalling ourselves) when the
+    parent is already gone."""
+    if not opts.pdeathsig:
+        return True
+    try:
+        syscalls.set_pdeathsig(opts.pdeathsig)
+    except KernelError as err:
+        _say(f"warning: {err}")
+    # prctl(2): if the parent died before PR_SET_PDEATHSIG took effect, no
+    # signal ever comes (we were already re-parented): check by hand.
+    if opts.parent_pid is not None and os.getppid() != opts.parent_pid:
+        _say(f"parent {opts.parent_pid} exited before the shim started; not starting")
+        os.kill(os.getpid(), opts.pdeathsig)
+        return False
+    return True
 
 
 def main(args: list[str] | None = None) -> int:
@@ -337,30 +424,34 @@ def main(args: list[str] | None = None) -> int:
             syscalls.set_thread_name(opts.name)
         except KernelError as err:
             _say(f"warning: {err}")
-    if opts.pdeathsig:
-        try:
-            syscalls.set_pdeathsig(opts.pdeathsig)
-        except KernelError as err:
-            _say(f"warning: {err}")
-        # prctl(2): if the parent died before PR_SET_PDEATHSIG took effect, no
-        # signal ever comes (we were already re-parented): check by hand.
-        if opts.parent_pid is not None and os.getppid() != opts.parent_pid:
-            _say(f"parent {opts.parent_pid} exited before the shim started; not starting")
-            os.kill(os.getpid(), opts.pdeathsig)
-            return 1
+    if not _arm_pdeathsig(opts):
+        return 1
 
-    _send(report_fd, apply_binding(opts))
+    report = apply_binding(opts)
+    if opts.uid is not None and opts.gid is not None:
+        drop_error = drop_privileges(opts.uid, opts.gid, opts.groups)
+        report["uid"], report["gid"] = os.getuid(), os.getgid()
+        if drop_error is not None:
+            report["user_error"] = f"cannot run as uid {opts.uid} gid {opts.gid}: {drop_error}"
+            _send(report_fd, report)
+            _say(f"error: {report['user_error']}; not starting {opts.command[0]!r}")
+            return EXIT_CREDENTIALS
+        # commit_creds() clears the parent-death signal when the uid or gid
+        # changes (prctl(2), PR_SET_PDEATHSIG): set it again.
+        if not _arm_pdeathsig(opts):
+            return 1
+    _send(report_fd, report)
     _restore_signals()
     command = opts.command
     try:
-        os.execvpe(command[0], command, os.environ)
+        exec_path(command, os.environ)
     except OSError as err:
         code = EXIT_NOT_FOUND if err.errno in (errno.ENOENT, errno.ENOTDIR) else EXIT_NOT_EXECUTABLE
         name = errno.errorcode.get(err.errno or 0, str(err.errno))
         _say(f"cannot execute {command[0]!r}: {err.strerror or err} ({name})")
         _send(report_fd, {"exec_error": f"{command[0]}: {err.strerror or err}", "errno": name})
         return code
-    return 1  # not reached: execvpe returns only by raising
+    return 1  # not reached: exec returns only by raising
 
 
 if __name__ == "__main__":

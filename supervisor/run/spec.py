@@ -6,17 +6,23 @@ engine (when planned) and one per rank; `supervisor.run.runner` spawns them.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 from supervisor.config import Config, ProcessConfig
+from supervisor.hook import hook_env, hook_roles
 from supervisor.plan.placement import Placement, RankPlacement, Slot
 from supervisor.run.sdnotify import NOTIFY_VARS
 from supervisor.state import ProcKey
 from supervisor.topology.model import DeviceKind
 from supervisor.worker import SLOT_ENV, slot_env_value
+
+if TYPE_CHECKING:
+    from supervisor.run.users import Account
 
 # The variable that tells a worker which device(s) it drives, per kind, as in
 # DeepInfer's assign_visible_devices. `cpu` stand-ins and config-named `pci`
@@ -47,6 +53,7 @@ class ChildSpec:
     argv: tuple[str, ...]
     env: Mapping[str, str]
     slot: Slot
+    account: Account | None = None  # run as this user (supervisor.run.users.with_accounts)
 
 
 def visible_devices_var(kind: DeviceKind, override: str | None) -> str | None:
@@ -54,6 +61,22 @@ def visible_devices_var(kind: DeviceKind, override: str | None) -> str | None:
     if override:
         return override
     return VISIBLE_DEVICES_VAR.get(kind)
+
+
+def visible_value(rank: RankPlacement, var: str, base_env: Mapping[str, str]) -> str:
+    """The rank's own device(s), as the worker's visibility variable names them.
+
+    By index (PCI bus order, with CUDA_DEVICE_ORDER=PCI_BUS_ID by default);
+    by UUID where the operator's CUDA_VISIBLE_DEVICES names GPUs by UUID,
+    because a UUID means the same GPU whatever CUDA_DEVICE_ORDER says. The
+    rank itself is the device's place in the operator's list (DESIGN 3.3).
+    """
+    devices = rank.all_devices
+    listed = base_env.get(var, "") if var == "CUDA_VISIBLE_DEVICES" else ""
+    by_uuid = any(e.strip().upper().startswith("GPU-") for e in listed.split(","))
+    if by_uuid and all(d.uuid for d in devices):
+        return ",".join(str(d.uuid) for d in devices)
+    return ",".join(str(d.index) for d in devices)
 
 
 def command_fields(rank: RankPlacement, world_size: int) -> dict[str, object]:
@@ -113,8 +136,15 @@ def build_specs(
     placement: Placement,
     base_env: Mapping[str, str],
     python: str = sys.executable,
+    supervisor_pid: int | None = None,
 ) -> list[ChildSpec]:
-    """The engine (when planned) then one spec per rank, in rank order."""
+    """The engine (when planned) then one spec per rank, in rank order.
+
+    Roles with `executors` turn on the start-up hook (`supervisor.hook`) in
+    the trees of their `process` kind; it acts only below `supervisor_pid`
+    (default: this process, the one that spawns them).
+    """
+    sup_pid = os.getpid() if supervisor_pid is None else supervisor_pid
     specs: list[ChildSpec] = []
     if config.engine is not None and placement.engine is not None:
         slot = placement.engine
@@ -123,11 +153,14 @@ def build_specs(
             config.engine.env,
             {SLOT_ENV: slot_env_value("engine", slot.to_doc())},
         )
+        env.update(hook_env(env, hook_roles(config.threads, ("engine",)), sup_pid))
         specs.append(ChildSpec("engine", resolve_python(config.engine.command, python), env, slot))
     world_size = len(placement.ranks)
+    worker_hook = hook_roles(config.threads, ("workers",))
     for rank in placement.ranks:
         spec = _rank_spec(config.workers, config, rank, world_size, base_env)
-        specs.append(replace(spec, argv=resolve_python(spec.argv, python)))
+        env = {**spec.env, **hook_env(spec.env, worker_hook, sup_pid)}
+        specs.append(replace(spec, argv=resolve_python(spec.argv, python), env=env))
     return specs
 
 
@@ -143,7 +176,7 @@ def _rank_spec(
     drop: list[str] = []
     var = visible_devices_var(kind, config.visible_devices_env)
     if var is not None:
-        forced[var] = ",".join(str(d.index) for d in rank.all_devices)
+        forced[var] = visible_value(rank, var, base_env)
         if kind == "amd" and var == "HIP_VISIBLE_DEVICES":
             # HIP indexes into what ROCR_VISIBLE_DEVICES leaves; our index is
             # over all devices, so the operator's ROCR filter must not apply.

@@ -1,6 +1,6 @@
 """The API's address: "HOST:PORT" or "unix:PATH", parsed for both ends (pure, no I/O).
 
-The server (`supervisor.serve.api`) binds it; the client (`supervisor.serve.status`) connects
+The server (`supervisor.serve.server`) binds it; the client (`supervisor.serve.status`) connects
 to it. `config.check_listen` validates the same syntax at load time.
 """
 

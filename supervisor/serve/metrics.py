@@ -1,9 +1,12 @@
-"""Prometheus metrics (DESIGN 3.5) rendered from the state snapshot (no I/O).
+"""The `placement_*` metric families (DESIGN 3.5), each a function of the inputs it names (no I/O).
 
-`build_registry(store)` returns the daemon's own registry (never the global
-one) holding one `SnapshotCollector`, which turns `store.snapshot` into metric
-families at scrape time. `collect()` reads the immutable snapshot only: no
-/proc, no locks, nothing that can block the event loop.
+`FAMILIES` is the exposition, in order. A family is one function registered
+with `@FAMILIES.add(kind, name, help, labels)`; its parameters after the
+metric are the Snapshot/Counters fields it reads (supervisor.serve.exposition),
+which is all the incremental renderer needs to know. To add a family, add a
+function here (a configured value it shows goes into the snapshot first, so
+the function can name it). `build_registry(store)` returns the daemon's own registry
+(never the global one) holding one `SnapshotCollector`.
 
 Counters that alerts and dashboards take `increase()`/`rate()` of are
 pre-initialised with 0 for every planned process and every known label value:
@@ -19,7 +22,7 @@ own duration is the gauge `placement_last_check_duration_seconds`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator, Mapping
 from typing import get_args
 
 from prometheus_client import CollectorRegistry
@@ -27,21 +30,24 @@ from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
     InfoMetricFamily,
-    Metric,
     SummaryMetricFamily,
 )
-from prometheus_client.registry import Collector
 
 from supervisor import __version__
+from supervisor.plan.placement import Placement
+from supervisor.serve.documents import process_keys, readiness
+from supervisor.serve.exposition import FamilyTable, SnapshotCollector
 from supervisor.state import (
     HOST_LABEL,
     BindTarget,
     DriftKind,
+    Finding,
     MemPolicyStep,
+    Observation,
     ProcessState,
     ProcessStatus,
     ProcKey,
-    Snapshot,
+    SelfUsage,
     StateStore,
     key_label,
 )
@@ -53,6 +59,9 @@ BIND_TARGETS: tuple[str, ...] = get_args(BindTarget)
 # KernelError.reason values (supervisor.errors); "managed" only happens on IRQs.
 BIND_REASONS: tuple[str, ...] = ("gone", "denied", "invalid", "error")
 IRQ_ONLY_REASONS: tuple[str, ...] = ("managed",)
+# The supervisor's own binds that can fail (checker: the IRQ re-plan and the
+# instance cgroup), always counted with reason "error"; pre-initialised too.
+HOST_BIND_FAILURES: tuple[tuple[str, str], ...] = (("cgroup", "error"), ("irq", "error"))
 # Re-bind reasons pre-initialised for every process: those the daemon and the
 # check loop count under (the drift kind that was corrected, a new thread put
 # in its role, a cpuset change, an API call). Other values still appear, from
@@ -66,22 +75,16 @@ REBIND_REASONS: tuple[str, ...] = (
     "cpuset_changed",
 )
 
+Processes = Mapping[ProcKey, ProcessStatus]
+Observed = Mapping[ProcKey, Observation]
 
-def collected_parts(snap: Snapshot) -> tuple[object, ...]:
-    """Every snapshot field the collector reads: the API renders /metrics again
-    only when one of these is a new object (an event alone changes none).
-    Keep it next to _families: a field read there and missing here would serve
-    a stale body."""
-    return (
-        snap.placement,
-        snap.processes,
-        snap.observed,
-        snap.drift,
-        snap.counters,
-        snap.accelerator_kind,
-        snap.started_at,
-        snap.stopping,
-    )
+FAMILIES = FamilyTable()
+
+
+def _statuses(placement: Placement, processes: Processes) -> Iterator[tuple[str, ProcessStatus]]:
+    """(rank label, status) of every planned process; "starting" until it has one."""
+    for key in process_keys(placement):
+        yield key_label(key), processes.get(key) or ProcessStatus(key)
 
 
 def _bind_failure_labels(key: ProcKey) -> Iterator[tuple[str, str, str]]:
@@ -94,234 +97,318 @@ def _bind_failure_labels(key: ProcKey) -> Iterator[tuple[str, str, str]]:
             yield (rank, target, reason)
 
 
-class SnapshotCollector(Collector):
-    """Renders `store.snapshot` as the `placement_*` metric families."""
-
-    def __init__(self, store: StateStore) -> None:
-        self._store = store
-
-    def describe(self) -> Iterable[Metric]:
-        # Names only: registration must not depend on what the snapshot holds.
-        return list(_families(None))
-
-    def collect(self) -> Iterable[Metric]:
-        return list(_families(self._store.snapshot))
+# -- the daemon -----------------------------------------------------------------------
 
 
-def build_registry(store: StateStore) -> CollectorRegistry:
+@FAMILIES.add(
+    "info",
+    "placement",
+    "The supervisor's version, planning strategy and accelerator kind (value 1).",
+)
+def _info(m: InfoMetricFamily, placement: Placement, accelerator_kind: str) -> None:
+    labels = {"version": __version__, "strategy": placement.strategy}
+    m.add_metric([], labels | {"accelerator": accelerator_kind})
+
+
+@FAMILIES.add(
+    "gauge", "placement_ready", "1 when every process is running and bound (what /readyz answers)."
+)
+def _ready(
+    m: GaugeMetricFamily, placement: Placement, processes: Processes, stopping: bool
+) -> None:
+    m.add_metric([], 0.0 if readiness(placement, processes, stopping) else 1.0)
+
+
+# -- each process's state ---------------------------------------------------------------
+
+
+@FAMILIES.add("gauge", "placement_up", "1 when the process is running, else 0.", ("rank",))
+def _up(m: GaugeMetricFamily, placement: Placement, processes: Processes) -> None:
+    for rank, status in _statuses(placement, processes):
+        m.add_metric([rank], 1.0 if status.state == "running" else 0.0)
+
+
+@FAMILIES.add(
+    "gauge",
+    "placement_bound",
+    "1 when every bind of the plan was applied to the process and read back.",
+    ("rank",),
+)
+def _bound(m: GaugeMetricFamily, placement: Placement, processes: Processes) -> None:
+    for rank, status in _statuses(placement, processes):
+        m.add_metric([rank], 1.0 if status.bound else 0.0)
+
+
+@FAMILIES.add(
+    "gauge",
+    "placement_process_state",
+    "1 for the process's current state (starting, running, backoff, failed, stopped).",
+    ("rank", "state"),
+)
+def _state(m: GaugeMetricFamily, placement: Placement, processes: Processes) -> None:
+    for rank, status in _statuses(placement, processes):
+        for name in PROCESS_STATES:
+            m.add_metric([rank, name], 1.0 if status.state == name else 0.0)
+
+
+@FAMILIES.add(
+    "gauge",
+    "placement_backoff_seconds",
+    "Delay before the next start while the process is in restart backoff, else 0.",
+    ("rank",),
+)
+def _backoff(m: GaugeMetricFamily, placement: Placement, processes: Processes) -> None:
+    for rank, status in _statuses(placement, processes):
+        m.add_metric([rank], status.backoff_s if status.state == "backoff" else 0.0)
+
+
+@FAMILIES.add(
+    "gauge",
+    "placement_mempolicy",
+    "1 for the memory-policy step the process got from the kernel (bind, preferred, none).",
+    ("rank", "policy"),
+)
+def _mempolicy(m: GaugeMetricFamily, placement: Placement, processes: Processes) -> None:
+    for rank, status in _statuses(placement, processes):
+        if status.mempolicy is not None:
+            for step in MEMPOLICY_STEPS:
+                m.add_metric([rank, step], 1.0 if status.mempolicy == step else 0.0)
+
+
+@FAMILIES.add(
+    "counter", "placement_restarts", "Restarts of the process by the supervisor.", ("rank",)
+)
+def _restarts(
+    m: CounterMetricFamily,
+    placement: Placement,
+    processes: Processes,
+    restarts: Mapping[str, int],
+) -> None:
+    for rank, status in _statuses(placement, processes):
+        m.add_metric([rank], restarts.get(rank, status.restarts))
+
+
+# -- what the checks observed -------------------------------------------------------------
+
+
+@FAMILIES.add(
+    "gauge",
+    "placement_local_memory_ratio",
+    "Resident memory on the planned nodes / all resident memory (0..1).",
+    ("rank",),
+)
+def _ratio(m: GaugeMetricFamily, placement: Placement, observed: Observed) -> None:
+    for key in process_keys(placement):
+        obs = observed.get(key)
+        if obs is not None and obs.local_memory_ratio is not None:
+            m.add_metric([key_label(key)], obs.local_memory_ratio)
+
+
+@FAMILIES.add(
+    "gauge",
+    "placement_local_memory_ratio_threshold",
+    "drift.local_memory_threshold: a local memory ratio below it is a memory_locality "
+    "finding (alert PlacementLocalMemoryLow compares with it).",
+)
+def _ratio_threshold(m: GaugeMetricFamily, local_memory_threshold: float | None) -> None:
+    if local_memory_threshold is not None:
+        m.add_metric([], local_memory_threshold)
+
+
+@FAMILIES.add(
+    "gauge",
+    "placement_memory_bytes",
+    "Resident memory of the process per NUMA node.",
+    ("rank", "node"),
+)
+def _memory(m: GaugeMetricFamily, placement: Placement, observed: Observed) -> None:
+    for key in process_keys(placement):
+        obs = observed.get(key)
+        if obs is not None:
+            for node, size in sorted(obs.memory_bytes_by_node.items()):
+                m.add_metric([key_label(key), str(node)], size)
+
+
+@FAMILIES.add("gauge", "placement_threads", "Threads of the process per role.", ("rank", "role"))
+def _threads(m: GaugeMetricFamily, placement: Placement, observed: Observed) -> None:
+    for key in process_keys(placement):
+        obs = observed.get(key)
+        if obs is not None:
+            per_role: dict[str, int] = {}
+            for t in obs.threads:
+                per_role[t.role] = per_role.get(t.role, 0) + 1
+            for role, n in sorted(per_role.items()):
+                m.add_metric([key_label(key), role], n)
+
+
+@FAMILIES.add("gauge", "placement_planned_cpus", "CPUs the plan gives each role.", ("rank", "role"))
+def _planned(m: GaugeMetricFamily, placement: Placement) -> None:
+    for key in process_keys(placement):
+        for role, cpus in sorted(placement.slot(key).roles.items()):
+            m.add_metric([key_label(key), role], len(cpus))
+
+
+@FAMILIES.add(
+    "gauge",
+    "placement_drift_findings",
+    "Current differences between the plan and live state, by kind.",
+    ("rank", "kind"),
+)
+def _findings(
+    m: GaugeMetricFamily, placement: Placement, drift: Mapping[ProcKey, tuple[Finding, ...]]
+) -> None:
+    for key in process_keys(placement):
+        current: dict[str, int] = dict.fromkeys(DRIFT_KINDS, 0)
+        for f in drift.get(key, ()):
+            current[f.kind] = current.get(f.kind, 0) + 1
+        for kind, n in current.items():
+            m.add_metric([key_label(key), kind], n)
+
+
+# -- what the supervisor did (counters, pre-initialised) -----------------------------------
+
+
+@FAMILIES.add(
+    "counter",
+    "placement_bind_failures",
+    "Binds the kernel refused, by target (process, thread, memory, irq, cgroup) and reason.",
+    ("rank", "target", "reason"),
+)
+def _bind_failures(
+    m: CounterMetricFamily,
+    placement: Placement,
+    bind_failures: Mapping[tuple[str, str, str], int],
+) -> None:
+    table: dict[tuple[str, str, str], int] = {}
+    for key in process_keys(placement):
+        table.update(dict.fromkeys(_bind_failure_labels(key), 0))
+    table.update((k, n) for k, n in bind_failures.items() if k[0] != HOST_LABEL)
+    for labels, n in sorted(table.items()):
+        m.add_metric(list(labels), n)
+
+
+@FAMILIES.add(
+    "counter",
+    "placement_host_bind_failures",
+    "Binds of the supervisor's own (instance cgroup, IRQ re-plan) the kernel refused; "
+    "DESIGN 3.5 keeps `rank` for ranks and the engine.",
+    ("target", "reason"),
+)
+def _host_bind_failures(
+    m: CounterMetricFamily, bind_failures: Mapping[tuple[str, str, str], int]
+) -> None:
+    table: dict[tuple[str, str], int] = dict.fromkeys(HOST_BIND_FAILURES, 0)
+    table.update((k[1:], n) for k, n in bind_failures.items() if k[0] == HOST_LABEL)
+    for labels, n in sorted(table.items()):
+        m.add_metric(list(labels), n)
+
+
+def _per_process(
+    m: CounterMetricFamily,
+    placement: Placement,
+    counted: Mapping[tuple[str, str], int],
+    known: tuple[str, ...],
+) -> None:
+    table: dict[tuple[str, str], int] = {}
+    for key in process_keys(placement):
+        table.update(dict.fromkeys(((key_label(key), v) for v in known), 0))
+    table.update(counted)
+    for labels, n in sorted(table.items()):
+        m.add_metric(list(labels), n)
+
+
+@FAMILIES.add(
+    "counter",
+    "placement_drift_events",
+    "Drift findings seen by the checks.",
+    ("rank", "kind"),
+)
+def _drift_events(
+    m: CounterMetricFamily, placement: Placement, drift_events: Mapping[tuple[str, str], int]
+) -> None:
+    _per_process(m, placement, drift_events, DRIFT_KINDS)
+
+
+@FAMILIES.add("counter", "placement_rebinds", "Re-binds applied, by reason.", ("rank", "reason"))
+def _rebinds(
+    m: CounterMetricFamily, placement: Placement, rebinds: Mapping[tuple[str, str], int]
+) -> None:
+    _per_process(m, placement, rebinds, REBIND_REASONS)
+
+
+@FAMILIES.add(
+    "counter", "placement_cpuset_changes", "Changes of the supervisor's allowed cpuset seen."
+)
+def _cpuset_changes(m: CounterMetricFamily, cpuset_changes: int) -> None:
+    m.add_metric([], cpuset_changes)
+
+
+# -- the checks ---------------------------------------------------------------------------
+
+
+# A summary without quantiles: the count and total of all checks.
+@FAMILIES.add(
+    "summary",
+    "placement_check_duration_seconds",
+    "Placement checks finished (_count) and the seconds they took (_sum).",
+)
+def _check_duration(m: SummaryMetricFamily, checks: int, check_seconds_sum: float) -> None:
+    m.add_metric([], checks, check_seconds_sum)
+
+
+@FAMILIES.add(
+    "gauge",
+    "placement_last_check_timestamp_seconds",
+    "Unix time the last placement check finished (0 before the first).",
+)
+def _last_check(m: GaugeMetricFamily, last_check_at: float) -> None:
+    m.add_metric([], last_check_at)
+
+
+@FAMILIES.add(
+    "gauge", "placement_last_check_duration_seconds", "How long the last placement check took."
+)
+def _last_duration(m: GaugeMetricFamily, last_check_duration_s: float) -> None:
+    m.add_metric([], last_check_duration_s)
+
+
+@FAMILIES.add("gauge", "placement_start_time_seconds", "Unix time the supervisor started.")
+def _start_time(m: GaugeMetricFamily, started_at: float) -> None:
+    m.add_metric([], started_at)
+
+
+# -- the supervisor's own process (sampled on a timer: supervisor.serve.usage) -------------
+
+
+@FAMILIES.add(
+    "counter",
+    "placement_supervisor_cpu_seconds",
+    "CPU time (user + system) the supervisor's own process used.",
+)
+def _self_cpu(m: CounterMetricFamily, self_usage: SelfUsage | None) -> None:
+    if self_usage is not None:
+        m.add_metric([], self_usage.cpu_seconds)
+
+
+@FAMILIES.add(
+    "gauge",
+    "placement_supervisor_resident_memory_bytes",
+    "Resident memory of the supervisor's own process.",
+)
+def _self_memory(m: GaugeMetricFamily, self_usage: SelfUsage | None) -> None:
+    if self_usage is not None:
+        m.add_metric([], self_usage.resident_memory_bytes)
+
+
+def build_collector(store: StateStore) -> SnapshotCollector:
+    """A collector of `FAMILIES` over `store.snapshot`."""
+    return SnapshotCollector(store, FAMILIES)
+
+
+def build_registry(
+    store: StateStore, collector: SnapshotCollector | None = None
+) -> CollectorRegistry:
     """A registry of the daemon's own holding the snapshot collector only."""
     registry = CollectorRegistry(auto_describe=True)
-    registry.register(SnapshotCollector(store))
+    registry.register(collector if collector is not None else build_collector(store))
     return registry
-
-
-def not_ready_reasons(snap: Snapshot) -> list[str]:
-    """Why the daemon is not ready ([] when it is): what /readyz and placement_ready say.
-
-    Stricter than `Snapshot.ready` alone: a planned process that has no status
-    yet is not ready either.
-    """
-    if snap.stopping:
-        return ["the supervisor is stopping"]
-    reasons: list[str] = []
-    planned = snap.keys()  # a Snapshot method, not a dict view
-    for key in planned:
-        status = snap.processes.get(key)
-        if status is None:
-            reasons.append(f"{key_label(key)}: not started yet")
-        elif status.state != "running":
-            reasons.append(f"{key_label(key)}: {status.state}")
-        elif not status.bound:
-            reasons.append(f"{key_label(key)}: running but not bound as planned")
-    if not reasons and not snap.ready:
-        reasons.append("a supervised process is not running and bound")
-    return reasons
-
-
-def _families(snap: Snapshot | None) -> Iterator[Metric]:
-    info = InfoMetricFamily(
-        "placement",
-        "The supervisor's version, planning strategy and accelerator kind (value 1).",
-        labels=(),
-    )
-    up = GaugeMetricFamily(
-        "placement_up", "1 when the process is running, else 0.", labels=("rank",)
-    )
-    bound = GaugeMetricFamily(
-        "placement_bound",
-        "1 when every bind of the plan was applied to the process and read back.",
-        labels=("rank",),
-    )
-    state = GaugeMetricFamily(
-        "placement_process_state",
-        "1 for the process's current state (starting, running, backoff, failed, stopped).",
-        labels=("rank", "state"),
-    )
-    backoff = GaugeMetricFamily(
-        "placement_backoff_seconds",
-        "Delay before the next start while the process is in restart backoff, else 0.",
-        labels=("rank",),
-    )
-    mempolicy = GaugeMetricFamily(
-        "placement_mempolicy",
-        "1 for the memory-policy step the process got from the kernel (bind, preferred, none).",
-        labels=("rank", "policy"),
-    )
-    restarts = CounterMetricFamily(
-        "placement_restarts", "Restarts of the process by the supervisor.", labels=("rank",)
-    )
-    ratio = GaugeMetricFamily(
-        "placement_local_memory_ratio",
-        "Resident memory on the planned nodes / all resident memory (0..1).",
-        labels=("rank",),
-    )
-    memory = GaugeMetricFamily(
-        "placement_memory_bytes",
-        "Resident memory of the process per NUMA node.",
-        labels=("rank", "node"),
-    )
-    threads = GaugeMetricFamily(
-        "placement_threads", "Threads of the process per role.", labels=("rank", "role")
-    )
-    planned = GaugeMetricFamily(
-        "placement_planned_cpus", "CPUs the plan gives each role.", labels=("rank", "role")
-    )
-    findings = GaugeMetricFamily(
-        "placement_drift_findings",
-        "Current differences between the plan and live state, by kind.",
-        labels=("rank", "kind"),
-    )
-    bind_failures = CounterMetricFamily(
-        "placement_bind_failures",
-        "Binds the kernel refused, by target (process, thread, memory, irq, cgroup) and reason.",
-        labels=("rank", "target", "reason"),
-    )
-    host_bind_failures = CounterMetricFamily(
-        "placement_host_bind_failures",
-        "Binds of the supervisor's own (instance cgroup, IRQ re-plan) the kernel refused; "
-        "DESIGN 3.5 keeps `rank` for ranks and the engine.",
-        labels=("target", "reason"),
-    )
-    drift_events = CounterMetricFamily(
-        "placement_drift_events", "Drift findings seen by the checks.", labels=("rank", "kind")
-    )
-    rebinds = CounterMetricFamily(
-        "placement_rebinds", "Re-binds applied, by reason.", labels=("rank", "reason")
-    )
-    cpuset_changes = CounterMetricFamily(
-        "placement_cpuset_changes", "Changes of the supervisor's allowed cpuset seen."
-    )
-    last_check = GaugeMetricFamily(
-        "placement_last_check_timestamp_seconds",
-        "Unix time the last placement check finished (0 before the first).",
-    )
-    last_duration = GaugeMetricFamily(
-        "placement_last_check_duration_seconds", "How long the last placement check took."
-    )
-    start_time = GaugeMetricFamily(
-        "placement_start_time_seconds", "Unix time the supervisor started."
-    )
-    ready = GaugeMetricFamily(
-        "placement_ready", "1 when every process is running and bound (what /readyz answers)."
-    )
-    # A summary without quantiles: the count and total of all checks.
-    check_duration = SummaryMetricFamily(
-        "placement_check_duration_seconds",
-        "Placement checks finished (_count) and the seconds they took (_sum).",
-    )
-
-    if snap is not None:
-        counters = snap.counters
-        info.add_metric(
-            [],
-            {
-                "version": __version__,
-                "strategy": snap.placement.strategy,
-                "accelerator": snap.accelerator_kind,
-            },
-        )
-        last_check.add_metric([], counters.last_check_at)
-        last_duration.add_metric([], counters.last_check_duration_s)
-        start_time.add_metric([], snap.started_at)
-        ready.add_metric([], 0.0 if not_ready_reasons(snap) else 1.0)
-        cpuset_changes.add_metric([], counters.cpuset_changes)
-
-        failures: dict[tuple[str, str, str], int] = {}
-        drifts: dict[tuple[str, str], int] = {}
-        rebind_counts: dict[tuple[str, str], int] = {}
-        keys = snap.keys()  # a Snapshot method, not a dict view
-        for key in keys:
-            rank = key_label(key)
-            status = snap.processes.get(key) or ProcessStatus(key)
-            up.add_metric([rank], 1.0 if status.state == "running" else 0.0)
-            bound.add_metric([rank], 1.0 if status.bound else 0.0)
-            for name in PROCESS_STATES:
-                state.add_metric([rank, name], 1.0 if status.state == name else 0.0)
-            backoff.add_metric([rank], status.backoff_s if status.state == "backoff" else 0.0)
-            if status.mempolicy is not None:
-                for step in MEMPOLICY_STEPS:
-                    mempolicy.add_metric([rank, step], 1.0 if status.mempolicy == step else 0.0)
-            restarts.add_metric([rank], counters.restarts.get(rank, status.restarts))
-
-            slot = snap.placement.slot(key)
-            for role, cpus in sorted(slot.roles.items()):
-                planned.add_metric([rank, role], len(cpus))
-
-            obs = snap.observed.get(key)
-            if obs is not None:
-                if obs.local_memory_ratio is not None:
-                    ratio.add_metric([rank], obs.local_memory_ratio)
-                for node, size in sorted(obs.memory_bytes_by_node.items()):
-                    memory.add_metric([rank, str(node)], size)
-                per_role: dict[str, int] = {}
-                for t in obs.threads:
-                    per_role[t.role] = per_role.get(t.role, 0) + 1
-                for role, n in sorted(per_role.items()):
-                    threads.add_metric([rank, role], n)
-
-            current: dict[str, int] = dict.fromkeys(DRIFT_KINDS, 0)
-            for f in snap.drift.get(key, ()):
-                current[f.kind] = current.get(f.kind, 0) + 1
-            for kind, n in current.items():
-                findings.add_metric([rank, kind], n)
-
-            failures.update(dict.fromkeys(_bind_failure_labels(key), 0))
-            drifts.update(dict.fromkeys(((rank, kind) for kind in DRIFT_KINDS), 0))
-            rebind_counts.update(dict.fromkeys(((rank, r) for r in REBIND_REASONS), 0))
-
-        failures.update(counters.bind_failures)
-        drifts.update(counters.drift_events)
-        rebind_counts.update(counters.rebinds)
-        for labels, n in sorted(failures.items()):
-            if labels[0] == HOST_LABEL:
-                host_bind_failures.add_metric(list(labels[1:]), n)
-            else:
-                bind_failures.add_metric(list(labels), n)
-        for labels2, n in sorted(drifts.items()):
-            drift_events.add_metric(list(labels2), n)
-        for labels2, n in sorted(rebind_counts.items()):
-            rebinds.add_metric(list(labels2), n)
-        check_duration.add_metric([], counters.checks, counters.check_seconds_sum)
-
-    yield info
-    yield ready
-    yield up
-    yield bound
-    yield state
-    yield backoff
-    yield mempolicy
-    yield restarts
-    yield ratio
-    yield memory
-    yield threads
-    yield planned
-    yield findings
-    yield bind_failures
-    yield host_bind_failures
-    yield drift_events
-    yield rebinds
-    yield cpuset_changes
-    yield check_duration
-    yield last_check
-    yield last_duration
-    yield start_time

@@ -81,11 +81,13 @@ class Irq:
 class Device:
     """One accelerator (or config-named PCI device, or a CPU node stand-in).
 
-    `index` is the device's index within its kind in kernel enumeration order,
-    the number the visibility variables (CUDA_VISIBLE_DEVICES, ...) use.
-    `global_index` orders all devices of the kind on the host: global-slice
-    planning slices by it, so two supervisors seeing different devices of the
-    same host never overlap.
+    `index` is the device's index within its kind in PCI bus order (the
+    driver's enumeration), the number index entries of the visibility
+    variables (CUDA_VISIBLE_DEVICES, ...) use. It orders all devices of the
+    kind on the host: shares of a node and global slices go by it, so two
+    supervisors seeing different devices of the same host never overlap.
+    `ordinal` is the device's position in its kind's visibility list (CUDA's
+    device ordinal, what LOCAL_RANK means), None when hidden; ranks follow it.
     """
 
     kind: DeviceKind
@@ -98,6 +100,7 @@ class Device:
     name: str | None = None  # model name, when the host says
     visible: bool = True
     irqs: tuple[int, ...] = ()
+    ordinal: int | None = None  # set by visibility.apply_visibility; None: index order
 
     @property
     def label(self) -> str:
@@ -105,13 +108,22 @@ class Device:
 
 
 # Devices order by kind, then index: accelerators before config-named PCI
-# devices before CPU stand-ins. Discovery lists them so; ranks follow it.
+# devices before CPU stand-ins. Discovery lists them so; ranks follow the
+# visibility list within a kind (rank_order).
 KIND_ORDER: dict[str, int] = {"nvidia": 0, "amd": 1, "ascend": 2, "pci": 3, "cpu": 4}
 
 
 def device_order(device: Device) -> tuple[int, int]:
-    """Sort key of devices (and so of ranks): kind (KIND_ORDER), then index."""
+    """Sort key of devices on the host: kind (KIND_ORDER), then index (PCI bus order)."""
     return (KIND_ORDER.get(device.kind, len(KIND_ORDER)), device.index)
+
+
+def rank_order(device: Device) -> tuple[int, int, int]:
+    """Sort key of visible devices into ranks: kind, then visibility ordinal
+    (DESIGN 3.3: rank r drives the r-th device of the list), then index; a
+    device without an ordinal counts by its index (PCI bus order)."""
+    ordinal = device.index if device.ordinal is None else device.ordinal
+    return (KIND_ORDER.get(device.kind, len(KIND_ORDER)), ordinal, device.index)
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,6 +5,8 @@ into the kind's devices (NVIDIA also "GPU-<uuid>", any unique prefix, as
 CUDA accepts). A negative entry ends the list, as in CUDA (entries after it
 are ignored). AMD: ROCR_VISIBLE_DEVICES selects first and
 HIP_VISIBLE_DEVICES indexes into what ROCR left, as the ROCm docs describe.
+The list is ordered: its order is the device ordinal the engine sees, and
+so the rank order (DESIGN 3.3).
 """
 
 from __future__ import annotations
@@ -72,18 +74,27 @@ def parse_visible(value: str, var: str, devices: list[Device]) -> list[Device]:
 
 
 def apply_visibility(devices: tuple[Device, ...], env: Mapping[str, str]) -> tuple[Device, ...]:
-    """Devices with `visible` set; kinds without devices ignore their variables
-    (a CUDA_VISIBLE_DEVICES left in a CPU-only container is harmless)."""
-    visible: set[tuple[str, int]] = set()
-    for device in devices:
-        if device.kind not in VARIABLES:
-            visible.add((device.kind, device.index))
-    for kind, names in VARIABLES.items():
-        pool = [d for d in devices if d.kind == kind]
-        if not pool:
-            continue
-        for var in names:
+    """Devices with `visible` and `ordinal` set (pure).
+
+    A visible device's ordinal is its position in its kind's list, in the
+    order the variable names them: `CUDA_VISIBLE_DEVICES=GPU-<6>,GPU-<1>`
+    makes GPU 6 ordinal 0, the device CUDA calls cuda:0 and LOCAL_RANK 0
+    drives. Without a variable, ordinals follow the index (PCI bus order).
+    Kinds without devices ignore their variables (a CUDA_VISIBLE_DEVICES
+    left in a CPU-only container is harmless).
+    """
+    ordinals: dict[tuple[str, int], int] = {}
+    for kind in dict.fromkeys(d.kind for d in devices):
+        pool = sorted((d for d in devices if d.kind == kind), key=lambda d: d.index)
+        for var in VARIABLES.get(kind, ()):
             if var in env:
                 pool = parse_visible(env[var], var, pool)
-        visible.update((d.kind, d.index) for d in pool)
-    return tuple(replace(d, visible=(d.kind, d.index) in visible) for d in devices)
+        ordinals.update({(d.kind, d.index): pos for pos, d in enumerate(pool)})
+    return tuple(
+        replace(
+            d,
+            visible=(d.kind, d.index) in ordinals,
+            ordinal=ordinals.get((d.kind, d.index)),
+        )
+        for d in devices
+    )

@@ -90,7 +90,7 @@ def test_dev_zero_as_token_file_is_a_clear_error(tmp_path: Path) -> None:
     one_error(run_cli("run", "--config", str(config)), 2, "/dev/zero", "character device")
 
 
-@pytest.mark.parametrize("mode", [0o644, 0o602, 0o606])
+@pytest.mark.parametrize("mode", [0o644, 0o602, 0o606, 0o640, 0o620])
 def test_a_token_others_may_read_or_write_is_refused(tmp_path: Path, mode: int) -> None:
     token = tmp_path / "token"
     token.write_text("s3cret\n")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from collections.abc import Sequence
 
 import pytest
 from hypothesis import HealthCheck, event, given, settings
@@ -140,8 +141,18 @@ def test_allowed_mems_exclude_device_node_use_nearest_allowed_with_warning() -> 
 # -- hidden devices and global slicing ----------------------------------------
 
 
-def _hidden_except(topo: Topology, visible: set[int]) -> Topology:
-    devices = tuple(dataclasses.replace(d, visible=d.index in visible) for d in topo.devices)
+def _hidden_except(topo: Topology, visible: Sequence[int] | set[int]) -> Topology:
+    """Only `visible` shown, in that order (a set: index order), as a visibility
+    list would show them."""
+    order = sorted(visible) if isinstance(visible, set) else list(visible)
+    devices = tuple(
+        dataclasses.replace(
+            d,
+            visible=d.index in order,
+            ordinal=order.index(d.index) if d.index in order else None,
+        )
+        for d in topo.devices
+    )
     return dataclasses.replace(topo, devices=devices)
 
 
@@ -361,10 +372,14 @@ def test_two_supervisors_seeing_disjoint_devices_never_overlap(
     theirs = set(indices) - mine
     if not theirs:
         return
+    # Each supervisor lists its devices in any order: ranks follow the list,
+    # shares and slices the host's device order, so they still never overlap.
+    mine_listed = data.draw(st.permutations(sorted(mine)))
+    theirs_listed = data.draw(st.permutations(sorted(theirs)))
     s = PlanSettings(strategy=strategy, engine=False, on_shortage="merge")  # type: ignore[arg-type]
     try:
-        a = plan(_hidden_except(topo, mine), s)
-        b = plan(_hidden_except(topo, theirs), s)
+        a = plan(_hidden_except(topo, mine_listed), s)
+        b = plan(_hidden_except(topo, theirs_listed), s)
     except PlanError:
         event("PlanError")
         return

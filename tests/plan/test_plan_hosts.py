@@ -71,7 +71,12 @@ def test_epyc_nps4_gpu_0_and_1_get_node_3(hosts: dict[str, Path]) -> None:
     for rank in (0, 1):
         assert set(p.rank(rank).slot.cpus) <= node_cpus(topo, 3)
         assert p.rank(rank).slot.mems == (3,)
-    assert p.engine is not None and set(p.engine.cpus) <= node_cpus(topo, 3)
+    # Nodes 0, 2, 4 and 6 hold no GPU: the engine takes the nearest of them to
+    # rank 0's node 3 (0 and 2 are both 12 away; the lower id wins), so GPUs
+    # 0 and 1 split all 16 cores of node 3.
+    assert p.engine is not None and set(p.engine.cpus) <= node_cpus(topo, 0)
+    assert p.engine_node == 0 and p.engine.mems == (0,)
+    assert len(p.rank(0).slot.cpus) + len(p.rank(1).slot.cpus) == len(node_cpus(topo, 3))
 
 
 def test_grace_blackwell_mems_never_hbm_nodes(hosts: dict[str, Path]) -> None:
@@ -158,11 +163,14 @@ def test_no_accelerator_host_plans_one_rank_per_node(hosts: dict[str, Path]) -> 
 
 def test_visibility_env_selects_ranks(hosts: dict[str, Path]) -> None:
     topo, p = planned(hosts["dgx_h100"], env={"CUDA_VISIBLE_DEVICES": "5,4"})
-    assert [r.device.index for r in p.ranks] == [4, 5]
+    # Ranks in the list's order: rank 0 drives GPU 5 (cuda:0 to the engine).
+    assert [r.device.index for r in p.ranks] == [5, 4]
     # Hidden GPUs 6,7 keep their shares: GPU 4 and 5 get the first two of
-    # four shares of node 1 (less the engine, which follows rank 0 there).
+    # four shares of node 1 (less the engine, which follows rank 0 there);
+    # shares go by the host's order, so GPU 4 keeps the first (larger) one.
     assert set(p.rank(0).slot.cpus) | set(p.rank(1).slot.cpus) <= node_cpus(topo, 1)
-    assert len(p.rank(0).slot.cpus) == 28 and len(p.rank(1).slot.cpus) == 26
+    assert len(p.rank(0).slot.cpus) == 26 and len(p.rank(1).slot.cpus) == 28
+    assert p.rank(1).slot.cpus[0] < p.rank(0).slot.cpus[0]
     assert p.engine is not None and set(p.engine.cpus) <= node_cpus(topo, 1)
 
 

@@ -117,6 +117,8 @@ def test_demo_engine_names_and_binds_its_compiler_pool_and_listens() -> None:
         assert sorted(threads.values()) == ["so-compile-0"]  # one planned so_compiler CPU
         for tid in threads:
             assert os.sched_getaffinity(tid) == {0}
+        # The pool starts before the socket listens: wait for the engine to say so.
+        assert engine.stdout.readline().decode().startswith("engine listening ")
         with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
             assert conn.recv(16) == b"ok\n"
     finally:

@@ -163,6 +163,9 @@ def test_not_executable_exits_126(tmp_path: Path) -> None:
         (["--pdeathsig", "USR1", "--", "true"], "--pdeathsig"),
         (["--report-fd", "987", "--", "true"], "--report-fd 987"),
         (["--cpus"], "expected a value"),
+        (["--uid", "65534", "--", "true"], "--uid and --gid go together"),
+        (["--groups", "1", "--", "true"], "--groups needs --uid and --gid"),
+        (["--uid", "nobody", "--gid", "1", "--", "true"], "--uid: expected a non-negative"),
     ],
 )
 def test_bad_arguments_exit_2(args: list[str], message: str) -> None:
@@ -303,6 +306,8 @@ def test_shim_argv_shape() -> None:
     module = shim_argv("/py", [0], [0], ["w"], isolated=False, pdeathsig="none")
     assert module[:3] == ["/py", "-m", "supervisor.run.shim"]
     assert "--pdeathsig" not in module
+    as_user = shim_argv("/py", [0], [0], ["w"], user=(65534, 65534, (65534, 44)))
+    assert as_user[-8:] == ["--uid", "65534", "--gid", "65534", "--groups", "44,65534", "--", "w"]
     with pytest.raises(ValueError, match="mempolicy"):
         shim_argv("/py", [0], [0], ["w"], mempolicy="strict")
     with pytest.raises(ValueError, match="empty"):

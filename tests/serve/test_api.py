@@ -22,8 +22,9 @@ import pytest
 from supervisor.config import ApiConfig
 from supervisor.errors import ConfigError, SupervisorError
 from supervisor.plan.placement import Placement
-from supervisor.serve.api import ROUTES, ApiServer, ListenError, PlacementRenderer, placement_doc
+from supervisor.serve.documents import PlacementRenderer, placement_doc
 from supervisor.serve.listen import Listen
+from supervisor.serve.server import ApiServer, ListenError
 from supervisor.serve.status import http_request
 from supervisor.state import Event, Observation, ProcessStatus, StateStore
 from tests.support.api_fixture import RecordingActions, ServerThread, realistic_snapshot
@@ -138,18 +139,47 @@ def test_metrics_follow_what_they_show_and_not_events(server: ServerThread) -> N
             if line.startswith(b'placement_restarts_total{rank="3"}')
         )
 
-    def rendered() -> bytes:
-        cache = server.server._cache
-        return next(body for name, (_, body) in cache.items() if name.startswith("metrics "))
+    renderer = server.server.collector.renderer
+    built = renderer.built
+    # The self-usage sampler may publish meanwhile: its families do not count.
+    sampled = {f.name for f in renderer.families if "self_usage" in f.inputs}
 
     before = restarts_of_rank_3()
-    first = rendered()
+    first = dict(built)
     server.change(lambda s: s.emit("note", 3, "an event only"))
     restarts_of_rank_3()
-    assert rendered() is first  # served from the cache: nothing it shows changed
+    # No family was built again: nothing it shows changed.
+    assert {k: n for k, n in built.items() if k not in sampled} == {
+        k: n for k, n in first.items() if k not in sampled
+    }
     server.change(lambda s: s.count("restarts", "3"))
     after = restarts_of_rank_3()
     assert float(after.split()[-1]) == float(before.split()[-1]) + 1
+    # Only the family that reads `counters.restarts` was built again.
+    again = {name for name, n in built.items() if n != first[name]} - sampled
+    assert again == {"placement_restarts"}
+
+
+def test_metrics_show_the_servers_own_cpu_and_memory(server: ServerThread) -> None:
+    """The server samples its process on a timer from start(); /metrics shows the sample."""
+
+    async def after_the_first_sample() -> None:
+        pass  # queued behind the sampler task that start() created
+
+    server.run(after_the_first_sample())
+    usage = server.store.snapshot.self_usage
+    assert usage is not None and usage.cpu_seconds > 0 and usage.resident_memory_bytes > 0
+    _, _, body = get(server.tcp, "/metrics")
+    lines = dict(
+        line.split(b" ", 1)
+        for line in body.splitlines()
+        if line.startswith(b"placement_supervisor_")
+    )
+    assert set(lines) == {
+        b"placement_supervisor_cpu_seconds_total",
+        b"placement_supervisor_resident_memory_bytes",
+    }
+    assert float(lines[b"placement_supervisor_resident_memory_bytes"]) > 10 << 20
 
 
 def test_placement_over_the_unix_socket(server: ServerThread) -> None:
@@ -411,7 +441,7 @@ def test_openapi_lists_exactly_the_routes_that_exist(server: ServerThread) -> No
     assert doc["openapi"].startswith("3.")
     documented = {(method.upper(), path) for path, ops in doc["paths"].items() for method in ops}
     assert documented == router_routes(server.server)
-    assert len(documented) == len(ROUTES)
+    assert len(documented) == len(server.server.routes)
     for path, ops in doc["paths"].items():
         for method, op in ops.items():
             assert op["summary"] and "200" in op["responses"], (method, path)

@@ -10,9 +10,11 @@
 
 Rule for alert expressions that are conditions (`x < 0.9` is empty when all is
 well): when the expression returns nothing, each comparison with a number
-(`== 0`, `> 60`, `>= 3`, `< 0.9`) is removed and the rest must return data for
-the target, i.e. the series the alert watches exist. Rules must also evaluate
-without error (`health: ok`).
+(`== 0`, `> 60`, `>= 3`, `< 0.9`) is removed, each comparison with another
+vector (`x < on(instance) group_left y`) becomes `x and on(instance) y`, and the
+rest must return data for the target, i.e. the series the alert watches exist
+(on both sides of a comparison). Rules must also evaluate without error
+(`health: ok`).
 """
 
 from __future__ import annotations
@@ -284,10 +286,14 @@ def substitute(expr: str, instance: str) -> str:
 
 
 _COMPARISON = re.compile(r"\s*(==|!=|>=|<=|>|<)\s*(bool\s+)?-?[0-9]+(\.[0-9]+)?")
+_VECTOR_COMPARISON = re.compile(
+    r"\s*(?:==|!=|>=|<=|>|<)\s*(?:bool\s+)?((?:on|ignoring)\s*\([^)]*\))"
+    r"\s*(?:(?:group_left|group_right)\s*(?:\([^)]*\))?)?\s*"
+)
 
 
 def strip_conditions(expr: str) -> str:
-    return _COMPARISON.sub("", expr)
+    return _COMPARISON.sub("", _VECTOR_COMPARISON.sub(r" and \1 ", expr))
 
 
 def missing_until_deadline(
@@ -373,6 +379,8 @@ def test_strip_conditions_rule() -> None:
     )
     assert strip_conditions('a{job!="x"} > bool 60') == 'a{job!="x"}'
     assert strip_conditions("increase(x[10m]) >= 3") == "increase(x[10m])"
+    assert strip_conditions("a < on(instance, job) group_left b") == "a and on(instance, job) b"
+    assert strip_conditions("a > bool ignoring(rank) group_right(x) b") == "a and ignoring(rank) b"
 
 
 @needs_prometheus

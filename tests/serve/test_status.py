@@ -12,7 +12,7 @@ import pytest
 
 from supervisor.config import ApiConfig
 from supervisor.cpulist import format_cpulist
-from supervisor.serve.api import placement_doc
+from supervisor.serve.documents import placement_doc
 from supervisor.serve.status import render_status, status_command
 from supervisor.state import Finding
 from tests.support.api_fixture import ServerThread, realistic_snapshot

@@ -31,8 +31,8 @@ from typing import Any, TypeVar
 from supervisor.config import ApiConfig
 from supervisor.plan.placement import DeviceRef, Placement, PlanSettings, RankPlacement, Slot
 from supervisor.plan.planner import plan
-from supervisor.serve.api import ApiServer
 from supervisor.serve.listen import Listen, parse_listen
+from supervisor.serve.server import ApiServer
 from supervisor.state import (
     Counters,
     Finding,
@@ -232,6 +232,7 @@ def _populate(
         started_at=now - 60.0,
         accelerator_kind="nvidia",
         config_path="/etc/placement-supervisor/config.toml",
+        local_memory_threshold=0.9,
     )
 
 

@@ -163,6 +163,7 @@ class DaemonProcess:
         env: Mapping[str, str] | None = None,
         join: Sequence[Path | str] = (),
         port: int | None = None,
+        prefix: Sequence[str] = (),
     ) -> None:
         self.port = free_port() if port is None else port
         self.log = Path(log)
@@ -171,7 +172,8 @@ class DaemonProcess:
         start = [str(LAUNCHER), *joined, "--"] if join else ["-m", "supervisor"]
         listen = f"127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
-            [sys.executable, *start, "run", "--config", str(config), "--listen", listen],
+            # `prefix`: a command that execs the rest (setpriv), same pid.
+            [*prefix, sys.executable, *start, "run", "--config", str(config), "--listen", listen],
             cwd=REPO,
             env=dict(os.environ if env is None else env, PYTHONUNBUFFERED="1"),
             stdout=subprocess.DEVNULL,

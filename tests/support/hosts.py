@@ -262,6 +262,72 @@ def no_accel_2node(base: Path) -> Path:
     return h.build()
 
 
+UUID_CONTAINER_UUIDS = tuple(f"GPU-{i:x}3f0c9e2-55aa-4b7d-8e61-d0c1a2b3c4{i:02d}" for i in range(8))
+UUID_CONTAINER_ORDER = (6, 1, 5, 2)
+UUID_CONTAINER_VISIBLE = ",".join(UUID_CONTAINER_UUIDS[i] for i in UUID_CONTAINER_ORDER)
+UUID_CONTAINER_CPUS = "8-31,40-63,72-95,104-127"
+
+
+def container_uuid(base: Path) -> Path:
+    """A container that is told its GPUs by UUID, not in index order.
+
+    Run with CUDA_VISIBLE_DEVICES = UUID_CONTAINER_VISIBLE: the UUIDs of GPU
+    6, 1, 5, 2 in that order (a launcher hands out GPUs as it frees them), so
+    cuda:0 / LOCAL_RANK 0 is GPU 6 on node 1 and cuda:1 is GPU 1 on node 0.
+    Host: 2 sockets x 32 cores x 2 threads, node 0 = 0-31,64-95, node 1 =
+    32-63,96-127, 512 GiB each, distances 10/21; 8 H100 at 18, 2a, 3a, 5d
+    (node 0) and 9a, ab, ba, db (node 1), UUIDs UUID_CONTAINER_UUIDS. The
+    driver's procfs lists all 8 (a pod granted every GPU, as one that runs
+    two servers is); the process sits in cgroup v2
+    /kubepods.slice/kubepods-pod7.slice/cri-containerd-5e1f.scope with the
+    cpuset UUID_CONTAINER_CPUS (cores 8-31 of each socket and their
+    siblings), mems 0-1. Assumed: bus ids, UUIDs, cpuset, the visible order.
+    """
+    h = FakeHost(base / "container_uuid").cpus(2, 32, 2, "intel", mem_per_node_bytes=512 * GIB)
+    h.distances([[10, 21], [21, 10]])
+    h.cgroup_v2(
+        "/kubepods.slice/kubepods-pod7.slice/cri-containerd-5e1f.scope", UUID_CONTAINER_CPUS, "0-1"
+    )
+    for i, bus in enumerate(["18", "2a", "3a", "5d", "9a", "ab", "ba", "db"]):
+        h.nvidia_gpu(f"0000:{bus}:00.0", 0 if i < 4 else 1, uuid=UUID_CONTAINER_UUIDS[i])
+    h.virtual_netdev("lo").virtual_netdev("eth0")
+    return h.build()
+
+
+SNC3_GPU_NODES = (0, 2, 3, 5)
+
+
+def xeon6_snc3_b200(base: Path, cpuset: str | None = None) -> Path:
+    """An 8x B200 HGX host on 2x Xeon 6 6960P (72 cores, 144 threads each) in SNC3.
+
+    Each socket is three sub-NUMA nodes of 24 cores: node n = 24n..24n+23
+    and 144+24n.. (siblings N and N+144), 256 GiB each; nodes 0-2 on socket
+    0, 3-5 on socket 1. The GPUs' PCIe switches hang off root ports in the
+    outer sub-NUMA clusters: two B200 each on nodes 0, 2, 3 and 5, none on
+    nodes 1 and 4. Distances 10 local, 12 within a socket, 21 across (the
+    SLIT Xeon 6 reports in SNC mode). A ConnectX-7 beside each GPU. With
+    `cpuset`, the process sits in cgroup v2 /system.slice/llm.service with
+    that cpuset and mems 0-5. Assumed: bus ids, which cluster each root port
+    sits in, one distance for all pairs within a socket.
+    """
+    h = FakeHost(base / "xeon6_snc3_b200").cpus(
+        2, 72, 2, "intel", nodes_per_socket=3, mem_per_node_bytes=256 * GIB
+    )
+    h.distances(
+        [[10 if a == b else 12 if a // 3 == b // 3 else 21 for b in range(6)] for a in range(6)]
+    )
+    if cpuset is not None:
+        h.cgroup_v2("/system.slice/llm.service", cpuset, "0-5")
+    buses = ["1a", "2b", "5d", "6e", "9a", "ab", "db", "ec"]
+    for i, bus in enumerate(buses):
+        node = SNC3_GPU_NODES[i // 2]
+        h.nvidia_gpu(f"0000:{bus}:00.0", node, model="NVIDIA B200", uuid=f"GPU-b200{i}e6d")
+        nic = f"0000:{int(bus, 16) + 1:02x}:00.0"
+        h.nic(nic, node, ib=f"mlx5_{i}", netdev=f"ibp{int(bus, 16) + 1}s0")
+    h.virtual_netdev("lo")
+    return h.build()
+
+
 ALL_HOSTS: dict[str, Callable[[Path], Path]] = {
     "dgx_h100": dgx_h100,
     "dgx_a100_nps4": dgx_a100_nps4,
@@ -273,4 +339,6 @@ ALL_HOSTS: dict[str, Callable[[Path], Path]] = {
     "container_holes": container_holes,
     "numa_unknown": numa_unknown,
     "no_accel_2node": no_accel_2node,
+    "container_uuid": container_uuid,
+    "xeon6_snc3_b200": xeon6_snc3_b200,
 }

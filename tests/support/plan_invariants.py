@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from supervisor.plan.placement import Placement, Slot
-from supervisor.topology.model import Topology, device_order
+from supervisor.topology.model import Topology, rank_order
 
 
 def _nearest(topology: Topology, start: int, candidates: Iterable[int]) -> int:
@@ -34,7 +34,8 @@ def check_placement(topology: Topology, placement: Placement) -> None:
     nodes_with_cpus = {n.id for n in topology.nodes if n.cpus}
     allowed_nodes = {cpu_node[c] for c in allowed} - {-1}
 
-    visible = sorted(topology.visible_devices, key=device_order)
+    # Rank r drives the r-th device of the visibility list (its ordinal).
+    visible = sorted(topology.visible_devices, key=rank_order)
     planned = [d for r in placement.ranks for d in r.all_devices]
     assert [(d.kind, d.index) for d in planned] == [(d.kind, d.index) for d in visible], (
         f"ranks drive {planned}, visible devices are {visible}"
@@ -104,5 +105,20 @@ def check_placement(topology: Topology, placement: Placement) -> None:
             f"rank {r.rank}: CPUs on nodes {sorted(got)}, expected {sorted(expected_cpu_nodes)}"
         )
 
-    if placement.engine is not None and placement.ranks:
-        assert placement.engine.mems == placement.ranks[0].slot.mems, "engine mems != rank 0's"
+    engine, node = placement.engine, placement.engine_node
+    if engine is not None and placement.ranks and node is None:
+        assert engine.mems == placement.ranks[0].slot.mems, "engine mems != rank 0's"
+    elif engine is not None and node is not None:
+        # The engine apart from the ranks: on one node that no device plans
+        # its CPUs on, with that node's memory where the cpuset allows it.
+        assert {cpu_node[c] for c in engine.cpus} == {node}, f"engine not on node {node}"
+        homes = {
+            _nearest(topology, d.numa_node, allowed_nodes)
+            for d in topology.devices
+            if d.numa_node is not None
+        }
+        assert node not in homes, f"engine on node {node}, home of a device"
+        mems_ok = not topology.allowed.mems or node in topology.allowed.mems
+        assert engine.mems == ((node,) if mems_ok else placement.ranks[0].slot.mems)
+    else:
+        assert node is None, "engine_node without an engine"

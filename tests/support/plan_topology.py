@@ -8,6 +8,7 @@ cpusets with holes, devices of unknown locality, hidden devices).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from typing import Literal
 
 from hypothesis import strategies as st
@@ -24,8 +25,10 @@ def dev(
     kind: DeviceKind = "nvidia",
     visible: bool = True,
     bdf: str | None = None,
+    ordinal: int | None = None,
 ) -> Device:
-    """A device on `node` (None: unknown locality, as numa_node = -1)."""
+    """A device on `node` (None: unknown locality, as numa_node = -1); `ordinal`
+    is its place in the visibility list (None: by index, no list)."""
     return Device(
         kind=kind,
         index=index,
@@ -33,6 +36,7 @@ def dev(
         numa_node=node,
         locality="unknown" if node is None else "numa_node",
         visible=visible,
+        ordinal=ordinal if visible else None,
     )
 
 
@@ -116,7 +120,8 @@ def build_topology(
 @st.composite
 def topologies(draw: st.DrawFn, kind: DeviceKind | None = None) -> Topology:
     """Odd but possible hosts: 1-4 nodes (CPU-less ones too), SMT 1/2 either
-    numbering, cpusets with holes, devices hidden or of unknown locality."""
+    numbering, cpusets with holes, devices hidden or of unknown locality, and
+    a visibility list in any order (or none)."""
     n_nodes = draw(st.integers(1, 4))
     node_cores = draw(st.lists(st.integers(0, 12), min_size=n_nodes, max_size=n_nodes))
     if sum(node_cores) == 0:
@@ -146,6 +151,11 @@ def topologies(draw: st.DrawFn, kind: DeviceKind | None = None) -> Topology:
     if not any(d.visible for d in devices):
         first = devices[0]
         devices[0] = dev(first.index, first.numa_node, kind=first.kind)
+    if draw(st.booleans()):
+        # A visibility list naming the visible devices in any order.
+        shown = [i for i, d in enumerate(devices) if d.visible]
+        for ordinal, i in enumerate(draw(st.permutations(shown))):
+            devices[i] = replace(devices[i], ordinal=ordinal)
     return build_topology(
         node_cores,
         threads_per_core=tpc,

@@ -4,7 +4,7 @@
 
 Expects the default guest: node 0 = CPUs 0-1, node 1 = CPUs 2-3, cgroup v2 at
 /sys/fs/cgroup. Prints one "PASS name: detail" or "FAIL name: detail" line per
-check and exits 1 if any failed. tests/test_bind_vm.py asserts on those lines.
+check and exits 1 if any failed. tests/bind/test_bind_vm.py asserts on those lines.
 """
 
 from __future__ import annotations

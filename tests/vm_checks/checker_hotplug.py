@@ -11,7 +11,7 @@ re-plan rank 1 onto CPU 2 and re-bind its threads; bringing CPU 3 back must
 return rank 1 to 2-3, without restarting anything.
 
 Prints "PASS name: detail" / "FAIL name: detail"; exit 1 if any failed
-(tests/test_checker_vm.py asserts on the lines).
+(tests/watch/test_checker_vm.py asserts on the lines).
 """
 
 from __future__ import annotations

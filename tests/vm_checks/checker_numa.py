@@ -18,7 +18,7 @@ Two scenarios, each a daemon started by tests/vm_checks/checker_daemon.py:
     `memory_locality = "enforce"`, migrate it to >= 0.99.
 
 Prints "PASS name: detail" / "FAIL name: detail"; exit 1 if any failed
-(tests/test_checker_vm.py asserts on the lines).
+(tests/watch/test_checker_vm.py asserts on the lines).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
 Expects the default guest: node 0 = CPUs 0-1, node 1 = CPUs 2-3, a virtio-net
 NIC with MSI-X IRQs at 0000:41:00.0 on node 1. Prints one "PASS name: detail"
 or "FAIL name: detail" line per check (tests/vm.py's Checklist) and exits 1
-if any failed. tests/test_irqs_vm.py asserts on those lines.
+if any failed. tests/watch/test_irqs_vm.py asserts on those lines.
 """
 
 from __future__ import annotations

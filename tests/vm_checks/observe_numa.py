@@ -8,7 +8,7 @@ Expects a guest with NUMA node 1 and numactl. A child touches 64 MiB under
 must see the pages on node 1, a low local ratio for the node-0 slot, and
 supervisor.watch.drift one memory_locality finding. Prints "PASS name: detail" or
 "FAIL name: detail" per check (tests/vm.py's Checklist) and exits 1 if any
-failed; tests/test_observe.py::test_numa_maps_in_vm asserts on those lines.
+failed; tests/watch/test_observe.py::test_numa_maps_in_vm asserts on those lines.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """IRQ planning on fixture hosts, and the keeper on fixture /proc/irq trees.
 
-Real /proc/irq writes are in tests/test_irqs_live.py; the multi-NUMA guest in
-tests/test_irqs_vm.py.
+Real /proc/irq writes are in tests/watch/test_irqs_live.py; the multi-NUMA guest in
+tests/watch/test_irqs_vm.py.
 """
 
 from __future__ import annotations

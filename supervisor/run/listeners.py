@@ -1,0 +1,138 @@
+"""Who holds a listening TCP port: the engine's process tree, or someone else (reads /proc).
+
+The readiness probe `ready.tcp` must not take another program's listener for
+the engine's: an engine that crash-loops on EADDRINUSE would look ready at
+once. `parse_listeners` reads `/proc/<pid>/net/tcp{,6}` (the engine's own
+network namespace) for LISTEN sockets; `tree_pids` walks the engine's
+descendants; `socket_inodes` reads their `/proc/<pid>/fd` links
+(`socket:[INODE]`, proc(5)). Reading another user's fd table needs
+CAP_SYS_PTRACE (kept in the unit's bounding set).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+import sys
+from dataclasses import dataclass
+
+from supervisor.hostfs import HostFS
+from supervisor.run.procs import read_proc_stat
+
+TCP_LISTEN = "0A"  # include/net/tcp_states.h: TCP_LISTEN = 10
+
+
+@dataclass(frozen=True, slots=True)
+class Listener:
+    address: str  # "127.0.0.1", "::"
+    port: int
+    inode: int
+
+
+def _address(hex_text: str) -> str:
+    """A /proc/net/tcp address: 32-bit words printed in host byte order ("%08X")."""
+    raw = b"".join(
+        int(hex_text[i : i + 8], 16).to_bytes(4, sys.byteorder) for i in range(0, len(hex_text), 8)
+    )
+    family = socket.AF_INET if len(raw) == 4 else socket.AF_INET6
+    return socket.inet_ntop(family, raw)
+
+
+def parse_listeners(text: str) -> list[Listener]:
+    """The LISTEN sockets of a /proc/net/tcp or tcp6 table (pure)."""
+    out: list[Listener] = []
+    for line in text.splitlines()[1:]:
+        fields = line.split()
+        if len(fields) < 10 or fields[3] != TCP_LISTEN:
+            continue
+        addr, _, port = fields[1].partition(":")
+        try:
+            out.append(Listener(_address(addr), int(port, 16), int(fields[9])))
+        except ValueError:
+            continue
+    return out
+
+
+def serves(listener: Listener, host: str, port: int) -> bool:
+    """Would a connection to host:port reach this listener? (pure)
+
+    A wildcard listener (0.0.0.0, ::) serves every address; a host name
+    ("localhost") is not resolved here, so only the port is compared.
+    """
+    if listener.port != port:
+        return False
+    try:
+        target = ipaddress.ip_address(host)
+    except ValueError:
+        return True
+    bound = ipaddress.ip_address(listener.address)
+    if bound.is_unspecified:
+        return True
+    if isinstance(bound, ipaddress.IPv6Address) and bound.ipv4_mapped is not None:
+        bound = bound.ipv4_mapped
+    return bound == target
+
+
+def read_listeners(fs: HostFS, pid: int) -> list[Listener]:
+    """LISTEN sockets in `pid`'s network namespace ([] once it is gone)."""
+    out: list[Listener] = []
+    for table in ("tcp", "tcp6"):
+        text = fs.read_optional(f"proc/{pid}/net/{table}")
+        if text is not None:
+            out.extend(parse_listeners(text))
+    return out
+
+
+def tree_pids(fs: HostFS, root: int) -> list[int]:
+    """`root` and every live descendant (parent links from /proc/<pid>/stat)."""
+    children: dict[int, list[int]] = {}
+    for name in fs.listdir("proc"):
+        if not name.isdigit():
+            continue
+        stat = read_proc_stat(fs, int(name))
+        if stat is not None:
+            children.setdefault(stat.ppid, []).append(stat.pid)
+    out: list[int] = []
+    seen: set[int] = set()
+    todo = [root]
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        out.append(pid)
+        todo.extend(children.get(pid, ()))
+    return out
+
+
+def socket_inodes(fs: HostFS, pid: int) -> set[int]:
+    """Inodes of the sockets `pid` holds open (from its fd links)."""
+    out: set[int] = set()
+    for fd in fs.listdir(f"proc/{pid}/fd"):
+        target = fs.readlink(f"proc/{pid}/fd/{fd}")
+        if target is not None and target.startswith("socket:["):
+            out.add(int(target[8:-1]))
+    return out
+
+
+def check_listener_owner(fs: HostFS, pid: int, host: str, port: int) -> str | None:
+    """None when a socket listening for host:port belongs to `pid` or a
+    descendant; else why not (nothing listens, or another process does)."""
+    wanted = {lst.inode for lst in read_listeners(fs, pid) if serves(lst, host, port)}
+    if not wanted:
+        return f"nothing listens on port {port}"
+    for member in tree_pids(fs, pid):
+        if socket_inodes(fs, member) & wanted:
+            return None
+    fds = fs.listdir(f"proc/{pid}/fd")
+    if fs.exists(f"proc/{pid}") and all(fs.readlink(f"proc/{pid}/fd/{fd}") is None for fd in fds):
+        # Every live process holds some fd: no listing, or no link readable
+        # (listing needs only DAC; each link needs ptrace access), is a refusal.
+        return (
+            f"cannot read the open files of pid {pid} to see who listens on port {port} "
+            "(another user's process: the supervisor needs CAP_SYS_PTRACE)"
+        )
+    return (
+        f"port {port} is held by a process outside the engine's tree "
+        f"(pid {pid} and its children hold no listener there)"
+    )

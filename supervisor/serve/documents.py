@@ -1,0 +1,283 @@
+"""The JSON documents of the API (DESIGN 3.4), pure functions of a `Snapshot` (no I/O).
+
+/placement (with `PlacementRenderer`, its per-process reuse), /topology,
+/events, /healthz and /readyz, and `not_ready_reasons`, which /readyz,
+/placement's `supervisor` object and the `placement_ready` metric share.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from supervisor import __version__
+from supervisor.plan.placement import Placement, RankPlacement, Slot
+from supervisor.state import Observation, ProcessStatus, ProcKey, Snapshot, key_label
+from supervisor.topology.model import Topology
+from supervisor.topology.render import topology_to_doc
+
+
+def plain(value: Any) -> Any:
+    """A JSON-ready copy of dataclasses, mappings, sets and tuples."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (set, frozenset)):
+        return sorted(plain(v) for v in value)
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    return value
+
+
+def _json_default(value: Any) -> Any:
+    # Event fields may hold anything a caller passed; never fail a response on it.
+    copy = plain(value)
+    return copy if copy is not value else str(value)
+
+
+def dumps(doc: Any) -> bytes:
+    """Compact JSON bytes, as every API body is sent."""
+    return json.dumps(doc, separators=(",", ":"), default=_json_default).encode()
+
+
+# -- readiness ---------------------------------------------------------------------
+
+
+def process_keys(placement: Placement) -> tuple[ProcKey, ...]:
+    """ "engine" first (when planned), then ranks in order: `Snapshot.keys()` from a plan."""
+    keys: list[ProcKey] = ["engine"] if placement.engine is not None else []
+    keys.extend(r.rank for r in placement.ranks)
+    return tuple(keys)
+
+
+def readiness(
+    placement: Placement, processes: Mapping[ProcKey, ProcessStatus], stopping: bool
+) -> list[str]:
+    """Why the daemon is not ready ([] when it is), from the three things that decide it.
+
+    Stricter than `Snapshot.ready` alone: a planned process that has no status
+    yet is not ready either. The metric `placement_ready` calls this with its
+    declared inputs; everything else calls `not_ready_reasons(snap)`.
+    """
+    if stopping:
+        return ["the supervisor is stopping"]
+    reasons: list[str] = []
+    for key in process_keys(placement):
+        status = processes.get(key)
+        if status is None:
+            reasons.append(f"{key_label(key)}: not started yet")
+        elif status.state != "running":
+            reasons.append(f"{key_label(key)}: {status.state}")
+        elif not status.bound:
+            reasons.append(f"{key_label(key)}: running but not bound as planned")
+    # `Snapshot.ready`'s rule, over the same two fields: it also covers a
+    # status the plan no longer names (after a re-plan).
+    if not reasons and not all(p.state == "running" and p.bound for p in processes.values()):
+        reasons.append("a supervised process is not running and bound")
+    return reasons
+
+
+def not_ready_reasons(snap: Snapshot) -> list[str]:
+    """What /readyz and placement_ready say: [] when every process runs bound."""
+    return readiness(snap.placement, snap.processes, snap.stopping)
+
+
+def healthz_doc(
+    snap: Snapshot, now: float, stale_after_s: float, up_since: float
+) -> dict[str, Any]:
+    """GET /healthz: `status` 503 when no check finished for `stale_after_s`.
+
+    The age counts from the last check, else from the daemon's start
+    (`snap.started_at`, else `up_since`: when the server started listening).
+    """
+    counters = snap.counters
+    since = counters.last_check_at or snap.started_at or up_since
+    age_s = max(0.0, now - since)
+    doc: dict[str, Any] = {
+        "status": 200,
+        "checks": counters.checks,
+        "last_check_at": counters.last_check_at or None,
+        "last_check_age_s": round(age_s, 3),
+        "stale_after_s": stale_after_s,
+    }
+    if age_s > stale_after_s:
+        doc["status"] = 503
+        doc["error"] = (
+            f"no placement check finished for {age_s:.1f} s"
+            if counters.checks
+            else f"no placement check finished yet, {age_s:.1f} s after start"
+        ) + f" (limit {stale_after_s:g} s)"
+    return doc
+
+
+def readyz_doc(snap: Snapshot) -> dict[str, Any]:
+    """GET /readyz: `status` 503 with the reasons while not ready."""
+    reasons = not_ready_reasons(snap)
+    if reasons:
+        return {"status": 503, "error": "not ready: " + "; ".join(reasons), "reasons": reasons}
+    return {"status": 200, "ready": True}
+
+
+# -- /placement ----------------------------------------------------------------------
+
+
+def observation_doc(obs: Observation | None) -> dict[str, Any]:
+    """The `observed` object of a process (empty lists until the first check)."""
+    obs = obs or Observation()
+    return {
+        "threads": [
+            {"tid": t.tid, "name": t.name, "role": t.role, "cpus": list(t.cpus)}
+            for t in obs.threads
+        ],
+        # JSON object keys are strings: node 1 is "1".
+        "memory_bytes_by_node": {str(n): b for n, b in sorted(obs.memory_bytes_by_node.items())},
+        "local_memory_ratio": obs.local_memory_ratio,
+        "irqs": [
+            {"irq": i.irq, "cpus": list(i.cpus), "planned": list(i.planned)} for i in obs.irqs
+        ],
+        "observed_at": obs.observed_at or None,
+    }
+
+
+def process_doc(snap: Snapshot, key: ProcKey) -> dict[str, Any]:
+    """What /placement adds to the plan entry of one process."""
+    status = snap.processes.get(key) or ProcessStatus(key)
+    return {
+        "pid": status.pid,
+        "state": status.state,
+        "bound": status.bound,
+        "restarts": status.restarts,
+        "exit_code": status.exit_code,
+        "backoff": {"seconds": status.backoff_s, "next_start_at": status.next_start_at},
+        "mempolicy": {"step": status.mempolicy, "reason": status.mempolicy_reason},
+        "cgroup": status.cgroup,
+        "observed": observation_doc(snap.observed.get(key)),
+        "drift": [f.to_doc() for f in snap.drift.get(key, ())],
+    }
+
+
+def supervisor_doc(snap: Snapshot) -> dict[str, Any]:
+    """The `supervisor` object of /placement: the daemon itself."""
+    reasons = not_ready_reasons(snap)
+    return {
+        "version": __version__,
+        "accelerator": snap.accelerator_kind,
+        "config": snap.config_path,
+        "started_at": snap.started_at,
+        "stopping": snap.stopping,
+        "ready": not reasons,
+        "not_ready": reasons,
+        "last_check_at": snap.counters.last_check_at or None,
+        "checks": snap.counters.checks,
+        "cpuset_changes": snap.counters.cpuset_changes,
+    }
+
+
+def placement_doc(snap: Snapshot) -> dict[str, Any]:
+    """GET /placement: the plan document (DESIGN 3.3) with live state per process."""
+    doc = snap.placement.to_doc()
+    if doc["engine"] is not None:
+        doc["engine"].update(process_doc(snap, "engine"))
+    for entry in doc["ranks"]:
+        entry.update(process_doc(snap, entry["rank"]))
+    doc["supervisor"] = supervisor_doc(snap)
+    return doc
+
+
+class PlacementRenderer:
+    """Renders GET /placement as `dumps(placement_doc(snap))` would, reusing each
+    process's JSON while its plan entry, status, observation and findings are
+    the same objects.
+
+    Most snapshots change one thing (a counter, an event, one rank's state); a
+    16 x 100-thread body is 130 KiB, and rendering all of it on the event loop
+    for every new snapshot stalled every request in flight.
+    """
+
+    def __init__(self) -> None:
+        self._parts: dict[ProcKey, tuple[tuple[object, ...], bytes]] = {}
+        self._frame: tuple[object, bytes, bytes] | None = None  # placement, head, tail
+        self._last: tuple[Snapshot, bytes] | None = None
+
+    def _process(self, snap: Snapshot, key: ProcKey, planned: Slot | RankPlacement) -> bytes:
+        identity = (planned, snap.processes.get(key), snap.observed.get(key), snap.drift.get(key))
+        hit = self._parts.get(key)
+        if hit is not None and all(a is b for a, b in zip(hit[0], identity, strict=True)):
+            return hit[1]
+        doc = planned.to_doc()
+        doc.update(process_doc(snap, key))
+        body = dumps(doc)
+        self._parts[key] = (identity, body)  # holding the objects keeps `is` sound
+        return body
+
+    def _head_and_tail(self, placement: Placement) -> tuple[bytes, bytes]:
+        """The plan document's own keys around "engine" and "ranks", from
+        Placement.to_doc() itself (once per placement: it changes on a re-plan)."""
+        if self._frame is None or self._frame[0] is not placement:
+            doc = placement.to_doc()
+            keys = list(doc)
+            at = keys.index("engine")
+            assert keys[at : at + 2] == ["engine", "ranks"], keys
+            head = dumps({k: doc[k] for k in keys[:at]})[1:-1]
+            tail = dumps({k: doc[k] for k in keys[at + 2 :]})[1:-1]
+            # `{head,"engine":..,"ranks":[..],tail,"supervisor":..}`
+            self._frame = (placement, b"{" + head + b"," * bool(head), b"," * bool(tail) + tail)
+        return self._frame[1], self._frame[2]
+
+    def render(self, snap: Snapshot) -> bytes:
+        """The body for `snap`; the same bytes object again while the snapshot is the same."""
+        last = self._last
+        if last is not None and last[0] is snap:
+            return last[1]
+        placement = snap.placement
+        engine = b"null"
+        if placement.engine is not None:
+            engine = self._process(snap, "engine", placement.engine)
+        ranks = [self._process(snap, r.rank, r) for r in placement.ranks]
+        head, tail = self._head_and_tail(placement)
+        body = b"".join(
+            (
+                head,
+                b'"engine":',
+                engine,
+                b',"ranks":[',
+                b",".join(ranks),
+                b"]",
+                tail,
+                b',"supervisor":',
+                dumps(supervisor_doc(snap)),
+                b"}",
+            )
+        )
+        self._last = (snap, body)  # holding the snapshot keeps `is` sound
+        return body
+
+
+# -- /topology and /events ----------------------------------------------------------
+
+
+def topology_doc(topo: Topology) -> dict[str, Any]:
+    """GET /topology: the `topology --json` document."""
+    return topology_to_doc(topo)
+
+
+def events_doc(snap: Snapshot, since: int | None, limit: int) -> dict[str, Any]:
+    """GET /events: with `since`, the oldest `limit` events after it; else the newest.
+
+    `latest_seq` is the number to pass as the next `since`; a `since` above it
+    means the daemon restarted (sequence numbers start again at 1).
+    """
+    events = snap.events
+    newer = events if since is None else tuple(e for e in events if e.seq > since)
+    chosen = newer[-limit:] if since is None else newer[:limit]
+    latest = events[-1].seq if events else 0
+    return {
+        "events": [e.to_doc() for e in chosen],
+        "latest_seq": latest,
+        "oldest_seq": events[0].seq if events else 0,
+        "next_since": chosen[-1].seq if chosen else (latest if since is None else since),
+        "started_at": snap.started_at,
+    }
