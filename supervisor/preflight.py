@@ -64,7 +64,8 @@ def check_token_file(where: str, path: str) -> str | None:
         return f"{where}: {path}: cannot read: {err.strerror or err}"
     try:
         info = os.fstat(fd)
-        token = os.read(fd, 4096).strip()
+        # Only a regular file is read: a FIFO with a writer would give EAGAIN.
+        token = os.read(fd, 4096).strip() if stat.S_ISREG(info.st_mode) else b""
     finally:
         os.close(fd)
     if not stat.S_ISREG(info.st_mode):

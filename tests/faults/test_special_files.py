@@ -85,6 +85,14 @@ def test_a_fifo_as_token_file_is_refused_at_once(tmp_path: Path) -> None:
     one_error(run_cli("run", "--config", str(config)), 2, str(fifo), "api.token_file", "FIFO")
 
 
+def test_plan_config_checks_a_fifo_token_file_without_hanging(tmp_path: Path) -> None:
+    fifo = tmp_path / "token"
+    os.mkfifo(fifo)
+    config = config_with_token(tmp_path, str(fifo))
+    result = run_cli("plan", "--config", str(config))
+    assert result.returncode == 2 and f"{fifo} is not a regular file" in result.stderr
+
+
 def test_dev_zero_as_token_file_is_a_clear_error(tmp_path: Path) -> None:
     config = config_with_token(tmp_path, "/dev/zero")
     one_error(run_cli("run", "--config", str(config)), 2, "/dev/zero", "character device")
