@@ -32,11 +32,13 @@ DEFAULT_THREAD_ROLES: tuple[ThreadRole, ...] = (ThreadRole("so_compiler", "engin
 
 @dataclass(frozen=True, slots=True)
 class LiveThread:
-    """One thread as read from the host: tid, comm and allowed CPUs (sorted)."""
+    """One thread as read from the host: tid, comm, allowed CPUs (sorted), and its
+    start time (stat field 22) where it was read: what tells a reused tid apart."""
 
     tid: int
     name: str
     cpus: tuple[int, ...]
+    start_time: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -102,9 +102,10 @@ def read_threads(fs: HostFS, pid: int, method: ThreadReadMethod = "auto") -> lis
         if method == "syscall":
             name = _read_comm(fs, pid, tid)
             cpus = _affinity(tid) if name is not None else None
-            if name is None or cpus is None:
+            start = read_thread_start(fs, pid, tid) if cpus is not None else None
+            if name is None or cpus is None or start is None:
                 continue
-            out.append(LiveThread(tid, name, cpus))
+            out.append(LiveThread(tid, name, cpus, start))
             continue
         try:
             text = fs.read_text(f"proc/{pid}/task/{tid}/status")
@@ -120,13 +121,69 @@ def read_threads(fs: HostFS, pid: int, method: ThreadReadMethod = "auto") -> lis
     return out
 
 
+def parse_stat_start_time(text: str) -> int | None:
+    """Field 22 (starttime, clock ticks since boot) of a /proc/.../stat text (pure).
+
+    The comm field (2) may hold spaces and parentheses: fields are counted
+    after its last ")" (proc(5)). None when the text is torn or garbled.
+    """
+    _, sep, rest = text.rpartition(")")
+    fields = rest.split()
+    if not sep or len(fields) < 20 or not fields[19].isdigit():
+        return None
+    return int(fields[19])
+
+
+def parse_status_tgid(text: str) -> int | None:
+    """The Tgid of a /proc/.../status text (pure); None when absent."""
+    for line in text.splitlines():
+        if line.startswith("Tgid:"):
+            value = line[5:].strip()
+            return int(value) if value.isdigit() else None
+    return None
+
+
+def read_thread_start(fs: HostFS, pid: int, tid: int) -> int | None:
+    """The start time of thread `tid` of process `pid`; None when `tid` is no
+    thread of `pid` (any more): /proc/<pid>/task/<tid> exists only for the
+    threads of `pid`'s thread group (fs/proc/base.c proc_task_lookup)."""
+    try:
+        fd = os.open(fs.path(f"proc/{pid}/task/{tid}/stat"), os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            raw = os.read(fd, 1024)
+        finally:
+            os.close(fd)
+    except OSError as err:
+        if err.errno in _GONE:
+            return None
+        raise translate_oserror(f"tid {tid}", err) from None
+    return parse_stat_start_time(raw.decode("utf-8", "replace"))
+
+
+def is_thread_of(fs: HostFS, pid: int, tid: int, start_time: int | None) -> bool:
+    """True when `tid` is still the thread of `pid` that started at `start_time`.
+
+    Tids are reused host-wide: a thread that exited may hand its tid to an
+    unrelated process (issue 11). Checked by the thread's Tgid
+    (/proc/<pid>/task/<tid>/status) and its start time (stat field 22);
+    `start_time` None checks the Tgid only.
+    """
+    status = fs.read_optional(f"proc/{pid}/task/{tid}/status")
+    if status is None or parse_status_tgid(status) != pid:
+        return False
+    if start_time is None:
+        return True
+    return read_thread_start(fs, pid, tid) == start_time
+
+
 class _Known:
     """What a ThreadScanner remembers of one thread between scans."""
 
-    __slots__ = ("cpus", "live", "matcher", "observed", "scans")
+    __slots__ = ("cpus", "live", "matcher", "observed", "scans", "start_time")
 
     def __init__(self) -> None:
         self.scans = 0
+        self.start_time: int | None = None  # stat field 22, read when first seen
         self.cpus: set[int] | None = None  # as sched_getaffinity returned it
         self.live: LiveThread | None = None
         self.observed: ThreadObservation | None = None  # built from `live` by `matcher`
@@ -201,7 +258,9 @@ class ThreadScanner:
             live = entry.live
             if live is None:
                 continue
-            observed = ThreadObservation(live.tid, live.name, matcher.role(live.name), live.cpus)
+            observed = ThreadObservation(
+                live.tid, live.name, matcher.role(live.name), live.cpus, live.start_time
+            )
             entry.observed = observed
             entry.matcher = matcher
             out.append(observed)
@@ -258,6 +317,16 @@ class ThreadScanner:
             if live is not None and cpus == entry.cpus and not rename and entry.scans >= young:
                 out.append(entry)  # the steady state: nothing to read or build
                 continue
+            if live is None or cpus != entry.cpus:
+                # sched_getaffinity answers for any tid on the host: a thread
+                # of ours that exited may have handed its tid to another
+                # process (or to a new thread of ours). Its start time, read
+                # under /proc/<pid>/task (ours only), tells (issue 11).
+                start = read_thread_start(self.fs, self.pid, tid)
+                if start is None or (live is not None and start != entry.start_time):
+                    vanished.append(tid)
+                    continue
+                entry.start_time = start
             if live is None or rename or entry.scans < young:
                 name = _read_comm(self.fs, self.pid, tid)
                 if name is None:
@@ -267,7 +336,7 @@ class ThreadScanner:
                 name = live.name
             entry.scans += 1
             if live is None or cpus != entry.cpus or name != live.name:
-                entry.live = LiveThread(tid, name, tuple(sorted(cpus)))
+                entry.live = LiveThread(tid, name, tuple(sorted(cpus)), entry.start_time)
                 entry.cpus = cpus
                 entry.observed = None
             out.append(entry)

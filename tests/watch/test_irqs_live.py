@@ -165,7 +165,7 @@ def test_read_only_proc_irq_turns_binding_off_once(need_root: None) -> None:
         f"""
         import sys
         sys.path.insert(0, {str(REPO)!r})
-        from tests.test_irqs_live import _setup
+        from tests.watch.test_irqs_live import _setup
         from supervisor.config import IrqConfig
         from supervisor.hostfs import HostFS
         from supervisor.watch.irqs import IrqKeeper

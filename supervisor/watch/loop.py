@@ -1,0 +1,606 @@
+"""The check loop: scan -> decide -> apply -> publish (does I/O through scan and apply).
+
+Every `check_interval_s` one pass (`CheckLoop.check_once`): the reads of
+supervisor.watch.scan in the executor, one pure `decide.decide` per process,
+the binds of supervisor.watch.apply in the executor, then `decide.settle` and
+publication in the `StateStore` through the one `events.Recorder` (on the
+loop: the store's single writer). The policy is in decide; this module holds
+none. A change of the supervisor's allowed set (cpuset write, CPU hotplug),
+seen by the pass or by the fast watch (`watch_allowed`, one small read every
+`ALLOWED_WATCH_S`), re-plans (supervisor.plan.replan) and sends the moved
+processes through the same decide/apply with cause "cpuset_changed".
+POST /rebind is `rebind`: one pass now with cause "api".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any
+
+from supervisor.bind.binder import Binder
+from supervisor.config import DriftConfig, ThreadRole
+from supervisor.cpulist import format_cpulist
+from supervisor.errors import SupervisorError
+from supervisor.events import Recorder
+from supervisor.hostfs import HostFS
+from supervisor.logs import format_fields
+from supervisor.plan.placement import Placement, PlanSettings, Slot
+from supervisor.plan.replan import (
+    AllowedSet,
+    allowed_of,
+    changed_keys,
+    mems_changed,
+    replan,
+    same_processes,
+    slots_by_key,
+)
+from supervisor.plan.threads import DEFAULT_THREAD_ROLES, ProcessKind, RoleMatcher
+from supervisor.state import Finding, Observation, ProcessStatus, ProcKey, StateStore, key_label
+from supervisor.topology.model import Topology
+from supervisor.watch.apply import Applier, CgroupsLike
+from supervisor.watch.decide import (
+    Cause,
+    Decision,
+    Outcomes,
+    Policy,
+    RepairState,
+    after_replan,
+    decide,
+    drift_outcomes,
+    moved_by_plan,
+    note_failure,
+    settle,
+)
+from supervisor.watch.observe import ThreadScanner
+from supervisor.watch.scan import IrqKeeperLike, ScanResult, ScanTarget, read_allowed, scan
+
+log = logging.getLogger("placement_supervisor.checker")
+
+ALLOWED_WATCH_S = 0.05  # the fast watch of the allowed set: one small read this often
+
+Supervised = tuple[ProcKey, ProcessStatus, Slot]
+"""A planned process as its runner has it: key, status, slot."""
+
+
+def healthz_stale_after_s(drift: DriftConfig) -> float:
+    """/healthz turns 503 when no check finished for this long: a few missed
+    intervals, but never less than a slow numa_maps pass needs."""
+    return max(30.0, 5 * drift.check_interval_s, 2 * drift.numa_maps_interval_s)
+
+
+@dataclass(frozen=True, slots=True)
+class Replanner:
+    """What a re-plan needs: a fresh read of what a cpuset change can change (CPUs,
+    nodes, the allowed set; blocking), the plan settings, and where the plan goes."""
+
+    read_topology: Callable[[Topology], Topology]
+    settings: PlanSettings
+    install: Callable[[Placement, Topology], None]
+
+
+@dataclass(slots=True)
+class Tracked:
+    """What the loop keeps of one process between passes (loop-owned)."""
+
+    pid: int
+    start_time: int | None
+    scanner: ThreadScanner
+    matcher: RoleMatcher
+    kind: ProcessKind
+    previous: Observation | None = None
+    maps_at: float = float("-inf")  # monotonic time of the last memory read
+    state: RepairState = field(default_factory=RepairState)
+
+
+class CheckLoop:
+    """The check loop of one daemon; `run()` is its long-running task.
+
+    `check_once` and `rebind` may be called from the API while `run` loops: a
+    lock keeps passes from overlapping (the scanners are not thread-safe).
+    """
+
+    def __init__(
+        self,
+        *,
+        store: StateStore,
+        fs: HostFS,
+        executor: Executor,
+        drift: DriftConfig,
+        roles: Sequence[ThreadRole],
+        supervised: Callable[[], Iterable[Supervised]],
+        stopping: asyncio.Event,
+        irqs: IrqKeeperLike | None = None,
+        cgroups: CgroupsLike | None = None,
+        replanner: Replanner | None = None,
+        binder: Binder | None = None,
+    ) -> None:
+        self.store = store
+        self.fs = fs
+        self.executor = executor
+        self.drift = drift
+        self.policy = Policy.of(drift)
+        self.supervised = supervised
+        self.stopping = stopping
+        self.irqs = irqs
+        self.cgroups = cgroups
+        self.replanner = replanner
+        self.binder = binder if binder is not None else Binder(fs)
+        self.applier = Applier(fs, self.binder, irqs, cgroups)
+        self.record = Recorder(store, log)
+        all_roles = (*roles, *DEFAULT_THREAD_ROLES)
+        self.matchers: dict[ProcessKind, RoleMatcher] = {
+            "engine": RoleMatcher("engine", all_roles),
+            "workers": RoleMatcher("workers", all_roles),
+        }
+        self.tracked: dict[ProcKey, Tracked] = {}
+        self.down_reported: set[ProcKey] = set()
+        self.allowed: AllowedSet = allowed_of(store.snapshot.topology)
+        self.lock = asyncio.Lock()
+        self.replan_pending = False  # the allowed set changed and re-planning failed
+        self.wake = asyncio.Event()  # the fast watch saw a change: check now
+        self.can_migrate_other = self.binder.can_migrate_other()
+        self._errors: dict[str, str | None] = {}  # what -> the last error said
+
+    # -- the loop -------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Check every `check_interval_s` until stopped (cancelled at shutdown)."""
+        interval = self.policy.check_interval_s
+        if not self.can_migrate_other:
+            log.info(
+                "no CAP_SYS_NICE %s",
+                format_fields(
+                    effect="migrate_pages only for same-uid processes and unshared pages",
+                    action="degrade",
+                ),
+            )
+        watch = asyncio.create_task(self.watch_allowed(), name="allowed_watch")
+        try:
+            next_at = time.monotonic()
+            while not self.stopping.is_set():
+                try:
+                    await self.check_once()
+                    self._said("check", None)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as err:  # one bad pass must not end checking
+                    text = f"{type(err).__name__}: {err}"
+                    if self._said("check", text):
+                        log.exception("check failed %s", format_fields(error=text, action="retry"))
+                        self.store.emit("error", None, f"check failed: {text}", error=text)
+                next_at = max(next_at + interval, time.monotonic())  # no burst after a slow pass
+                self.wake.clear()
+                try:
+                    await asyncio.wait_for(self.wake.wait(), next_at - time.monotonic())
+                    next_at = time.monotonic()
+                except TimeoutError:
+                    pass
+        finally:
+            watch.cancel()
+
+    async def watch_allowed(self) -> None:
+        """Read the allowed set every ALLOWED_WATCH_S; a change wakes the loop at once."""
+        loop = asyncio.get_running_loop()
+        while not self.stopping.is_set():
+            await asyncio.sleep(ALLOWED_WATCH_S)
+            node_ids = [n.id for n in self.store.snapshot.topology.nodes]
+            try:
+                now = await loop.run_in_executor(self.executor, read_allowed, self.fs, node_ids)
+            except (SupervisorError, OSError):
+                continue  # the pass reports it
+            if now != self.allowed:
+                self.wake.set()
+
+    async def rebind(self, rank: ProcKey | None) -> dict[str, Any]:
+        """POST /rebind: one enforcing pass now (every kind enforced), for one rank or all."""
+        if self.stopping.is_set():
+            raise SupervisorError("the supervisor is stopping")
+        return await self.check_once(cause="api", only=rank)
+
+    async def check_once(
+        self, *, cause: Cause = "check", only: ProcKey | None = None
+    ) -> dict[str, Any]:
+        """One pass; a summary per process. `only` limits it to one process."""
+        async with self.lock:
+            started = time.perf_counter()
+            results: dict[ProcKey, tuple[Observation, tuple[Finding, ...]]] = {}
+            try:
+                summary = await self._pass(cause, only, results)
+            finally:
+                self.store.set_observations(results)  # the pass, as one snapshot
+            self.store.finish_check(time.perf_counter() - started)
+            return summary
+
+    # -- one pass ---------------------------------------------------------------------
+
+    async def _scan(self, targets: Sequence[ScanTarget], *, host: bool = True) -> ScanResult:
+        manager = self.cgroups.manager if self.cgroups is not None else None
+        node_ids = [n.id for n in self.store.snapshot.topology.nodes]
+        result = await asyncio.get_running_loop().run_in_executor(
+            self.executor,
+            lambda: scan(
+                self.fs,
+                targets,
+                node_ids=node_ids,
+                irqs=self.irqs if host else None,
+                cgroups=manager,
+                with_allowed=host,
+            ),
+        )
+        if host:
+            for what, text in (("allowed CPUs", result.host_error), ("IRQs", result.irq_error)):
+                if self._said(what, text) and text is not None:
+                    log.warning(
+                        "observe failed %s", format_fields(what=what, error=text, action="skip")
+                    )
+                    self.store.emit("error", None, f"cannot observe {what}: {text}", error=text)
+        return result
+
+    async def _apply(self, decisions: Sequence[Decision]) -> list[Outcomes]:
+        starts = {d.key: self.tracked[d.key].start_time for d in decisions}
+        return await asyncio.get_running_loop().run_in_executor(
+            self.executor, self.applier.apply, decisions, starts
+        )
+
+    async def _pass(
+        self,
+        cause: Cause,
+        only: ProcKey | None,
+        results: dict[ProcKey, tuple[Observation, tuple[Finding, ...]]],
+    ) -> dict[str, Any]:
+        targets = self._targets(only)
+        result = await self._scan(targets)
+        changed = result.allowed is not None and result.allowed != self.allowed
+        if changed or self.replan_pending:
+            if result.allowed is not None and changed:
+                await self._cpuset_changed(result.allowed)
+            else:
+                await self._replan()  # the last re-plan failed: try again each pass
+            targets = self._targets(only)
+            result = await self._scan(targets)
+        policy = self.policy if cause == "check" else Policy.of(self.drift, cause)
+        now = time.monotonic()
+        decisions: list[Decision] = []
+        for t in targets:
+            tracked = self.tracked.get(t.key)
+            if tracked is None or tracked.pid != t.pid:
+                continue
+            if t.key in result.errors:
+                self._fail_once(t.key, tracked, f"pid {t.pid}", result.errors[t.key])
+                continue
+            seen = result.seen.get(t.key)
+            if seen is None:
+                continue  # exited since the listing: its runner reports that
+            if seen.memory_read:
+                tracked.maps_at = now
+            decisions.append(self._decide(tracked, t.slot, seen, policy, now))
+        outcomes = await self._apply(decisions)
+        summary: dict[str, Any] = {}
+        for d, out in zip(decisions, outcomes, strict=True):
+            summary[key_label(d.key)] = self._publish(d, out, policy, now, results)
+        summary.update(self._publish_down(only, results))
+        return {"reason": "api" if cause == "api" else "check", "processes": summary}
+
+    def _decide(
+        self, tracked: Tracked, slot: Slot, seen: Any, policy: Policy, now: float
+    ) -> Decision:
+        others = {
+            k: t.state.last_move
+            for k, t in self.tracked.items()
+            if t.state.last_move is not None and k != seen.key
+        }
+        d = decide(slot, seen, tracked.state, policy, now, others=others)
+        tracked.state = d.state
+        tracked.previous = seen.observation
+        for note in d.notes:
+            self.record.note(
+                note.kind,
+                d.key,
+                note.message,
+                log_message=note.log_message,
+                level=logging.WARNING,
+                **note.fields,
+            )
+        return d
+
+    def _targets(self, only: ProcKey | None) -> list[ScanTarget]:
+        """Running processes to scan; (re)starts tracking on a new pid."""
+        now = time.monotonic()
+        targets: list[ScanTarget] = []
+        live: set[ProcKey] = set()
+        made = self.cgroups.made if self.cgroups is not None else {}
+        for key, status, slot in self.supervised():
+            if only is not None and key != only:
+                continue
+            if status.state != "running" or status.pid is None:
+                continue
+            live.add(key)
+            tracked = self.tracked.get(key)
+            if (
+                tracked is None
+                or tracked.pid != status.pid
+                or tracked.start_time != status.start_time
+            ):
+                kind: ProcessKind = "engine" if key == "engine" else "workers"
+                tracked = Tracked(
+                    status.pid,
+                    status.start_time,
+                    ThreadScanner(self.fs, status.pid),
+                    self.matchers[kind],
+                    kind,
+                )
+                self.tracked[key] = tracked
+            pc = made.get(key) if status.cgroup is not None else None
+            if pc is not None and pc.memory_dir is None:
+                pc = None
+            due = (
+                tracked.state.memory_stale
+                or now - tracked.maps_at >= self.drift.numa_maps_interval_s
+            )
+            targets.append(
+                ScanTarget(
+                    key,
+                    status.pid,
+                    slot,
+                    tracked.kind,
+                    tracked.scanner,
+                    tracked.matcher,
+                    pc,
+                    pc is None and due,
+                    tracked.previous,
+                )
+            )
+        if only is None:
+            for key in list(self.tracked):
+                if key not in live:
+                    del self.tracked[key]
+        return targets
+
+    # -- publication (on the loop) ----------------------------------------------------
+
+    def _publish(
+        self,
+        d: Decision,
+        out: Outcomes,
+        policy: Policy,
+        now: float,
+        results: dict[ProcKey, tuple[Observation, tuple[Finding, ...]]],
+    ) -> dict[str, Any]:
+        key = d.key
+        tracked = self.tracked[key]
+        s = settle(d, out, policy, now, can_migrate_other=self.can_migrate_other)
+        tracked.state = s.state
+        self._record(key, d, s, out)
+        self.record.drift(key, d.new_drift, drift_outcomes(d.new_drift, s.fixed, s.failed))
+        results[key] = (s.observation, s.remaining)
+        self.down_reported.discard(key)
+        return {
+            "pid": tracked.pid,
+            "state": "running",
+            "findings": [f.to_doc() for f in d.findings],
+            "threads_rebound": sum(len(b) for b in s.rebound.values()),
+            "memory_migrations": len(s.migrated),
+            "irqs_rebound": s.irqs_rebound,
+            "failed": sorted(s.failed),
+            "drift": [f.to_doc() for f in s.remaining],
+        }
+
+    def _record(self, key: ProcKey, d: Decision, s: Any, out: Outcomes, by_plan: int = 0) -> None:
+        """Every fact of one settled decision, through the recorder."""
+        for reason, done in s.rebound.items():
+            self.record.threads_rebound(
+                key, reason, done, by_cgroup=by_plan if reason == "cpuset_changed" else 0
+            )
+        if by_plan and "cpuset_changed" not in s.rebound:
+            self.record.threads_rebound(key, "cpuset_changed", (), by_cgroup=by_plan)
+        for m, left in s.migrated:
+            self.record.memory_migrated(
+                key,
+                pid=m.pid,
+                reason=m.reason,
+                from_nodes=m.from_nodes,
+                to_nodes=m.to_nodes,
+                remote_bytes=m.remote_bytes,
+                ratio=m.ratio,
+                pages_left=left,
+            )
+        if d.irq_reason is not None and out.irqs is not None:
+            for irq, cpus in out.irqs.irqs_bound:
+                self.record.irq_rebound(key, d.irq_reason, irq, cpus)
+        for f in s.failures:
+            self.record.bind_failed(key, f.target, f.reason, f.message, what=f.what)
+
+    def _publish_down(
+        self, only: ProcKey | None, results: dict[ProcKey, tuple[Observation, tuple[Finding, ...]]]
+    ) -> dict[str, Any]:
+        """Planned processes that are not running: a process_gone finding, counted once."""
+        out: dict[str, Any] = {}
+        if self.stopping.is_set():
+            return out
+        for key, status, _ in self.supervised():
+            if (only is not None and key != only) or status.state not in (
+                "backoff",
+                "failed",
+                "stopped",
+            ):
+                continue
+            finding = Finding("process_gone", "process", "running", status.state)
+            if key not in self.down_reported:
+                self.down_reported.add(key)
+                self.record.process_down(key, status.state)
+            results[key] = (Observation(observed_at=time.time()), (finding,))
+            out[key_label(key)] = {"state": status.state, "findings": [finding.to_doc()]}
+        return out
+
+    def _fail_once(self, key: ProcKey, tracked: Tracked, what: str, message: str) -> None:
+        tracked.state, new = note_failure(tracked.state, "process", what, "error")
+        if new:
+            self.record.bind_failed(key, "process", "error", message, what=what)
+
+    def _said(self, what: str, text: str | None) -> bool:
+        """Remember the last error of `what`; True when `text` is news."""
+        news = text != self._errors.get(what)
+        self._errors[what] = text
+        return news
+
+    # -- a cpuset change: re-plan, then the same decide/apply --------------------------
+
+    async def _cpuset_changed(self, new: AllowedSet) -> None:
+        old, self.allowed = self.allowed, new
+        enforce = self.drift.policy.get("cpuset_changed", "observe") == "enforce"
+        self.record.cpuset_changed(
+            old.cpus, old.mems, new.cpus, new.mems, "replan" if enforce else "observe"
+        )
+        if enforce:
+            await self._replan()
+
+    async def _replan(self) -> None:
+        if self.replanner is None:
+            return
+        loop = asyncio.get_running_loop()
+        old = self.store.snapshot
+        try:
+            fresh = await loop.run_in_executor(
+                self.executor, self.replanner.read_topology, old.topology
+            )
+            result = replan(fresh, self.replanner.settings)
+        except SupervisorError as err:
+            self._keep_plan(f"{err}")
+            return
+        if not same_processes(old.placement, result.placement):
+            # Not a passing fault: retrying cannot change which devices exist.
+            self._keep_plan("the new plan holds other processes than the running ones", retry=False)
+            return
+        if result.shortage is not None:
+            text = (
+                f"the new cpuset cannot hold the plan's minimums; planned with "
+                f"on_shortage={result.shortage} ({'; '.join(result.degraded)})"
+            )
+            self.record.note(
+                "plan", None, text, log_message="replan degraded", level=logging.WARNING,
+                warning=True, on_shortage=result.shortage,
+            )  # fmt: skip
+        moved = changed_keys(old.placement, result.placement)
+        self.replanner.install(result.placement, result.topology)
+        self.replan_pending = False
+        self._said("plan", None)
+        self.record.note(
+            "plan",
+            None,
+            f"re-planned for cpus {format_cpulist(result.topology.allowed.cpus)}: "
+            f"{', '.join(key_label(k) for k in moved) or 'no process'} moved",
+            moved=[key_label(k) for k in moved],
+            warnings=list(result.placement.warnings),
+            shared=result.placement.shared,
+        )
+        if self.irqs is not None:
+            try:
+                await loop.run_in_executor(
+                    self.executor, self.irqs.replan, result.placement, result.topology
+                )
+            except Exception as irq_err:  # IRQs degrade alone
+                text = f"IRQ re-plan failed: {irq_err}"
+                self.record.bind_failed(None, "irq", "error", text, action="degrade")
+        old_slots, slots = slots_by_key(old.placement), slots_by_key(result.placement)
+        failed = await loop.run_in_executor(
+            self.executor, self.applier.update_cgroups, self.allowed, slots, moved
+        )
+        for fkey, cgroup_err in failed:
+            if fkey is None:
+                text = f"instance cgroup update failed: {cgroup_err}"
+                self.record.bind_failed(None, "cgroup", "error", text, action="degrade")
+            elif fkey in self.tracked:
+                tr = self.tracked[fkey]
+                tr.state, new = note_failure(tr.state, "cgroup", "cgroup", cgroup_err.reason)
+                if new:
+                    self.record.bind_failed(
+                        fkey, "cgroup", cgroup_err.reason, str(cgroup_err), what="cgroup"
+                    )
+        await self._move(
+            old.placement,
+            result.placement,
+            moved,
+            old_slots=old_slots,
+            slots=slots,
+            cgroup_failed={k for k, _ in failed},
+        )
+
+    async def _move(
+        self,
+        old: Placement,
+        placement: Placement,
+        moved: Sequence[ProcKey],
+        *,
+        old_slots: dict[ProcKey, Slot],
+        slots: dict[ProcKey, Slot],
+        cgroup_failed: set[ProcKey | None],
+    ) -> None:
+        """The moved processes through scan -> decide -> apply with cause cpuset_changed."""
+        node_ids = tuple(n.id for n in self.store.snapshot.topology.nodes)
+        policies: dict[ProcKey, Policy] = {}
+        for key in moved:
+            tracked = self.tracked.get(key)
+            status = self.store.snapshot.processes.get(key)
+            if tracked is None or status is None or status.pid != tracked.pid:
+                continue
+            in_cgroup = status.cgroup is not None and key not in cgroup_failed
+            policies[key] = Policy.of(
+                self.drift,
+                "cpuset_changed",
+                move_memory=mems_changed(old, placement, key) and not in_cgroup,
+                node_ids=node_ids,
+            )
+            tracked.state = after_replan(tracked.state)
+        targets = [
+            ScanTarget(
+                key,
+                self.tracked[key].pid,
+                slots[key],
+                self.tracked[key].kind,
+                self.tracked[key].scanner,
+                self.tracked[key].matcher,
+                None,
+                False,
+                self.tracked[key].previous,
+            )
+            for key in policies
+        ]
+        result = await self._scan(targets, host=False)
+        now = time.monotonic()
+        decisions = []
+        for t in targets:
+            seen = result.seen.get(t.key)
+            if seen is not None:
+                decisions.append(
+                    self._decide(self.tracked[t.key], t.slot, seen, policies[t.key], now)
+                )
+        outcomes = await self._apply(decisions)
+        for d, out in zip(decisions, outcomes, strict=True):
+            s = settle(d, out, policies[d.key], now, can_migrate_other=self.can_migrate_other)
+            self.tracked[d.key].state = s.state
+            by_plan = moved_by_plan(old_slots[d.key], slots[d.key], d.observation, d.binds)
+            self._record(d.key, d, s, out, by_plan)
+            if not s.rebound and not by_plan:
+                self.record.note(
+                    "rebind",
+                    d.key,
+                    f"{key_label(d.key)}: moved with the new plan; no thread needed a re-bind",
+                    reason="cpuset_changed",
+                    threads=0,
+                )
+
+    def _keep_plan(self, why: str, *, retry: bool = True) -> None:
+        # Retried every pass until it succeeds (a read racing a hotplug, say);
+        # said once per distinct reason, not once per pass.
+        self.replan_pending = retry
+        if self._said("plan", why):
+            self.record.note(
+                "plan_failed", None, f"re-plan failed: {why}; keeping the old plan",
+                log_message="replan failed", level=logging.ERROR, error=why,
+                action="keep old plan, retry",
+            )  # fmt: skip
