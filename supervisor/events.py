@@ -82,9 +82,9 @@ class Recorder:
         self.log.warning(
             "bind failed %s",
             format_fields(
-                rank=None if key is None else label,
+                **({} if key is None else {"rank": label}),
                 target=target,
-                what=what,
+                **({} if what is None else {"what": what}),
                 reason=reason,
                 error=message,
                 action=action,

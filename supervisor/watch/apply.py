@@ -74,6 +74,13 @@ class Applier:
         """Every bind of a pass. `starts`: each process's start time (pid reuse)."""
         out: list[Outcomes] = []
         for d in decisions:
+            start = starts.get(d.key)
+            if (d.binds or d.moves) and not self._same_process(d.pid, start):
+                # The pid names another process now (reaped and reused): nothing of
+                # it is ours. Its runner reports the exit.
+                gone = Outcome(gone=True)
+                out.append(Outcomes(dict.fromkeys((b.tid for b in d.binds), gone)))
+                continue
             threads = {b.tid: self.bind_thread(d.pid, b) for b in d.binds}
             moves = tuple(self.migrate(d.pid, starts.get(d.key), m) for m in d.moves)
             irq = self.enforce_irqs(d.key) if d.irq_reason is not None else None
@@ -113,8 +120,11 @@ class Applier:
             return Outcome(error=partial, kept=tuple(sorted(kept)))
         return Outcome(kept=tuple(sorted(kept)))
 
+    def _same_process(self, pid: int, start_time: int | None) -> bool:
+        return start_time is None or read_thread_start(self.fs, pid, pid) == start_time
+
     def migrate(self, pid: int, start_time: int | None, m: MemoryMove) -> Outcome:
-        if start_time is not None and read_thread_start(self.fs, pid, pid) != start_time:
+        if not self._same_process(pid, start_time):
             return Outcome(gone=True)  # the pid names another process now
         try:
             return Outcome(pages_left=self.binder.migrate_pages(pid, m.from_nodes, m.to_nodes))
