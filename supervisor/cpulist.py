@@ -55,18 +55,6 @@ def format_cpulist(ids: Iterable[int]) -> str:
     return ",".join(parts)
 
 
-def parse_mask(text: str) -> frozenset[int]:
-    """Parse a kernel hex mask "ff,00000001" (most significant word first)."""
-    body = text.strip().replace(",", "")
-    if not body:
-        return frozenset()
-    try:
-        value = int(body, 16)
-    except ValueError:
-        raise ValueError(f"bad hex mask {text.strip()!r}") from None
-    return frozenset(i for i in range(value.bit_length()) if value >> i & 1)
-
-
 def format_mask(ids: Iterable[int]) -> str:
     """Format ids as a kernel hex mask in 32-bit words ("00000003"; empty -> "0")."""
     value = 0

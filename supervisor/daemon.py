@@ -28,6 +28,7 @@ from typing import Any, Protocol
 from supervisor.bind.cgroup import CgroupManager, ProcessCgroup, detect_cgroup_setup
 from supervisor.config import Config, check_listen, discovery_options, load_config
 from supervisor.errors import ConfigError, KernelError, SupervisorError
+from supervisor.events import Recorder
 from supervisor.hostfs import HostFS
 from supervisor.logs import format_fields, setup_logging
 from supervisor.plan.placement import Placement, Slot
@@ -40,8 +41,9 @@ from supervisor.serve.api import Actions, ApiServer
 from supervisor.state import ProcessStatus, ProcKey, Snapshot, StateStore, key_label
 from supervisor.topology.discover import read_topology, reread_cpus
 from supervisor.topology.model import Topology
+from supervisor.watch.cpuset import Replanner
 from supervisor.watch.irqs import IrqKeeper
-from supervisor.watch.loop import CheckLoop, Replanner, healthz_stale_after_s
+from supervisor.watch.loop import CheckLoop, healthz_stale_after_s
 
 try:  # uvloop where it is installed; asyncio's own loop otherwise
     import uvloop as _uvloop
@@ -126,11 +128,10 @@ class Daemon:
         self.fs = fs if fs is not None else HostFS("/")
         self.cgroups = cgroups
         # The devices' IRQs (supervisor.watch.irqs): applied while the ranks start, put
-        # back after they stop. The check loop observes and enforces through it
-        # and counts its re-writes itself (rebinds{reason="irq_affinity"}).
-        self.irq_keeper = IrqKeeper(
-            self.fs, self.store, topology, placement, config.irq, count_rebinds=False
-        )
+        # back after they stop. The check loop observes and enforces through it;
+        # what the keeper saw or did is recorded here, on the loop.
+        self.irq_keeper = IrqKeeper(self.fs, topology, placement, config.irq)
+        self.recorder = Recorder(self.store)
         self.irq_task: asyncio.Task[None] | None = None
         self.runners: list[Runner] = []
         self.rt: Runtime | None = None
@@ -192,7 +193,6 @@ class Daemon:
         watchdog: asyncio.Task[None] | None = None
         try:
             await self._start_api()
-            self.irq_keeper.attach_loop(loop)
             self.irq_task = asyncio.create_task(self._apply_irqs(), name="irq_apply")
             self.runners = [Runner(self.rt, spec) for spec in self.specs]
             engine = next((r for r in self.runners if r.key == "engine"), None)
@@ -345,6 +345,8 @@ class Daemon:
         except Exception as err:  # IRQs degrade alone, never the workers
             log.exception("irq apply failed error=%r action=continue without", err)
             self.store.emit("error", None, f"IRQ binding failed: {err!r}")
+        finally:
+            self.recorder.facts(self.irq_keeper.take_facts())
 
     async def _restore_irqs(self) -> None:
         """Original IRQ affinities back, once any apply still in flight has finished."""
@@ -356,6 +358,8 @@ class Daemon:
             await loop.run_in_executor(self.runtime.executor, self.irq_keeper.restore)
         except Exception as err:  # best effort: the stop goes on
             log.exception("irq restore failed error=%r action=continue", err)
+        finally:
+            self.recorder.facts(self.irq_keeper.take_facts())
 
     async def _shutdown(self) -> None:
         assert self.rt is not None

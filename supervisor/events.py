@@ -48,6 +48,25 @@ class BoundThread(Protocol):
     def cpus(self) -> tuple[int, ...]: ...
 
 
+class FactLike(Protocol):
+    """A fact a collaborator kept for the loop to record (supervisor.watch.irqs.IrqFact)."""
+
+    @property
+    def kind(self) -> EventKind: ...
+    @property
+    def key(self) -> ProcKey | None: ...
+    @property
+    def message(self) -> str: ...
+    @property
+    def fields(self) -> Mapping[str, Any]: ...
+    @property
+    def log_message(self) -> str | None: ...
+    @property
+    def level(self) -> int: ...
+    @property
+    def failure(self) -> str | None: ...
+
+
 def _more_suffix(total: int, shown: int) -> str:
     """The " (+N more)" of an event that names only the first `shown` of `total` targets."""
     return f" (+{total - shown} more)" if total > shown else ""
@@ -71,12 +90,15 @@ class Recorder:
         *,
         what: str | None = None,
         action: str = "retry",
+        event_message: str | None = None,
         **fields: Any,
     ) -> None:
         """bind_failures{rank,target,reason} (rank "supervisor" when `key` is None)."""
         label = HOST_LABEL if key is None else key_label(key)
         self.store.count("bind_failures", (label, target, reason))
         text = message if key is None else f"{label}: {target} bind failed: {message}"
+        if event_message is not None:
+            text = event_message
         extra = {"what": what} if what is not None else {}
         self.store.emit("bind_failed", key, text, target=target, reason=reason, **extra, **fields)
         self.log.warning(
@@ -256,6 +278,21 @@ class Recorder:
                 rank=label, irq=irq, cpus=format_cpulist(cpus), reason=reason, action="bound"
             ),
         )
+
+    def facts(self, facts: Sequence[FactLike]) -> None:
+        """A collaborator's facts (the IRQ keeper's), in order."""
+        for f in facts:
+            if f.failure is not None:
+                fields = dict(f.fields)
+                action = str(fields.pop("action", "skip"))
+                self.bind_failed(
+                    f.key, "irq", f.failure, f.message, action=action,
+                    event_message=f.message, **fields,
+                )  # fmt: skip
+            else:
+                self.note(
+                    f.kind, f.key, f.message, log_message=f.log_message, level=f.level, **f.fields
+                )
 
     # -- events that count nothing -------------------------------------------------
 

@@ -2,7 +2,7 @@
 
 `Applier.apply(decisions)` makes every thread bind, memory migration and IRQ
 re-write of a pass, each failure isolated to its thread, process or IRQ set,
-and returns one `decide.Outcomes` per decision. It touches a tid only while
+and returns one `settle.Outcomes` per decision. It touches a tid only while
 it is still the thread the scan saw: before and after each write it checks
 the tid's Tgid and start time (a tid handed to an unrelated process is never
 written; issue 11), and a pid by its start time before its pages move.
@@ -27,9 +27,10 @@ from supervisor.logs import format_fields
 from supervisor.plan.placement import Slot
 from supervisor.plan.replan import AllowedSet
 from supervisor.state import ProcKey, key_label
-from supervisor.watch.decide import Decision, MemoryMove, Outcome, Outcomes, ThreadBind
+from supervisor.watch.decide import Decision, MemoryMove, ThreadBind
 from supervisor.watch.observe import is_thread_of, read_thread_start
 from supervisor.watch.scan import IrqKeeperLike
+from supervisor.watch.settle import Outcome, Outcomes
 
 log = logging.getLogger("placement_supervisor.checker")
 

@@ -19,82 +19,46 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
 from typing import Any
 
 from supervisor.bind.binder import Binder
 from supervisor.config import DriftConfig, ThreadRole
-from supervisor.cpulist import format_cpulist
 from supervisor.errors import SupervisorError
 from supervisor.events import Recorder
 from supervisor.hostfs import HostFS
 from supervisor.logs import format_fields
-from supervisor.plan.placement import Placement, PlanSettings, Slot
+from supervisor.plan.placement import Slot
 from supervisor.plan.replan import (
     AllowedSet,
     allowed_of,
-    changed_keys,
     mems_changed,
-    replan,
-    same_processes,
-    slots_by_key,
 )
 from supervisor.plan.threads import DEFAULT_THREAD_ROLES, ProcessKind, RoleMatcher
-from supervisor.state import Finding, Observation, ProcessStatus, ProcKey, StateStore, key_label
-from supervisor.topology.model import Topology
+from supervisor.state import Finding, Observation, ProcKey, StateStore, key_label
 from supervisor.watch.apply import Applier, CgroupsLike
-from supervisor.watch.decide import (
-    Cause,
-    Decision,
-    Outcomes,
-    Policy,
-    RepairState,
-    after_replan,
-    decide,
-    drift_outcomes,
-    moved_by_plan,
-    note_failure,
-    settle,
+from supervisor.watch.cpuset import Moved, Replanner, Replanning
+from supervisor.watch.decide import Cause, Decision, Policy, after_replan, decide
+from supervisor.watch.scan import (
+    IrqKeeperLike,
+    ScanResult,
+    ScanTarget,
+    Supervised,
+    Tracked,
+    read_allowed,
+    scan,
+    track,
 )
-from supervisor.watch.observe import ThreadScanner
-from supervisor.watch.scan import IrqKeeperLike, ScanResult, ScanTarget, read_allowed, scan
+from supervisor.watch.settle import Outcomes, drift_outcomes, moved_by_plan, note_failure, settle
 
 log = logging.getLogger("placement_supervisor.checker")
 
 ALLOWED_WATCH_S = 0.05  # the fast watch of the allowed set: one small read this often
-
-Supervised = tuple[ProcKey, ProcessStatus, Slot]
-"""A planned process as its runner has it: key, status, slot."""
 
 
 def healthz_stale_after_s(drift: DriftConfig) -> float:
     """/healthz turns 503 when no check finished for this long: a few missed
     intervals, but never less than a slow numa_maps pass needs."""
     return max(30.0, 5 * drift.check_interval_s, 2 * drift.numa_maps_interval_s)
-
-
-@dataclass(frozen=True, slots=True)
-class Replanner:
-    """What a re-plan needs: a fresh read of what a cpuset change can change (CPUs,
-    nodes, the allowed set; blocking), the plan settings, and where the plan goes."""
-
-    read_topology: Callable[[Topology], Topology]
-    settings: PlanSettings
-    install: Callable[[Placement, Topology], None]
-
-
-@dataclass(slots=True)
-class Tracked:
-    """What the loop keeps of one process between passes (loop-owned)."""
-
-    pid: int
-    start_time: int | None
-    scanner: ThreadScanner
-    matcher: RoleMatcher
-    kind: ProcessKind
-    previous: Observation | None = None
-    maps_at: float = float("-inf")  # monotonic time of the last memory read
-    state: RepairState = field(default_factory=RepairState)
 
 
 class CheckLoop:
@@ -128,10 +92,21 @@ class CheckLoop:
         self.stopping = stopping
         self.irqs = irqs
         self.cgroups = cgroups
-        self.replanner = replanner
         self.binder = binder if binder is not None else Binder(fs)
         self.applier = Applier(fs, self.binder, irqs, cgroups)
         self.record = Recorder(store, log)
+        self.replanning = (
+            None
+            if replanner is None
+            else Replanning(
+                replanner,
+                executor=executor,
+                store=store,
+                irqs=irqs,
+                applier=self.applier,
+                record=self.record,
+            )
+        )
         all_roles = (*roles, *DEFAULT_THREAD_ROLES)
         self.matchers: dict[ProcessKind, RoleMatcher] = {
             "engine": RoleMatcher("engine", all_roles),
@@ -141,7 +116,6 @@ class CheckLoop:
         self.down_reported: set[ProcKey] = set()
         self.allowed: AllowedSet = allowed_of(store.snapshot.topology)
         self.lock = asyncio.Lock()
-        self.replan_pending = False  # the allowed set changed and re-planning failed
         self.wake = asyncio.Event()  # the fast watch saw a change: check now
         self.can_migrate_other = self.binder.can_migrate_other()
         self._errors: dict[str, str | None] = {}  # what -> the last error said
@@ -233,6 +207,7 @@ class CheckLoop:
             ),
         )
         if host:
+            self._irq_facts()
             for what, text in (("allowed CPUs", result.host_error), ("IRQs", result.irq_error)):
                 if self._said(what, text) and text is not None:
                     log.warning(
@@ -243,9 +218,16 @@ class CheckLoop:
 
     async def _apply(self, decisions: Sequence[Decision]) -> list[Outcomes]:
         starts = {d.key: self.tracked[d.key].start_time for d in decisions}
-        return await asyncio.get_running_loop().run_in_executor(
-            self.executor, self.applier.apply, decisions, starts
-        )
+        try:
+            return await asyncio.get_running_loop().run_in_executor(
+                self.executor, self.applier.apply, decisions, starts
+            )
+        finally:
+            self._irq_facts()
+
+    def _irq_facts(self) -> None:
+        if self.irqs is not None:
+            self.record.facts(self.irqs.take_facts())
 
     async def _pass(
         self,
@@ -256,7 +238,7 @@ class CheckLoop:
         targets = self._targets(only)
         result = await self._scan(targets)
         changed = result.allowed is not None and result.allowed != self.allowed
-        if changed or self.replan_pending:
+        if changed or (self.replanning is not None and self.replanning.pending):
             if result.allowed is not None and changed:
                 await self._cpuset_changed(result.allowed)
             else:
@@ -309,57 +291,17 @@ class CheckLoop:
         return d
 
     def _targets(self, only: ProcKey | None) -> list[ScanTarget]:
-        """Running processes to scan; (re)starts tracking on a new pid."""
-        now = time.monotonic()
-        targets: list[ScanTarget] = []
-        live: set[ProcKey] = set()
         made = self.cgroups.made if self.cgroups is not None else {}
-        for key, status, slot in self.supervised():
-            if only is not None and key != only:
-                continue
-            if status.state != "running" or status.pid is None:
-                continue
-            live.add(key)
-            tracked = self.tracked.get(key)
-            if (
-                tracked is None
-                or tracked.pid != status.pid
-                or tracked.start_time != status.start_time
-            ):
-                kind: ProcessKind = "engine" if key == "engine" else "workers"
-                tracked = Tracked(
-                    status.pid,
-                    status.start_time,
-                    ThreadScanner(self.fs, status.pid),
-                    self.matchers[kind],
-                    kind,
-                )
-                self.tracked[key] = tracked
-            pc = made.get(key) if status.cgroup is not None else None
-            if pc is not None and pc.memory_dir is None:
-                pc = None
-            due = (
-                tracked.state.memory_stale
-                or now - tracked.maps_at >= self.drift.numa_maps_interval_s
-            )
-            targets.append(
-                ScanTarget(
-                    key,
-                    status.pid,
-                    slot,
-                    tracked.kind,
-                    tracked.scanner,
-                    tracked.matcher,
-                    pc,
-                    pc is None and due,
-                    tracked.previous,
-                )
-            )
-        if only is None:
-            for key in list(self.tracked):
-                if key not in live:
-                    del self.tracked[key]
-        return targets
+        return track(
+            self.fs,
+            self.tracked,
+            self.matchers,
+            self.supervised(),
+            made,
+            only=only,
+            numa_maps_interval_s=self.drift.numa_maps_interval_s,
+            now=time.monotonic(),
+        )
 
     # -- publication (on the loop) ----------------------------------------------------
 
@@ -460,114 +402,38 @@ class CheckLoop:
             await self._replan()
 
     async def _replan(self) -> None:
-        if self.replanner is None:
+        if self.replanning is None:
             return
-        loop = asyncio.get_running_loop()
-        old = self.store.snapshot
-        try:
-            fresh = await loop.run_in_executor(
-                self.executor, self.replanner.read_topology, old.topology
-            )
-            result = replan(fresh, self.replanner.settings)
-        except SupervisorError as err:
-            self._keep_plan(f"{err}")
+        moved = await self.replanning.replan(self.allowed)
+        if moved is None:
             return
-        if not same_processes(old.placement, result.placement):
-            # Not a passing fault: retrying cannot change which devices exist.
-            self._keep_plan("the new plan holds other processes than the running ones", retry=False)
-            return
-        if result.shortage is not None:
-            text = (
-                f"the new cpuset cannot hold the plan's minimums; planned with "
-                f"on_shortage={result.shortage} ({'; '.join(result.degraded)})"
-            )
-            self.record.note(
-                "plan", None, text, log_message="replan degraded", level=logging.WARNING,
-                warning=True, on_shortage=result.shortage,
-            )  # fmt: skip
-        moved = changed_keys(old.placement, result.placement)
-        self.replanner.install(result.placement, result.topology)
-        self.replan_pending = False
-        self._said("plan", None)
-        self.record.note(
-            "plan",
-            None,
-            f"re-planned for cpus {format_cpulist(result.topology.allowed.cpus)}: "
-            f"{', '.join(key_label(k) for k in moved) or 'no process'} moved",
-            moved=[key_label(k) for k in moved],
-            warnings=list(result.placement.warnings),
-            shared=result.placement.shared,
-        )
-        if self.irqs is not None:
-            try:
-                await loop.run_in_executor(
-                    self.executor, self.irqs.replan, result.placement, result.topology
-                )
-            except Exception as irq_err:  # IRQs degrade alone
-                text = f"IRQ re-plan failed: {irq_err}"
-                self.record.bind_failed(None, "irq", "error", text, action="degrade")
-        old_slots, slots = slots_by_key(old.placement), slots_by_key(result.placement)
-        failed = await loop.run_in_executor(
-            self.executor, self.applier.update_cgroups, self.allowed, slots, moved
-        )
-        for fkey, cgroup_err in failed:
-            if fkey is None:
-                text = f"instance cgroup update failed: {cgroup_err}"
-                self.record.bind_failed(None, "cgroup", "error", text, action="degrade")
-            elif fkey in self.tracked:
-                tr = self.tracked[fkey]
-                tr.state, new = note_failure(tr.state, "cgroup", "cgroup", cgroup_err.reason)
+        for key, err in moved.cgroup_failed.items():
+            if key in self.tracked:
+                tr = self.tracked[key]
+                tr.state, new = note_failure(tr.state, "cgroup", "cgroup", err.reason)
                 if new:
-                    self.record.bind_failed(
-                        fkey, "cgroup", cgroup_err.reason, str(cgroup_err), what="cgroup"
-                    )
-        await self._move(
-            old.placement,
-            result.placement,
-            moved,
-            old_slots=old_slots,
-            slots=slots,
-            cgroup_failed={k for k, _ in failed},
-        )
+                    self.record.bind_failed(key, "cgroup", err.reason, str(err), what="cgroup")
+        await self._move(moved)
 
-    async def _move(
-        self,
-        old: Placement,
-        placement: Placement,
-        moved: Sequence[ProcKey],
-        *,
-        old_slots: dict[ProcKey, Slot],
-        slots: dict[ProcKey, Slot],
-        cgroup_failed: set[ProcKey | None],
-    ) -> None:
+    async def _move(self, moved: Moved) -> None:
         """The moved processes through scan -> decide -> apply with cause cpuset_changed."""
         node_ids = tuple(n.id for n in self.store.snapshot.topology.nodes)
         policies: dict[ProcKey, Policy] = {}
-        for key in moved:
+        for key in moved.keys:
             tracked = self.tracked.get(key)
             status = self.store.snapshot.processes.get(key)
             if tracked is None or status is None or status.pid != tracked.pid:
                 continue
-            in_cgroup = status.cgroup is not None and key not in cgroup_failed
+            in_cgroup = status.cgroup is not None and key not in moved.cgroup_failed
             policies[key] = Policy.of(
                 self.drift,
                 "cpuset_changed",
-                move_memory=mems_changed(old, placement, key) and not in_cgroup,
+                move_memory=mems_changed(moved.old, moved.new, key) and not in_cgroup,
                 node_ids=node_ids,
             )
             tracked.state = after_replan(tracked.state)
         targets = [
-            ScanTarget(
-                key,
-                self.tracked[key].pid,
-                slots[key],
-                self.tracked[key].kind,
-                self.tracked[key].scanner,
-                self.tracked[key].matcher,
-                None,
-                False,
-                self.tracked[key].previous,
-            )
+            ScanTarget(key, self.tracked[key].pid, moved.slot(key), self.tracked[key], None, False)
             for key in policies
         ]
         result = await self._scan(targets, host=False)
@@ -583,7 +449,9 @@ class CheckLoop:
         for d, out in zip(decisions, outcomes, strict=True):
             s = settle(d, out, policies[d.key], now, can_migrate_other=self.can_migrate_other)
             self.tracked[d.key].state = s.state
-            by_plan = moved_by_plan(old_slots[d.key], slots[d.key], d.observation, d.binds)
+            by_plan = moved_by_plan(
+                moved.slot(d.key, old=True), moved.slot(d.key), d.observation, d.binds
+            )
             self._record(d.key, d, s, out, by_plan)
             if not s.rebound and not by_plan:
                 self.record.note(
@@ -593,14 +461,3 @@ class CheckLoop:
                     reason="cpuset_changed",
                     threads=0,
                 )
-
-    def _keep_plan(self, why: str, *, retry: bool = True) -> None:
-        # Retried every pass until it succeeds (a read racing a hotplug, say);
-        # said once per distinct reason, not once per pass.
-        self.replan_pending = retry
-        if self._said("plan", why):
-            self.record.note(
-                "plan_failed", None, f"re-plan failed: {why}; keeping the old plan",
-                log_message="replan failed", level=logging.ERROR, error=why,
-                action="keep old plan, retry",
-            )  # fmt: skip

@@ -1,6 +1,7 @@
 """One check pass's reads (blocking: run in the daemon's executor; I/O through HostFS).
 
-`scan(...)` reads, for each `ScanTarget`, the process's threads (through its
+`track(...)` says which processes to read (and keeps one `Tracked` per
+process); `scan(...)` reads, for each `ScanTarget`, the process's threads (through its
 `observe.ThreadScanner`), its resident memory per node (its cgroup's
 memory.numa_stat when it has one, else numa_maps when due), its planned IRQs
 (through the IRQ keeper), and the supervisor's own allowed CPUs and nodes
@@ -12,18 +13,19 @@ cpuset watch repeats on its own period.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from supervisor.bind.cgroup import CgroupManager, ProcessCgroup
 from supervisor.errors import Gone, KernelError, SupervisorError
+from supervisor.events import FactLike
 from supervisor.hostfs import HostFS
 from supervisor.plan.placement import Placement, Slot
 from supervisor.plan.replan import AllowedSet, normalize_allowed
 from supervisor.plan.threads import ProcessKind, RoleMatcher
-from supervisor.state import IrqObservation, Observation, ProcKey
+from supervisor.state import IrqObservation, Observation, ProcessStatus, ProcKey
 from supervisor.topology.model import Topology
-from supervisor.watch.decide import Seen
+from supervisor.watch.decide import RepairState, Seen
 from supervisor.watch.observe import (
     ThreadScanner,
     observe_process,
@@ -41,20 +43,76 @@ class IrqKeeperLike(Protocol):
 
     def replan(self, placement: Placement, topology: Topology | None = None) -> object: ...
 
+    def take_facts(self) -> Sequence[FactLike]: ...
+
+
+Supervised = tuple[ProcKey, ProcessStatus, Slot]
+"""A planned process as its runner has it: key, status, slot."""
+
+
+@dataclass(slots=True)
+class Tracked:
+    """What the loop keeps of one process between passes (loop-owned; one per pid)."""
+
+    pid: int
+    start_time: int | None
+    scanner: ThreadScanner
+    matcher: RoleMatcher
+    kind: ProcessKind
+    previous: Observation | None = None  # memory carried over when none is read
+    maps_at: float = float("-inf")  # monotonic time of the last memory read
+    state: RepairState = field(default_factory=RepairState)
+
 
 @dataclass(frozen=True, slots=True)
 class ScanTarget:
-    """One running process to read this pass (the scanner is the loop's, per process)."""
+    """One running process to read this pass."""
 
     key: ProcKey
     pid: int
     slot: Slot
-    kind: ProcessKind
-    scanner: ThreadScanner
-    matcher: RoleMatcher
+    tracked: Tracked
     cgroup: ProcessCgroup | None  # read its memory.numa_stat
     read_maps: bool  # else: numa_maps is due
-    previous: Observation | None  # memory carried over when none is read
+
+
+def track(
+    fs: HostFS,
+    tracked: dict[ProcKey, Tracked],
+    matchers: Mapping[ProcessKind, RoleMatcher],
+    supervised: Iterable[Supervised],
+    made: Mapping[ProcKey, ProcessCgroup],
+    *,
+    only: ProcKey | None,
+    numa_maps_interval_s: float,
+    now: float,
+) -> list[ScanTarget]:
+    """The running processes to scan (no I/O). Starts tracking a process anew
+    when its pid or start time changed (a restart, or a reused pid), and
+    forgets the ones no longer running."""
+    targets: list[ScanTarget] = []
+    live: set[ProcKey] = set()
+    for key, status, slot in supervised:
+        if (only is not None and key != only) or status.state != "running" or status.pid is None:
+            continue
+        live.add(key)
+        t = tracked.get(key)
+        if t is None or t.pid != status.pid or t.start_time != status.start_time:
+            kind: ProcessKind = "engine" if key == "engine" else "workers"
+            t = Tracked(
+                status.pid, status.start_time, ThreadScanner(fs, status.pid), matchers[kind], kind
+            )
+            tracked[key] = t
+        pc = made.get(key) if status.cgroup is not None else None
+        if pc is not None and pc.memory_dir is None:
+            pc = None
+        due = t.state.memory_stale or now - t.maps_at >= numa_maps_interval_s
+        targets.append(ScanTarget(key, status.pid, slot, t, pc, pc is None and due))
+    if only is None:
+        for key in list(tracked):
+            if key not in live:
+                del tracked[key]
+    return targets
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,12 +172,12 @@ def scan(
                 fs,
                 t.pid,
                 t.slot,
-                t.kind,
-                scanner=t.scanner,
-                matcher=t.matcher,
+                t.tracked.kind,
+                scanner=t.tracked.scanner,
+                matcher=t.tracked.matcher,
                 numa_stat=numa_stat,
-                read_numa_maps=t.read_maps,
-                previous=t.previous,
+                numa_maps=t.read_maps,
+                previous=t.tracked.previous,
             )
         except Gone:
             seen[t.key] = None

@@ -1,4 +1,4 @@
-"""supervisor.watch.decide as tables: one row per branch of the check loop's policy (pure).
+"""supervisor.watch.decide and settle as tables: one row per branch of the loop's policy (pure).
 
 Each row builds one observation and one previous repair state, decides, and
 checks what the branch must produce; a row fails when its branch is broken
@@ -15,27 +15,24 @@ from typing import Any
 
 import pytest
 
-from supervisor.config import DriftConfig
+from supervisor.config import DriftConfig, ThreadRole
 from supervisor.errors import translate_oserror
 from supervisor.plan.placement import Slot
+from supervisor.plan.threads import RoleMatcher
 from supervisor.state import IrqObservation, Observation, ThreadObservation
 from supervisor.watch.decide import (
     MIGRATE_NO_GAIN_BACKOFF_S,
     Decision,
     MemoryMove,
     MoveRecord,
-    Outcome,
-    Outcomes,
     Policy,
     RepairState,
     Seen,
     ThreadBind,
     after_replan,
     decide,
-    moved_by_plan,
-    note_failure,
-    settle,
 )
+from supervisor.watch.settle import Outcome, Outcomes, moved_by_plan, note_failure, settle
 
 MIB = 1 << 20
 # main on CPUs 0-1, comm on 2, node 0; four nodes exist.
@@ -174,6 +171,33 @@ def test_threads_on_their_cpus_become_placed_and_gone_ones_are_forgotten() -> No
     # A thread found off its CPUs is not placed by being seen.
     d = run(observation((MAIN_OK, COMM_WRONG)))
     assert dict(d.state.placed) == {100: "main"}
+
+
+def test_only_threads_off_their_roles_cpus_are_bound() -> None:
+    # (Moved from the old plan_thread_affinity test: the one thread planner is decide.)
+    slot = Slot(tuple(range(8)), (0,), {"irq": (0, 1), "main": (2, 3, 4, 5), "release": (7,)})
+    matcher = RoleMatcher("workers", (ThreadRole("release", "workers", "release_thread*"),))
+
+    def named(tid: int, name: str, cpus: tuple[int, ...]) -> ThreadObservation:
+        return ThreadObservation(tid, name, matcher.role(name), cpus)
+
+    threads = (
+        named(100, "python3", tuple(range(8))),  # born with the whole slot -> main
+        named(102, "release_thread", (2, 3)),  # on main's CPUs -> release
+        named(103, "python3", (4,)),  # pinned by the workload inside main
+        named(104, "python3", (2, 3, 4, 5)),  # right
+        named(105, "hccl_poll", tuple(range(8))),  # no comm role in the slot: main's CPUs
+    )
+    d = decide(slot, seen(observation(threads)), RepairState(), policy(), NOW)
+    assert [(b.tid, b.role, b.cpus) for b in d.binds] == [
+        (100, "main", (2, 3, 4, 5)),
+        (102, "release", (7,)),
+        (105, "main", (2, 3, 4, 5)),
+    ]
+    pinned = decide(
+        slot, seen(observation(threads)), RepairState(), replace(policy(), enforce_pinned=True), NOW
+    )
+    assert [b.tid for b in pinned.binds] == [100, 102, 103, 105]
 
 
 # -- memory ---------------------------------------------------------------------------
