@@ -213,8 +213,8 @@ class Recorder:
                 rank=label,
                 reason=reason,
                 threads=total,
-                by_cgroup=by_cgroup or None,
-                first=shown[0].tid if shown else None,
+                **({"by_cgroup": by_cgroup} if by_cgroup else {}),
+                **({"first": shown[0].tid} if shown else {}),
                 action="bound",
             ),
         )

@@ -23,6 +23,7 @@ from types import MappingProxyType
 from typing import Any, Literal
 
 from supervisor.config import DriftConfig, DriftPolicy
+from supervisor.cpulist import format_cpulist
 from supervisor.plan.placement import Slot
 from supervisor.state import (
     DRIFT_KINDS,
@@ -122,6 +123,7 @@ class RepairState:
     """What the loop remembers of one process between passes (replaced, never mutated)."""
 
     placed: Mapping[int, str] = field(default_factory=dict)  # tid -> role, seen/bound right
+    bound: Mapping[int, tuple[int, ...]] = field(default_factory=dict)  # tid -> CPUs we set
     reported: frozenset[tuple[str, str]] = frozenset()  # (kind, target) already counted
     threads: tuple[ThreadObservation, ...] | None = None  # the last pass's threads
     failures: Mapping[tuple[str, str], str] = field(default_factory=dict)  # (target, id) -> reason
@@ -203,7 +205,8 @@ def decide(
     obs = seen.observation
     stale = state.memory_stale and not seen.memory_read
     findings = apply_policy(
-        diff(slot, obs, threshold=policy.threshold, pinned_ok=not policy.enforce_pinned),
+        diff(slot, obs, threshold=policy.threshold, pinned_ok=not policy.enforce_pinned)
+        + _pinned_by_us(slot, obs, state),
         {kind: policy.action(kind) for kind in DRIFT_KINDS},
     )
     w = _Work(seen.key, state, stale, now)
@@ -284,6 +287,7 @@ def decide(
         tuple(w.notes),
         RepairState(
             placed=_placed(state, obs, drift_tids),
+            bound=_live(state.bound, obs),
             reported=frozenset(reported),
             threads=obs.threads,
             failures=state.failures,
@@ -320,6 +324,26 @@ class _Work:
         self.notes = []
 
 
+def _pinned_by_us(slot: Slot, obs: Observation, state: RepairState) -> tuple[Finding, ...]:
+    """Threads narrowed inside their role's CPUs by our own last bind, not by the
+    workload: the pinned rule protects the workload's choices, never a stale one
+    of ours (a bind made just before a CPU came back, then a new plan's wider set)."""
+    if not state.bound:
+        return ()
+    out: list[Finding] = []
+    for t in obs.threads:
+        if state.bound.get(t.tid) != t.cpus:
+            continue
+        want = tuple(sorted(set(slot.role_cpus(t.role))))
+        if t.cpus != want and set(t.cpus) < set(want):
+            out.append(
+                Finding(
+                    "thread_affinity", f"tid {t.tid}", format_cpulist(want), format_cpulist(t.cpus)
+                )
+            )
+    return tuple(out)
+
+
 def _placed(state: RepairState, obs: Observation, drift_tids: set[int]) -> Mapping[int, str]:
     """Threads found on their role's CPUs (or respected as pinned) count as
     placed: leaving them later is drift. The same mapping when nothing changed."""
@@ -333,6 +357,16 @@ def _placed(state: RepairState, obs: Observation, drift_tids: set[int]) -> Mappi
         live = {t.tid for t in obs.threads}
         placed = {tid: role for tid, role in placed.items() if tid in live}
     return placed
+
+
+def _live(bound: Mapping[int, tuple[int, ...]], obs: Observation) -> Mapping[int, tuple[int, ...]]:
+    """`bound` without the threads that are gone (the same mapping when none is)."""
+    if not bound:
+        return bound
+    live = {t.tid for t in obs.threads}
+    if all(tid in live for tid in bound):
+        return bound
+    return {tid: cpus for tid, cpus in bound.items() if tid in live}
 
 
 def _continue_repair(

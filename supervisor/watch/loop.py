@@ -7,7 +7,7 @@ publication in the `StateStore` through the one `events.Recorder` (on the
 loop: the store's single writer). The policy is in decide; this module holds
 none. A change of the supervisor's allowed set (cpuset write, CPU hotplug),
 seen by the pass or by the fast watch (`watch_allowed`, one small read every
-`ALLOWED_WATCH_S`), re-plans (supervisor.plan.replan) and sends the moved
+`[drift] cpuset_watch_s`), re-plans (supervisor.plan.replan) and sends the moved
 processes through the same decide/apply with cause "cpuset_changed".
 POST /rebind is `rebind`: one pass now with cause "api".
 """
@@ -51,8 +51,6 @@ from supervisor.watch.scan import (
 from supervisor.watch.settle import Outcomes, drift_outcomes, moved_by_plan, note_failure, settle
 
 log = logging.getLogger("placement_supervisor.checker")
-
-ALLOWED_WATCH_S = 0.05  # the fast watch of the allowed set: one small read this often
 
 
 def healthz_stale_after_s(drift: DriftConfig) -> float:
@@ -133,7 +131,11 @@ class CheckLoop:
                     action="degrade",
                 ),
             )
-        watch = asyncio.create_task(self.watch_allowed(), name="allowed_watch")
+        watch = (
+            asyncio.create_task(self.watch_allowed(), name="allowed_watch")
+            if self.drift.cpuset_watch_s > 0
+            else None
+        )
         try:
             next_at = time.monotonic()
             while not self.stopping.is_set():
@@ -155,13 +157,14 @@ class CheckLoop:
                 except TimeoutError:
                     pass
         finally:
-            watch.cancel()
+            if watch is not None:
+                watch.cancel()
 
     async def watch_allowed(self) -> None:
-        """Read the allowed set every ALLOWED_WATCH_S; a change wakes the loop at once."""
+        """Read the allowed set every `cpuset_watch_s`; a change wakes the loop at once."""
         loop = asyncio.get_running_loop()
         while not self.stopping.is_set():
-            await asyncio.sleep(ALLOWED_WATCH_S)
+            await asyncio.sleep(self.drift.cpuset_watch_s)
             node_ids = [n.id for n in self.store.snapshot.topology.nodes]
             try:
                 now = await loop.run_in_executor(self.executor, read_allowed, self.fs, node_ids)

@@ -92,6 +92,7 @@ def settle(
     state = decision.state
     failures = dict(state.failures)
     placed: dict[int, str] | None = None
+    bound: dict[int, tuple[int, ...]] = {}
     new_failures: list[Failure] = []
     fixed: set[str] = set()
     failed: set[str] = set()
@@ -115,8 +116,9 @@ def settle(
             continue
         failures.pop(("thread", f"tid {b.tid}"), None)
         if placed is None:
-            placed = dict(state.placed)
+            placed, bound = dict(state.placed), dict(state.bound)
         placed[b.tid] = b.role
+        bound[b.tid] = out.kept
         fixed.add(f"tid {b.tid}")
         kept_by_tid[b.tid] = out.kept
         rebound.setdefault(b.reason, []).append(b)
@@ -172,6 +174,7 @@ def settle(
         replace(
             state,
             placed=state.placed if placed is None else placed,
+            bound=state.bound if placed is None else bound,
             failures=failures,
             migrate_after=migrate_after,
             last_move=last_move,

@@ -165,6 +165,20 @@ def test_thread_rows(row: tuple[Any, ...]) -> None:
         assert b.start_time == b.tid * 10
 
 
+def test_a_thread_narrowed_by_our_own_bind_is_not_a_workload_pin() -> None:
+    # We bound tid 100 to CPU 0 under an older plan; main is 0-1 again now.
+    ours = RepairState(placed={100: "main"}, bound={100: (0,)})
+    d = run(observation((thread(100, "main", (0,)),)), ours, policy(cause="cpuset_changed"))
+    assert [(b.tid, b.cpus, b.reason) for b in d.binds] == [(100, (0, 1), "cpuset_changed")]
+    # The workload's own pin (not what we set) stays respected.
+    theirs = RepairState(placed={100: "main"}, bound={100: (0, 1)})
+    assert run(observation((thread(100, "main", (0,)),)), theirs).binds == ()
+    # A successful bind is remembered; a gone thread is forgotten.
+    s = settle(d, Outcomes({100: Outcome(kept=(0, 1))}), policy(), NOW)
+    assert s.state.bound == {100: (0, 1)}
+    assert run(observation(()), s.state).state.bound == {}
+
+
 def test_threads_on_their_cpus_become_placed_and_gone_ones_are_forgotten() -> None:
     d = run(observation((MAIN_OK, thread(102, "comm", (2,)))), PLACED)
     assert dict(d.state.placed) == {100: "main", 102: "comm"}  # 101 exited
