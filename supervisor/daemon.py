@@ -43,7 +43,7 @@ from supervisor.topology.discover import read_topology, reread_cpus
 from supervisor.topology.model import Topology
 from supervisor.watch.cpuset import Replanner
 from supervisor.watch.irqs import IrqKeeper
-from supervisor.watch.loop import CheckLoop, healthz_stale_after_s
+from supervisor.watch.loop import CheckLoop
 
 try:  # uvloop where it is installed; asyncio's own loop otherwise
     import uvloop as _uvloop
@@ -192,7 +192,8 @@ class Daemon:
             installed.append(signum)
         watchdog: asyncio.Task[None] | None = None
         try:
-            await self._start_api()
+            self.checker = self._check_loop(self.rt)
+            await self._start_api(self.checker.stale_after_s)
             self.irq_task = asyncio.create_task(self._apply_irqs(), name="irq_apply")
             self.runners = [Runner(self.rt, spec) for spec in self.specs]
             engine = next((r for r in self.runners if r.key == "engine"), None)
@@ -208,7 +209,6 @@ class Daemon:
             # compare against them), not once every process is up: an engine
             # can take many minutes to load a model, and its threads, the
             # workers waiting on it, and /healthz all need checking meanwhile.
-            self.checker = self._check_loop(self.rt)
             await first_of(self.irq_task, self.rt.stopping.wait())
             if not self.rt.stopping.is_set() and self.check_loop:
                 self.check_task = asyncio.create_task(
@@ -230,11 +230,10 @@ class Daemon:
             self.notifier.close()
         return 1 if self.failed else 0
 
-    async def _start_api(self) -> None:
+    async def _start_api(self, stale_after_s: float) -> None:
         if not self.want_api:
             return
         actions: Actions = self.actions
-        stale_after_s = healthz_stale_after_s(self.config.drift)
         server = ApiServer(
             self.store, actions, self.config.api, self.listen, stale_after_s=stale_after_s
         )

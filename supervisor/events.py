@@ -113,10 +113,19 @@ class Recorder:
             ),
         )
 
-    def error(self, message: str, error: str, *, what: str = "check", action: str) -> None:
-        """A failure of the loop itself (not of one bind): an event and an error line."""
+    def error(
+        self, message: str, error: str, *, what: str, exc: BaseException | None = None
+    ) -> None:
+        """A failure of the loop itself, not of one bind: an event and a log line
+        (at ERROR with the traceback of `exc` when given)."""
         self.store.emit("error", None, message, error=error)
-        self.log.warning("%s failed %s", what, format_fields(error=error, action=action))
+        action = "retry" if what == "check" else "skip"
+        if exc is not None:
+            self.log.error(
+                "%s failed %s", what, format_fields(error=error, action=action), exc_info=exc
+            )
+        else:
+            self.log.warning("%s failed %s", what, format_fields(error=error, action=action))
 
     # -- drift ------------------------------------------------------------------------
 

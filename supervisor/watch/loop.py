@@ -53,12 +53,6 @@ from supervisor.watch.settle import Outcomes, drift_outcomes, moved_by_plan, not
 log = logging.getLogger("placement_supervisor.checker")
 
 
-def healthz_stale_after_s(drift: DriftConfig) -> float:
-    """/healthz turns 503 when no check finished for this long: a few missed
-    intervals, but never less than a slow numa_maps pass needs."""
-    return max(30.0, 5 * drift.check_interval_s, 2 * drift.numa_maps_interval_s)
-
-
 class CheckLoop:
     """The check loop of one daemon; `run()` is its long-running task.
 
@@ -118,6 +112,12 @@ class CheckLoop:
         self.can_migrate_other = self.binder.can_migrate_other()
         self._errors: dict[str, str | None] = {}  # what -> the last error said
 
+    @property
+    def stale_after_s(self) -> float:
+        """/healthz turns 503 when no check finished for this long: a few missed
+        intervals, but never less than a slow numa_maps pass needs."""
+        return max(30.0, 5 * self.policy.check_interval_s, 2 * self.drift.numa_maps_interval_s)
+
     # -- the loop -------------------------------------------------------------------
 
     async def run(self) -> None:
@@ -147,8 +147,7 @@ class CheckLoop:
                 except Exception as err:  # one bad pass must not end checking
                     text = f"{type(err).__name__}: {err}"
                     if self._said("check", text):
-                        log.exception("check failed %s", format_fields(error=text, action="retry"))
-                        self.store.emit("error", None, f"check failed: {text}", error=text)
+                        self.record.error(f"check failed: {text}", text, what="check", exc=err)
                 next_at = max(next_at + interval, time.monotonic())  # no burst after a slow pass
                 self.wake.clear()
                 try:
@@ -213,10 +212,7 @@ class CheckLoop:
             self._irq_facts()
             for what, text in (("allowed CPUs", result.host_error), ("IRQs", result.irq_error)):
                 if self._said(what, text) and text is not None:
-                    log.warning(
-                        "observe failed %s", format_fields(what=what, error=text, action="skip")
-                    )
-                    self.store.emit("error", None, f"cannot observe {what}: {text}", error=text)
+                    self.record.error(f"cannot observe {what}: {text}", text, what="observe")
         return result
 
     async def _apply(self, decisions: Sequence[Decision]) -> list[Outcomes]:
