@@ -83,8 +83,8 @@ class DriftConfig:
     local_memory_threshold: float = 0.9
     migrate_max_bytes_per_s: int = 1 << 30
     enforce_pinned: bool = False  # re-bind threads the workload pinned inside their role
-    # The allowed set (cpuset, hotplug) is read this often apart from the full
-    # check, which runs at once on a change; 0 leaves it to the full check.
+    # The loop's own CPU mask (cpuset writes, hotplug) is read this often apart
+    # from the full check, which runs at once on a change; 0: only the check.
     cpuset_watch_s: float = 0.05
     policy: Mapping[str, DriftPolicy] = field(
         default_factory=lambda: {

@@ -226,9 +226,9 @@ def decide(
             is_drift = state.placed.get(tid) == thread.role
             # A thread never seen on its role's CPUs is bound as a new thread
             # (a thread_role rebind), not counted as drift; under observe
-            # nothing binds it, so there it is drift all the same. A new plan's
-            # binds are no drift either.
-            if (is_drift or f.action != "enforce") and policy.cause != "cpuset_changed":
+            # nothing binds it, so there it is drift all the same. (A new
+            # plan's binds are no drift either: see `reported` below.)
+            if is_drift or f.action != "enforce":
                 reported.add((f.kind, f.target))
             if f.action == "enforce":
                 reason: RebindReason = (

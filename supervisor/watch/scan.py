@@ -6,8 +6,8 @@ process); `scan(...)` reads, for each `ScanTarget`, the process's threads (throu
 memory.numa_stat when it has one, else numa_maps when due), its planned IRQs
 (through the IRQ keeper), and the supervisor's own allowed CPUs and nodes
 with the online CPUs. It returns an immutable `ScanResult`; the loop decides
-on it (supervisor.watch.decide). `read_allowed` is the small read the fast
-cpuset watch repeats on its own period.
+on it (supervisor.watch.decide). `read_allowed` is the allowed set alone
+(the fast cpuset watch reads it on fixture trees).
 """
 
 from __future__ import annotations
