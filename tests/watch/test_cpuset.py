@@ -96,3 +96,37 @@ def test_v1_cpuset_shrink_and_grow_replan_and_rebind(tmp_path: Path) -> None:
             said[e["rank"]] = said.get(e["rank"], 0) + e["fields"]["threads"]
         assert counted == said, (counted, said, rebinds)
         assert counted.get("0", 0) >= 2, counted  # rank 0 moved 0 -> 1 -> 0, every thread
+
+
+@pytest.mark.timeout(120)
+def test_the_cpuset_watch_replans_long_before_the_next_check(tmp_path: Path) -> None:
+    why = v1_available()
+    if why is not None:
+        pytest.skip(why)
+    # Checks every 60 s: only the fast watch can see the change within the poll.
+    with confined_daemon(tmp_path, "watch", interval_s=60.0, cpuset_watch_s=0.05) as (daemon, cg):
+        poll(
+            lambda: (d := daemon.placement()) and len(rank_pids(d)) == 2 and d,
+            30,
+            what="both ranks running",
+        )
+        poll(
+            lambda: thread_cpus_as_planned(daemon.placement() or {}, {0: "0", 1: "1"}),
+            30,
+            what="start placement",
+        )
+        checks = (daemon.placement() or {})["supervisor"]["checks"]
+        write_v1_cpus(cg, {1})
+        doc = poll(
+            lambda: (d := daemon.placement()) and thread_cpus_as_planned(d, {0: "1", 1: "1"}) and d,
+            20,
+            what="re-planned onto CPU 1 by the watch",
+        )
+        assert doc["supervisor"]["cpuset_changes"] == 1
+        assert doc["supervisor"]["checks"] <= checks + 2  # the watch's pass, not the schedule
+        write_v1_cpus(cg, {0, 1})
+        poll(
+            lambda: thread_cpus_as_planned(daemon.placement() or {}, {0: "0", 1: "1"}),
+            20,
+            what="back on their own CPUs",
+        )
