@@ -145,11 +145,7 @@ class Applier:
             return Outcome(
                 error=KernelError(f"irqs of {key_label(key)}", OSError(errno.EIO, str(err)))
             )
-        bound = tuple(
-            (int(getattr(o, "irq", -1)), tuple(getattr(o, "cpus", ())))
-            for o in outcomes
-            if getattr(o, "status", None) == "bound"
-        )
+        bound = tuple((o.irq, o.cpus) for o in outcomes if o.status == "bound")
         return Outcome(irqs_bound=bound)
 
     # -- a new plan ------------------------------------------------------------------

@@ -34,12 +34,23 @@ from supervisor.watch.observe import (
 )
 
 
+class IrqOutcomeLike(Protocol):
+    """One IRQ re-write (supervisor.watch.irqs.IrqOutcome)."""
+
+    @property
+    def irq(self) -> int: ...
+    @property
+    def status(self) -> str: ...
+    @property
+    def cpus(self) -> tuple[int, ...]: ...
+
+
 class IrqKeeperLike(Protocol):
     """What the loop needs of `supervisor.watch.irqs.IrqKeeper` (blocking; run in the executor)."""
 
     def observe(self) -> Mapping[ProcKey, tuple[IrqObservation, ...]]: ...
 
-    def enforce(self, key: ProcKey) -> Iterable[object]: ...
+    def enforce(self, key: ProcKey) -> Sequence[IrqOutcomeLike]: ...
 
     def replan(self, placement: Placement, topology: Topology | None = None) -> object: ...
 
