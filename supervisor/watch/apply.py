@@ -28,7 +28,7 @@ from supervisor.plan.placement import Slot
 from supervisor.plan.replan import AllowedSet
 from supervisor.state import ProcKey, key_label
 from supervisor.watch.decide import Decision, MemoryMove, ThreadBind
-from supervisor.watch.observe import is_thread_of, read_thread_start
+from supervisor.watch.identity import is_thread_of, read_thread_start
 from supervisor.watch.scan import IrqKeeperLike
 from supervisor.watch.settle import Outcome, Outcomes
 

@@ -3,8 +3,8 @@
 Every `check_interval_s` one pass (`CheckLoop.check_once`): the reads of
 supervisor.watch.scan in the executor, one pure `decide.decide` per process,
 the binds of supervisor.watch.apply in the executor, then `settle.settle` and
-publication in the `StateStore` through the one `events.Recorder` (on the
-loop: the store's single writer). The policy is in decide; this module holds
+supervisor.watch.publish: the `StateStore` through the one `events.Recorder`
+(on the loop: the store's single writer). The policy is in decide; this module holds
 none. A change of the supervisor's allowed set (cpuset write, CPU hotplug),
 seen by the pass or by the fast watch (`watch_allowed`, one syscall every
 `[drift] cpuset_watch_s`), re-plans (supervisor.plan.replan) and sends the moved
@@ -39,6 +39,7 @@ from supervisor.state import Finding, Observation, ProcKey, StateStore, key_labe
 from supervisor.watch.apply import Applier, CgroupsLike
 from supervisor.watch.cpuset import Moved, Replanner, Replanning
 from supervisor.watch.decide import Cause, Decision, Policy, Seen, after_replan, decide
+from supervisor.watch.publish import publish_down, record_settled, summary_of
 from supervisor.watch.scan import (
     IrqKeeperLike,
     ScanResult,
@@ -51,8 +52,6 @@ from supervisor.watch.scan import (
 )
 from supervisor.watch.settle import (
     Outcomes,
-    Settled,
-    drift_outcomes,
     moved_by_plan,
     note_failure,
     settle,
@@ -338,69 +337,17 @@ class CheckLoop:
         tracked = self.tracked[key]
         s = settle(d, out, policy, now, can_migrate_other=self.can_migrate_other)
         tracked.state = s.state
-        self._record(key, d, s, out)
-        self.record.drift(key, d.new_drift, drift_outcomes(d.new_drift, s.fixed, s.failed))
+        record_settled(self.record, d, s, out)
         results[key] = (s.observation, s.remaining)
         self.down_reported.discard(key)
-        return {
-            "pid": tracked.pid,
-            "state": "running",
-            "findings": [f.to_doc() for f in d.findings],
-            "threads_rebound": sum(len(b) for b in s.rebound.values()),
-            "memory_migrations": len(s.migrated),
-            "irqs_rebound": s.irqs_rebound,
-            "failed": sorted(s.failed),
-            "drift": [f.to_doc() for f in s.remaining],
-        }
-
-    def _record(
-        self, key: ProcKey, d: Decision, s: Settled, out: Outcomes, by_plan: int = 0
-    ) -> None:
-        """Every fact of one settled decision, through the recorder."""
-        for reason, done in s.rebound.items():
-            self.record.threads_rebound(
-                key, reason, done, by_cgroup=by_plan if reason == "cpuset_changed" else 0
-            )
-        if by_plan and "cpuset_changed" not in s.rebound:
-            self.record.threads_rebound(key, "cpuset_changed", (), by_cgroup=by_plan)
-        for m, left in s.migrated:
-            self.record.memory_migrated(
-                key,
-                pid=m.pid,
-                reason=m.reason,
-                from_nodes=m.from_nodes,
-                to_nodes=m.to_nodes,
-                remote_bytes=m.remote_bytes,
-                ratio=m.ratio,
-                pages_left=left,
-            )
-        if d.irq_reason is not None and out.irqs is not None:
-            for irq, cpus in out.irqs.irqs_bound:
-                self.record.irq_rebound(key, d.irq_reason, irq, cpus)
-        for f in s.failures:
-            self.record.bind_failed(key, f.target, f.reason, f.message, what=f.what)
+        return summary_of(tracked.pid, d, s)
 
     def _publish_down(
         self, only: ProcKey | None, results: dict[ProcKey, tuple[Observation, tuple[Finding, ...]]]
     ) -> dict[str, Any]:
-        """Planned processes that are not running: a process_gone finding, counted once."""
-        out: dict[str, Any] = {}
         if self.stopping.is_set():
-            return out
-        for key, status, _ in self.supervised():
-            if (only is not None and key != only) or status.state not in (
-                "backoff",
-                "failed",
-                "stopped",
-            ):
-                continue
-            finding = Finding("process_gone", "process", "running", status.state)
-            if key not in self.down_reported:
-                self.down_reported.add(key)
-                self.record.process_down(key, status.state)
-            results[key] = (Observation(observed_at=time.time()), (finding,))
-            out[key_label(key)] = {"state": status.state, "findings": [finding.to_doc()]}
-        return out
+            return {}
+        return publish_down(self.record, self.supervised(), self.down_reported, only, results)
 
     def _fail_once(self, key: ProcKey, tracked: Tracked, what: str, message: str) -> None:
         tracked.state, new = note_failure(tracked.state, "process", what, "error")
@@ -475,12 +422,4 @@ class CheckLoop:
             by_plan = moved_by_plan(
                 moved.slot(d.key, old=True), moved.slot(d.key), d.observation, d.binds
             )
-            self._record(d.key, d, s, out, by_plan)
-            if not s.rebound and not by_plan:
-                self.record.note(
-                    "rebind",
-                    d.key,
-                    f"{key_label(d.key)}: moved with the new plan; no thread needed a re-bind",
-                    reason="cpuset_changed",
-                    threads=0,
-                )
+            record_settled(self.record, d, s, out, moved=True, by_plan=by_plan)
