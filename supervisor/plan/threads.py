@@ -12,7 +12,7 @@ themselves are decided in one place, supervisor.watch.decide.
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Literal
 
@@ -37,7 +37,7 @@ class LiveThread:
     tid: int
     name: str
     cpus: tuple[int, ...]
-    start_time: int | None = None
+    start_time: int | None = field(default=None, compare=False)  # who, not what it is
 
 
 def role_for_thread(name: str, process: ProcessKind, roles: Sequence[ThreadRole]) -> str:

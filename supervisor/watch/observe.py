@@ -103,10 +103,9 @@ def read_threads(fs: HostFS, pid: int, method: ThreadReadMethod = "auto") -> lis
         if method == "syscall":
             name = _read_comm(fs, pid, tid)
             cpus = _affinity(tid) if name is not None else None
-            start = read_thread_start(fs, pid, tid) if cpus is not None else None
-            if name is None or cpus is None or start is None:
+            if name is None or cpus is None:
                 continue
-            out.append(LiveThread(tid, name, cpus, start))
+            out.append(LiveThread(tid, name, cpus))
             continue
         try:
             text = fs.read_text(f"proc/{pid}/task/{tid}/status")
