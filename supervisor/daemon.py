@@ -333,8 +333,10 @@ class Daemon:
         except asyncio.CancelledError:
             raise
         except Exception as err:  # the check loop failing must not take the workers down
-            log.exception("check loop died error=%r action=continue unchecked", err)
-            self.store.emit("error", None, f"check loop died: {err!r}")
+            self.recorder.error(
+                f"check loop died: {err!r}", repr(err), what="check loop",
+                action="continue unchecked", exc=err,
+            )  # fmt: skip
 
     async def _apply_irqs(self) -> None:
         """The devices' IRQs onto their ranks' irq CPUs (blocking writes: the executor)."""
@@ -342,8 +344,10 @@ class Daemon:
         try:
             await loop.run_in_executor(self.runtime.executor, self.irq_keeper.apply)
         except Exception as err:  # IRQs degrade alone, never the workers
-            log.exception("irq apply failed error=%r action=continue without", err)
-            self.store.emit("error", None, f"IRQ binding failed: {err!r}")
+            self.recorder.error(
+                f"IRQ binding failed: {err!r}", repr(err), what="irq apply",
+                action="continue without", exc=err,
+            )  # fmt: skip
         finally:
             self.recorder.facts(self.irq_keeper.take_facts())
 

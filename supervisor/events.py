@@ -114,12 +114,17 @@ class Recorder:
         )
 
     def error(
-        self, message: str, error: str, *, what: str, exc: BaseException | None = None
+        self,
+        message: str,
+        error: str,
+        *,
+        what: str,
+        action: str,
+        exc: BaseException | None = None,
     ) -> None:
-        """A failure of the loop itself, not of one bind: an event and a log line
+        """A failure of a task itself, not of one bind: an event and a log line
         (at ERROR with the traceback of `exc` when given)."""
         self.store.emit("error", None, message, error=error)
-        action = "retry" if what == "check" else "skip"
         if exc is not None:
             self.log.error(
                 "%s failed %s", what, format_fields(error=error, action=action), exc_info=exc

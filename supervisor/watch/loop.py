@@ -154,7 +154,9 @@ class CheckLoop:
                 except Exception as err:  # one bad pass must not end checking
                     text = f"{type(err).__name__}: {err}"
                     if self._said("check", text):
-                        self.record.error(f"check failed: {text}", text, what="check", exc=err)
+                        self.record.error(
+                            f"check failed: {text}", text, what="check", action="retry", exc=err
+                        )
                 next_at = max(next_at + interval, time.monotonic())  # no burst after a slow pass
                 self.wake.clear()
                 try:
@@ -233,7 +235,9 @@ class CheckLoop:
             self._irq_facts()
             for what, text in (("allowed CPUs", result.host_error), ("IRQs", result.irq_error)):
                 if self._said(what, text) and text is not None:
-                    self.record.error(f"cannot observe {what}: {text}", text, what="observe")
+                    self.record.error(
+                        f"cannot observe {what}: {text}", text, what="observe", action="skip"
+                    )
         return result
 
     async def _apply(self, decisions: Sequence[Decision]) -> list[Outcomes]:
