@@ -257,6 +257,7 @@ class Recorder:
             from_nodes=list(from_nodes),
             to_nodes=list(to_nodes),
             remote_bytes=remote_bytes,
+            ratio=ratio,
             pages_left=pages_left,
         )
         self.log.info(
