@@ -97,6 +97,9 @@ class DriftConfig:
     local_memory_threshold: float = 0.9
     migrate_max_bytes_per_s: int = 1 << 30
     enforce_pinned: bool = False  # re-bind threads the workload pinned inside their role
+    # The loop's own CPU mask (cpuset writes, hotplug) is read this often apart
+    # from the full check, which runs at once on a change; 0: only the check.
+    cpuset_watch_s: float = 0.05
     policy: Mapping[str, DriftPolicy] = field(
         default_factory=lambda: {
             "thread_affinity": "enforce",
@@ -472,6 +475,7 @@ def _drift(t: _Table) -> DriftConfig:
         local_memory_threshold=threshold,
         migrate_max_bytes_per_s=t.integer("migrate_max_bytes_per_s", d.migrate_max_bytes_per_s, 0),
         enforce_pinned=t.flag("enforce_pinned", d.enforce_pinned),
+        cpuset_watch_s=t.number("cpuset_watch_s", d.cpuset_watch_s, 0.0),
         policy=policy,
     )
     t.done()

@@ -61,21 +61,6 @@ def format_cpulist(ids: Iterable[int]) -> str:
     return ",".join(parts)
 
 
-def parse_mask(text: str) -> frozenset[int]:
-    """Parse a kernel hex mask "ff,00000001" (most significant word first)."""
-    body = text.strip().replace(",", "")
-    if not body:
-        return frozenset()
-    if len(body) * 4 > MAX_ID:  # each hex digit is 4 ids
-        raise ValueError(f"hex mask wider than {MAX_ID} bits: {body[:80]!r}...")
-    try:
-        value = int(body, 16)
-    except ValueError:
-        raise ValueError(f"bad hex mask {text.strip()!r}") from None
-    bits = bin(value)[:1:-1]  # least significant first; one pass, not a shift per bit
-    return frozenset(i for i, bit in enumerate(bits) if bit == "1")
-
-
 def format_mask(ids: Iterable[int]) -> str:
     """Format ids as a kernel hex mask in 32-bit words ("00000003"; empty -> "0")."""
     value = 0

@@ -25,9 +25,6 @@ from concurrent.futures import ThreadPoolExecutor
 from types import MappingProxyType
 from typing import Any, Protocol
 
-import uvloop
-
-from supervisor.bind.binder import Binder, ProcessBind
 from supervisor.bind.cgroup import CgroupManager, ProcessCgroup, detect_cgroup_setup
 from supervisor.config import (
     Config,
@@ -36,8 +33,8 @@ from supervisor.config import (
     load_config,
     read_token_file,
 )
-from supervisor.cpulist import format_cpulist
 from supervisor.errors import ConfigError, KernelError, SupervisorError
+from supervisor.events import Recorder
 from supervisor.hostfs import HostFS
 from supervisor.logs import format_fields, setup_logging
 from supervisor.plan.placement import Placement, Slot
@@ -45,17 +42,24 @@ from supervisor.plan.planner import plan
 from supervisor.plan.render import render_plan_table
 from supervisor.run import users
 from supervisor.run.instance_lock import hold_instance_lock
-from supervisor.run.procs import is_same_process
 from supervisor.run.runner import ProcessCgroups, Runner, Runtime, first_of
 from supervisor.run.sdnotify import Notifier, watchdog_interval_s
 from supervisor.run.spec import ChildSpec, build_specs, child_env, resolve_python, worker_argv
 from supervisor.serve.routes import Actions
 from supervisor.serve.server import ApiServer
 from supervisor.state import ProcessStatus, ProcKey, Snapshot, StateStore, key_label
-from supervisor.topology.discover import read_topology
+from supervisor.topology.discover import read_topology, reread_cpus
 from supervisor.topology.model import Topology
-from supervisor.watch.checker import check_loop as default_check_loop
+from supervisor.watch.cpuset import Replanner
 from supervisor.watch.irqs import IrqKeeper
+from supervisor.watch.loop import CheckLoop
+
+try:  # uvloop where it is installed; asyncio's own loop otherwise
+    import uvloop as _uvloop
+
+    new_uvloop: Callable[[], asyncio.AbstractEventLoop] | None = _uvloop.new_event_loop
+except ImportError:  # tests/test_daemon.py runs this branch in a subprocess
+    new_uvloop = None
 
 # Names that moved to `supervisor.run.spec` and `supervisor.run.runner`, still importable here.
 __all__ = [
@@ -87,11 +91,6 @@ class Server(Protocol):
     async def stop(self) -> None: ...
 
 
-CheckLoop = Callable[["Daemon"], Awaitable[None]]
-"""The drift/observation loop, started after READY (`run_command` passes
-supervisor.watch.checker's; None runs without one)."""
-
-
 # -- the daemon -------------------------------------------------------------------
 
 
@@ -109,7 +108,7 @@ class Daemon:
         fs: HostFS | None = None,
         cgroups: ProcessCgroups | None = None,
         notifier: Notifier | None = None,
-        check_loop: CheckLoop | None = None,
+        check_loop: bool = False,
         api: bool = True,
     ) -> None:
         self.config = config
@@ -118,7 +117,8 @@ class Daemon:
         self.listen = listen
         self.env = dict(os.environ if env is None else env)
         self.notifier = notifier if notifier is not None else Notifier.from_env(self.env)
-        self.check_loop = check_loop
+        self.check_loop = check_loop  # run the check loop (POST /rebind works either way)
+        self.checker: CheckLoop | None = None
         self.check_task: asyncio.Task[None] | None = None
         self.want_api = api
         self.server: Server | None = None
@@ -140,17 +140,16 @@ class Daemon:
         self.fs = fs if fs is not None else HostFS("/")
         self.cgroups = cgroups
         # The devices' IRQs (supervisor.watch.irqs): applied while the ranks start, put
-        # back after they stop. The check loop observes and enforces through it
-        # and counts its re-writes itself (rebinds{reason="irq_affinity"}).
-        self.irq_keeper = IrqKeeper(
-            self.fs, self.store, topology, placement, config.irq, count_rebinds=False
-        )
+        # back after they stop. The check loop observes and enforces through it;
+        # what the keeper saw or did is recorded here, on the loop.
+        self.irq_keeper = IrqKeeper(self.fs, topology, placement, config.irq)
+        self.recorder = Recorder(self.store)
         self.irq_task: asyncio.Task[None] | None = None
         self.runners: list[Runner] = []
         self.rt: Runtime | None = None
         self.signals_received = 0
         self.failed = False  # a supervision task died: the daemon exits 1
-        self.actions = DaemonActions(self)  # the API's; the drift step may set its rebinder
+        self.actions = DaemonActions(self)  # the API's
         self._ready_sent = False
         self._last_status = ""
         self._was_ready = False
@@ -208,8 +207,8 @@ class Daemon:
             installed.append(signum)
         watchdog: asyncio.Task[None] | None = None
         try:
-            await self._start_api()
-            self.irq_keeper.attach_loop(loop)
+            self.checker = self._check_loop(self.rt)
+            await self._start_api(self.checker.stale_after_s)
             self.irq_task = asyncio.create_task(self._apply_irqs(), name="irq_apply")
             self.runners = [Runner(self.rt, spec) for spec in self.specs]
             engine = next((r for r in self.runners if r.key == "engine"), None)
@@ -226,9 +225,9 @@ class Daemon:
             # can take many minutes to load a model, and its threads, the
             # workers waiting on it, and /healthz all need checking meanwhile.
             await first_of(self.irq_task, self.rt.stopping.wait())
-            if not self.rt.stopping.is_set() and self.check_loop is not None:
+            if not self.rt.stopping.is_set() and self.check_loop:
                 self.check_task = asyncio.create_task(
-                    self._run_check_loop(self.check_loop), name="check_loop"
+                    self._run_check_loop(self.checker), name="check_loop"
                 )
             await self._wait_started()
             if not self.rt.stopping.is_set():
@@ -246,14 +245,10 @@ class Daemon:
             self.notifier.close()
         return 1 if self.failed else 0
 
-    async def _start_api(self) -> None:
+    async def _start_api(self, stale_after_s: float) -> None:
         if not self.want_api:
             return
         actions: Actions = self.actions
-        drift = self.config.drift
-        # /healthz turns 503 when no check finished for this long: a few
-        # missed intervals, but never less than a slow numa_maps pass needs.
-        stale_after_s = max(30.0, 5 * drift.check_interval_s, 2 * drift.numa_maps_interval_s)
         server = ApiServer(
             self.store, actions, self.config.api, self.listen, stale_after_s=stale_after_s
         )
@@ -356,14 +351,34 @@ class Daemon:
                 self.notifier.watchdog()
             await asyncio.sleep(interval_s)
 
-    async def _run_check_loop(self, check_loop: CheckLoop) -> None:
+    def _check_loop(self, rt: Runtime) -> CheckLoop:
+        """The check loop with exactly the collaborators it uses."""
+        fs = self.fs
+        return CheckLoop(
+            store=self.store,
+            fs=fs,
+            executor=rt.executor,
+            drift=self.config.drift,
+            roles=self.config.threads,
+            supervised=lambda: [(r.key, r.status, r.spec.slot) for r in self.runners],
+            stopping=rt.stopping,
+            irqs=self.irq_keeper,
+            cgroups=self.cgroups if isinstance(self.cgroups, ManagedCgroups) else None,
+            replanner=Replanner(
+                lambda old: reread_cpus(fs, old), self.config.placement, self.replace_placement
+            ),
+        )
+
+    async def _run_check_loop(self, checker: CheckLoop) -> None:
         try:
-            await check_loop(self)
+            await checker.run()
         except asyncio.CancelledError:
             raise
         except Exception as err:  # the check loop failing must not take the workers down
-            log.exception("check loop died error=%r action=continue unchecked", err)
-            self.store.emit("error", None, f"check loop died: {err!r}")
+            self.recorder.error(
+                f"check loop died: {err!r}", repr(err), what="check loop",
+                action="continue unchecked", exc=err,
+            )  # fmt: skip
 
     async def _apply_irqs(self) -> None:
         """The devices' IRQs onto their ranks' irq CPUs (blocking writes: the executor)."""
@@ -371,8 +386,12 @@ class Daemon:
         try:
             await loop.run_in_executor(self.runtime.executor, self.irq_keeper.apply)
         except Exception as err:  # IRQs degrade alone, never the workers
-            log.exception("irq apply failed error=%r action=continue without", err)
-            self.store.emit("error", None, f"IRQ binding failed: {err!r}")
+            self.recorder.error(
+                f"IRQ binding failed: {err!r}", repr(err), what="irq apply",
+                action="continue without", exc=err,
+            )  # fmt: skip
+        finally:
+            self.recorder.facts(self.irq_keeper.take_facts())
 
     async def _restore_irqs(self) -> None:
         """Original IRQ affinities back, once any apply still in flight has finished."""
@@ -384,6 +403,8 @@ class Daemon:
             await loop.run_in_executor(self.runtime.executor, self.irq_keeper.restore)
         except Exception as err:  # best effort: the stop goes on
             log.exception("irq restore failed error=%r action=continue", err)
+        finally:
+            self.recorder.facts(self.irq_keeper.take_facts())
 
     async def _shutdown(self) -> None:
         assert self.rt is not None
@@ -426,77 +447,18 @@ class DaemonActions:
 
     def __init__(self, daemon: Daemon) -> None:
         self.daemon = daemon
-        # Replaced by the drift step with its own re-apply; None: re-apply the
-        # process affinity of the plan (the shim's binding, after the fact).
-        self.rebinder: Callable[[ProcKey | None], Awaitable[dict[str, Any]]] | None = None
 
     async def rebind(self, rank: ProcKey | None) -> dict[str, Any]:
+        """One enforcing pass of the check loop now (the one rebind path)."""
         if rank is not None:
             self.daemon.runner(rank)  # KeyError -> 404
-        if self.rebinder is not None:
-            return await self.rebinder(rank)
-        return await rebind_processes(self.daemon, rank, "api")
+        checker = self.daemon.checker
+        if checker is None:
+            raise SupervisorError("the supervisor is not running")
+        return await checker.rebind(rank)
 
     async def restart(self, rank: ProcKey) -> dict[str, Any]:
         return await self.daemon.restart_rank(rank)
-
-
-async def rebind_processes(daemon: Daemon, rank: ProcKey | None, reason: str) -> dict[str, Any]:
-    """Re-apply every thread's planned process CPUs (the whole slot) to live processes."""
-    rt = daemon.runtime
-    if rt.stopping.is_set():
-        raise SupervisorError("the supervisor is stopping")
-    binder = Binder(rt.fs)
-    loop = asyncio.get_running_loop()
-    results: dict[str, Any] = {}
-    for r in daemon.runners:
-        if rank is not None and r.key != rank:
-            continue
-        status = r.status
-        if r.child is None or status.pid is None:
-            results[r.label] = {"state": status.state, "rebound": False}
-            continue
-        pid = status.pid
-
-        def bind(
-            pid: int = pid,
-            start_time: int | None = status.start_time,
-            cpus: tuple[int, ...] = r.spec.slot.cpus,
-        ) -> ProcessBind | None:
-            # The pid may have been reaped and reused since the status was
-            # read: bind only the process that started then (pid + start time).
-            if start_time is not None and not is_same_process(rt.fs, pid, start_time):
-                return None
-            return binder.set_process_affinity(pid, cpus)
-
-        try:
-            done = await loop.run_in_executor(rt.executor, bind)
-        except KernelError as err:
-            r.record_bind_failure("process", err.reason, str(err))
-            results[r.label] = {"pid": pid, "rebound": False, "error": str(err)}
-            continue
-        if done is None:
-            results[r.label] = {"pid": pid, "rebound": False, "error": "process gone"}
-            continue
-        for tid, failure in done.failed.items():
-            r.record_bind_failure("thread", failure.reason, f"tid {tid}: {failure}")
-        rt.store.count("rebinds", (r.label, reason))
-        rt.store.emit(
-            "rebind",
-            r.key,
-            f"{r.label}: re-bound {len(done.bound)} threads to {format_cpulist(r.spec.slot.cpus)}",
-            pid=pid,
-            threads=len(done.bound),
-            failed=len(done.failed),
-            reason=reason,
-        )
-        results[r.label] = {
-            "pid": pid,
-            "rebound": done.ok,
-            "threads": len(done.bound),
-            "failed": len(done.failed),
-        }
-    return {"reason": reason, "processes": results}
 
 
 # -- the command -------------------------------------------------------------------
@@ -630,7 +592,7 @@ def run_command(args: argparse.Namespace) -> int:
         env=env,
         fs=fs,
         cgroups=cgroups_for(config, fs, env),
-        check_loop=default_check_loop,
+        check_loop=True,
     )
     log.info(
         "starting %s",
@@ -644,7 +606,9 @@ def run_command(args: argparse.Namespace) -> int:
 
 def run_loop(main: Awaitable[int]) -> int:
     """Run `main` on a uvloop event loop (asyncio's own where uvloop is missing)."""
-    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    factory: Callable[[], asyncio.AbstractEventLoop] = (
+        asyncio.new_event_loop if new_uvloop is None else new_uvloop
+    )
     with asyncio.Runner(loop_factory=factory) as runner:
         return runner.run(_as_coroutine(main))
 

@@ -100,3 +100,9 @@ _BY_ERRNO: dict[int, type[KernelError]] = {
 def translate_oserror(target: str, err: OSError) -> KernelError:
     """Map an OSError to the domain hierarchy; unknown errnos become KernelError."""
     return _BY_ERRNO.get(err.errno or 0, KernelError)(target, err)
+
+
+def reason_of_errno(number: int | None) -> str:
+    """The metric `reason` (supervisor.state.BindReason) of an errno number: the
+    one errno -> reason table, shared with `translate_oserror`. None: "error"."""
+    return _BY_ERRNO.get(number or 0, KernelError).reason

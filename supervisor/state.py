@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from supervisor.plan.placement import Placement
 from supervisor.topology.model import Topology
@@ -23,10 +23,31 @@ ProcKey = int | Literal["engine"]
 
 ProcessState = Literal["starting", "running", "backoff", "failed", "stopped"]
 MemPolicyStep = Literal["bind", "preferred", "none"]
+
+# -- the vocabulary: every event kind and metric label value, in one place -----------
+
 DriftKind = Literal[
     "thread_affinity", "memory_locality", "irq_affinity", "cpuset_changed", "process_gone"
 ]
 BindTarget = Literal["process", "thread", "memory", "irq", "cgroup"]
+BindReason = Literal["gone", "denied", "invalid", "managed", "error"]
+"""`errors.KernelError.reason`: why a bind failed ("managed" happens on IRQs only)."""
+RebindReason = Literal[
+    "api", "thread_affinity", "thread_role", "memory_locality", "irq_affinity", "cpuset_changed"
+]
+"""Why something was re-bound: the drift kind corrected, a new thread put in its
+role, a new plan after a cpuset change, or POST /rebind."""
+EventKind = Literal[
+    "spawn", "spawn_failed", "exit", "state", "restart", "restart_requested", "not_started",
+    "ready", "ready_failed", "stopping", "error",
+    "bind_failed", "drift", "rebind", "migrate", "cpuset", "plan", "plan_failed",
+    "irq", "irq_moved", "irq_restored", "irqbalance",
+]  # fmt: skip
+DRIFT_KINDS: tuple[DriftKind, ...] = get_args(DriftKind)
+BIND_TARGETS: tuple[BindTarget, ...] = get_args(BindTarget)
+BIND_REASONS: tuple[BindReason, ...] = get_args(BindReason)
+REBIND_REASONS: tuple[RebindReason, ...] = get_args(RebindReason)
+EVENT_KINDS: tuple[EventKind, ...] = get_args(EventKind)
 
 EVENTS_KEPT = 1000
 # The counter label of failures that belong to no process (the instance
@@ -63,6 +84,7 @@ class ThreadObservation:
     name: str
     role: str
     cpus: tuple[int, ...]
+    start_time: int | None = None  # stat field 22: a write checks the tid still names it
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +131,7 @@ class Event:
 
     seq: int
     ts: float  # unix time
-    kind: str  # spawn, exit, state, bind, bind_failed, drift, rebind, cpuset, irq, ...
+    kind: EventKind | ProcessState  # a runner's held state is its own event kind
     key: ProcKey | None
     message: str
     fields: Mapping[str, Any] = field(default_factory=dict)
@@ -227,7 +249,22 @@ class StateStore:
             drift[key] = findings
         self.update(observed=MappingProxyType(observed), drift=MappingProxyType(drift))
 
-    def emit(self, kind: str, key: ProcKey | None, message: str, **fields: Any) -> Event:
+    def finish_check(self, duration_s: float) -> None:
+        """Count one finished check pass that took `duration_s`."""
+        c = self._snapshot.counters
+        self.update(
+            counters=replace(
+                c,
+                checks=c.checks + 1,
+                check_seconds_sum=c.check_seconds_sum + duration_s,
+                last_check_duration_s=duration_s,
+                last_check_at=time.time(),
+            )
+        )
+
+    def emit(
+        self, kind: EventKind | ProcessState, key: ProcKey | None, message: str, **fields: Any
+    ) -> Event:
         self._seq += 1
         event = Event(self._seq, time.time(), kind, key, message, MappingProxyType(fields))
         self._events.append(event)

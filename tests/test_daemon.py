@@ -12,6 +12,8 @@ import json
 import logging
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,7 @@ from supervisor.daemon import (
     child_env,
     prepare,
     resolve_python,
+    run_loop,
     worker_argv,
 )
 from supervisor.hostfs import HostFS
@@ -413,3 +416,25 @@ def test_tcp_probe_reports_refusal_and_stops_when_the_process_exits() -> None:
         assert not gone.ready and gone.detail == "process exited"
 
     loop_debug_run(main)
+
+
+def test_run_loop_falls_back_to_asyncio_without_uvloop() -> None:
+    # A real interpreter where `import uvloop` fails (None in sys.modules makes
+    # the import raise ImportError), as on a host without the wheel.
+    program = (
+        "import sys, asyncio; sys.modules['uvloop'] = None\n"
+        "from supervisor.daemon import run_loop\n"
+        "async def main():\n"
+        "    return 7 if type(asyncio.get_running_loop()).__module__.startswith('asyncio') else 1\n"
+        "sys.exit(run_loop(main()))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 7, done.stderr
+    # And uvloop's where it is installed.
+    assert asyncio.run(_loop_module()) != "" and run_loop(_loop_module()) == "uvloop"
+
+
+async def _loop_module() -> str:
+    return type(asyncio.get_running_loop()).__module__.split(".")[0]

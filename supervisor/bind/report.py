@@ -49,6 +49,10 @@ class ShimReport:
     cgroups: tuple[str, ...] = ()
     cgroup_errors: tuple[str, ...] = ()
     affinity_error: str | None = None
+    # errno numbers of the failures above (0 where the shim had none to give)
+    cgroup_errnos: tuple[int, ...] = ()
+    affinity_errno: int | None = None
+    mempolicy_errno: int | None = None
     pid: int | None = None
     exec_error: str | None = None
     errno: str | None = None
@@ -79,6 +83,13 @@ def _strs(doc: dict[str, Any], key: str) -> tuple[str, ...]:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise ShimReportError(f"shim report: {key!r} must be a list of strings, got {value!r}")
     return tuple(value)
+
+
+def _opt_int(doc: dict[str, Any], key: str) -> int | None:
+    value = doc.get(key)
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+        raise ShimReportError(f"shim report: {key!r} must be an integer or null, got {value!r}")
+    return value
 
 
 def _opt_str(doc: dict[str, Any], key: str) -> str | None:
@@ -125,6 +136,9 @@ def parse_shim_report(data: bytes) -> ShimReport:
         cgroups=_strs(main, "cgroups"),
         cgroup_errors=_strs(main, "cgroup_errors"),
         affinity_error=_opt_str(main, "affinity_error"),
+        cgroup_errnos=_ints(main, "cgroup_errnos"),
+        affinity_errno=_opt_int(main, "affinity_errno"),
+        mempolicy_errno=_opt_int(main, "mempolicy_errno"),
         pid=pid if isinstance(pid, int) else None,
         exec_error=_opt_str(exec_doc, "exec_error"),
         errno=_opt_str(exec_doc, "errno"),

@@ -1,23 +1,22 @@
-"""Thread roles and per-thread affinity plans (pure, no I/O).
+"""Thread roles: which role each thread of a supervised process has (pure, no I/O).
 
 A supervised process's threads are matched to roles by their OS name (comm,
 at most 15 bytes) with the config's `[threads.*]` globs; each thread belongs on
-its role's CPUs (`Slot.role_cpus`). A thread the workload pinned itself to a
-strict subset of its role's CPUs is respected unless `enforce_pinned` says
-otherwise (vllm-ascend's binder re-bound such threads and undid the
-workload's own placement).
+its role's CPUs (`Slot.role_cpus`). `thread_verdict` says whether it is: a
+thread the workload pinned itself to a strict subset of its role's CPUs is
+respected unless `enforce_pinned` says otherwise (vllm-ascend's binder
+re-bound such threads and undid the workload's own placement). The re-binds
+themselves are decided in one place, supervisor.watch.decide.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Literal
 
 from supervisor.config import ThreadRole
-from supervisor.plan.placement import Slot
-from supervisor.state import ThreadObservation
 
 ProcessKind = Literal["engine", "workers"]
 ThreadVerdict = Literal["ok", "pinned", "drift"]
@@ -32,22 +31,13 @@ DEFAULT_THREAD_ROLES: tuple[ThreadRole, ...] = (ThreadRole("so_compiler", "engin
 
 @dataclass(frozen=True, slots=True)
 class LiveThread:
-    """One thread as read from the host: tid, comm and allowed CPUs (sorted)."""
+    """One thread as read from the host: tid, comm, allowed CPUs (sorted), and its
+    start time (stat field 22) where it was read: what tells a reused tid apart."""
 
     tid: int
     name: str
     cpus: tuple[int, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class ThreadAction:
-    """Move thread `tid` (named `name`, matched to `role`) from `live_cpus` to `cpus`."""
-
-    tid: int
-    name: str
-    role: str
-    cpus: tuple[int, ...]
-    live_cpus: tuple[int, ...]
+    start_time: int | None = field(default=None, compare=False)  # who, not what it is
 
 
 def role_for_thread(name: str, process: ProcessKind, roles: Sequence[ThreadRole]) -> str:
@@ -102,49 +92,6 @@ def thread_verdict(
     if live and live < want and not enforce_pinned:
         return "pinned"
     return "drift"
-
-
-def plan_thread_affinity(
-    threads: Sequence[LiveThread],
-    slot: Slot,
-    process: ProcessKind,
-    roles: Sequence[ThreadRole],
-    enforce_pinned: bool,
-) -> list[ThreadAction]:
-    """The re-binds that put every thread on its role's CPUs, in `threads` order.
-
-    Threads already correct, and respected pinned threads, need no action.
-    """
-    matcher = RoleMatcher(process, roles)
-    wanted: dict[str, frozenset[int]] = {}
-    actions: list[ThreadAction] = []
-    for thread in threads:
-        role = matcher.role(thread.name)
-        want = wanted.get(role)
-        if want is None:
-            want = wanted[role] = frozenset(slot.role_cpus(role))
-        if thread_verdict(thread.cpus, want, enforce_pinned) == "drift":
-            actions.append(
-                ThreadAction(thread.tid, thread.name, role, tuple(sorted(want)), thread.cpus)
-            )
-    return actions
-
-
-def plan_rebinds(
-    threads: Sequence[ThreadObservation], slot: Slot, enforce_pinned: bool
-) -> list[ThreadAction]:
-    """`plan_thread_affinity` for threads already matched to roles (an Observation's)."""
-    wanted: dict[str, frozenset[int]] = {}
-    actions: list[ThreadAction] = []
-    for thread in threads:
-        want = wanted.get(thread.role)
-        if want is None:
-            want = wanted[thread.role] = frozenset(slot.role_cpus(thread.role))
-        if thread_verdict(thread.cpus, want, enforce_pinned) == "drift":
-            actions.append(
-                ThreadAction(thread.tid, thread.name, thread.role, tuple(sorted(want)), thread.cpus)
-            )
-    return actions
 
 
 def unmatchable_patterns(roles: Sequence[ThreadRole]) -> list[str]:

@@ -122,11 +122,6 @@ def decide_restart(
     )
 
 
-def reset_history() -> RestartHistory:
-    """The history after a manual restart (API): backoff and crash loop forgotten."""
-    return RestartHistory()
-
-
 def _describe(exit_code: int | None) -> str:
     if exit_code is None:
         return "could not start"

@@ -3,7 +3,7 @@
 `Runner` spawns the engine or one rank through the exec shim, records the
 shim's bind report, restarts the child by the policy of `supervisor.run.restart`
 and stops it (TERM to its group, KILL after a timeout). `Runtime` is what the
-daemon's runners share; `failure_reason`/`bound_as_planned` read a report (pure).
+daemon's runners share; `bound_as_planned` reads a report (pure).
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import re
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -23,7 +22,8 @@ from typing import Any, Protocol
 from supervisor.bind.report import ShimReport, ShimReportError, parse_shim_report, shim_argv
 from supervisor.config import Config
 from supervisor.cpulist import format_cpulist
-from supervisor.errors import KernelError
+from supervisor.errors import KernelError, reason_of_errno
+from supervisor.events import Recorder
 from supervisor.hostfs import HostFS
 from supervisor.logs import format_fields
 from supervisor.plan.placement import Slot
@@ -31,7 +31,7 @@ from supervisor.run.probe import describe_probe, wait_ready
 from supervisor.run.procs import ChildProcess, read_proc_stat, read_until_eof, spawn
 from supervisor.run.restart import RestartHistory, RunOutcome, decide_restart
 from supervisor.run.spec import ChildSpec
-from supervisor.state import ProcessState, ProcessStatus, ProcKey, StateStore, key_label
+from supervisor.state import BindTarget, ProcessState, ProcessStatus, ProcKey, StateStore, key_label
 
 log = logging.getLogger("placement_supervisor.runner")
 
@@ -39,23 +39,6 @@ REPORT_TIMEOUT_S = 30.0  # the shim binds and execs in milliseconds; this is a h
 
 
 # -- reading the shim's report (pure) -----------------------------------------------
-
-
-_ERRNO_NAME = re.compile(r"\bE[A-Z]{2,}\b")
-_REASON_BY_ERRNO = {
-    "ESRCH": "gone",
-    "ENOENT": "gone",
-    "EPERM": "denied",
-    "EACCES": "denied",
-    "EROFS": "denied",
-    "EINVAL": "invalid",
-}
-
-
-def failure_reason(text: str) -> str:
-    """The metric `reason` of a shim failure text ("... EINVAL (...)") (pure)."""
-    match = _ERRNO_NAME.search(text)
-    return _REASON_BY_ERRNO.get(match.group(0), "error") if match else "error"
 
 
 def bound_as_planned(report: ShimReport, slot: Slot) -> bool:
@@ -460,7 +443,8 @@ class Runner:
                     self.rt.executor, self.rt.cgroups.create, self.key, spec.slot
                 )
             except (KernelError, OSError) as err:
-                self.record_bind_failure("cgroup", failure_reason(str(err)), str(err))
+                reason = err.reason if isinstance(err, KernelError) else reason_of_errno(err.errno)
+                self.record_bind_failure("cgroup", reason, str(err))
         read_fd, write_fd = os.pipe()
         argv = shim_argv(
             self.rt.python,
@@ -512,33 +496,23 @@ class Runner:
             format_fields(rank=self.label, pid=pid, error=message, action="restart policy"),
         )
 
-    def record_bind_failure(self, target: str, reason: str, message: str) -> None:
-        self.rt.store.count("bind_failures", (self.label, target, reason))
-        self.rt.store.emit(
-            "bind_failed",
-            self.key,
-            f"{self.label}: {target} bind failed: {message}",
-            target=target,
-            reason=reason,
-        )
-        log.warning(
-            "bind failed %s",
-            format_fields(
-                rank=self.label, target=target, reason=reason, error=message, action="degrade"
-            ),
+    def record_bind_failure(self, target: BindTarget, reason: str, message: str) -> None:
+        Recorder(self.rt.store, log).bind_failed(
+            self.key, target, reason, message, action="degrade"
         )
 
     def _record_bind(self, child: ChildProcess, report: ShimReport) -> None:
         slot = self.spec.slot
         if report.affinity_error:
             self.record_bind_failure(
-                "process", failure_reason(report.affinity_error), report.affinity_error
+                "process", reason_of_errno(report.affinity_errno), report.affinity_error
             )
         if report.mempolicy != "bind":
             why = report.reason or f"mempolicy {report.mempolicy}"
-            self.record_bind_failure("memory", failure_reason(why), why)
-        for err in report.cgroup_errors:
-            self.record_bind_failure("cgroup", failure_reason(err), err)
+            self.record_bind_failure("memory", reason_of_errno(report.mempolicy_errno), why)
+        for i, err in enumerate(report.cgroup_errors):
+            number = report.cgroup_errnos[i] if i < len(report.cgroup_errnos) else None
+            self.record_bind_failure("cgroup", reason_of_errno(number), err)
         bound = bound_as_planned(report, slot)
         self.set_status(
             mempolicy=report.mempolicy,

@@ -252,14 +252,16 @@ def _send(fd: int | None, doc: dict[str, object]) -> None:
         _say(f"warning: cannot write the report to fd {fd}: {_oserror_text(err)}")
 
 
-def join_cgroups(dirs: list[str]) -> tuple[list[str], list[str]]:
-    """Write our pid into each `<dir>/cgroup.procs`; (joined, errors), never raises.
+def join_cgroups(dirs: list[str]) -> tuple[list[str], list[str], list[int]]:
+    """Write our pid into each `<dir>/cgroup.procs`; (joined, errors, their errno
+    numbers), never raises.
 
     Joining a v1 cpuset resets the affinity to the cpuset's CPUs, so this runs
     before sched_setaffinity.
     """
     joined: list[str] = []
     errors: list[str] = []
+    numbers: list[int] = []
     pid = str(os.getpid()).encode()
     for directory in dirs:
         path = os.path.join(directory, "cgroup.procs")
@@ -271,43 +273,50 @@ def join_cgroups(dirs: list[str]) -> tuple[list[str], list[str]]:
                 os.close(fd)
         except OSError as err:
             errors.append(f"{directory}: {_oserror_text(err)}")
+            numbers.append(err.errno or 0)
         else:
             joined.append(directory)
-    return joined, errors
+    return joined, errors, numbers
 
 
-def apply_mempolicy(wanted: str, mems: list[int] | None) -> tuple[str, str | None]:
+def apply_mempolicy(wanted: str, mems: list[int] | None) -> tuple[str, str | None, int | None]:
     """The memory-policy ladder: MPOL_BIND to `mems`, else MPOL_PREFERRED to the
-    first of them, else none. Returns (step taken, why it is not `wanted`)."""
+    first of them, else none. Returns (step taken, why it is not `wanted`, the
+    errno number of the first refusal)."""
     if wanted == "none":
-        return "none", None
+        return "none", None, None
     if not mems:
-        return "none", "no memory nodes given"
+        return "none", "no memory nodes given", None
     reasons: list[str] = []
+    number: int | None = None
     if wanted == "bind":
         try:
             syscalls.set_mempolicy(syscalls.MPOL_BIND, mems)
-            return "bind", None
+            return "bind", None, None
         except KernelError as err:
             reasons.append(f"bind failed: {err}")
+            number = err.errno
     try:
         syscalls.set_mempolicy(syscalls.MPOL_PREFERRED, mems[:1])
-        return "preferred", "; ".join(reasons) or None
+        return "preferred", "; ".join(reasons) or None, number
     except KernelError as err:
         reasons.append(f"preferred failed: {err}")
-    return "none", "; ".join(reasons)
+        number = err.errno if number is None else number
+    return "none", "; ".join(reasons), number
 
 
 def apply_binding(opts: Options) -> dict[str, object]:
     """Cgroups, affinity, memory policy, in that order; the report, read back."""
-    joined, cg_errors = join_cgroups(opts.cgroups)
+    joined, cg_errors, cg_errnos = join_cgroups(opts.cgroups)
     affinity_error = None
+    affinity_errno = None
     if opts.cpus is not None:
         try:
             os.sched_setaffinity(0, opts.cpus)
         except OSError as err:
             affinity_error = _oserror_text(err)
-    step, reason = apply_mempolicy(opts.mempolicy, opts.mems)
+            affinity_errno = err.errno or 0
+    step, reason, mempolicy_errno = apply_mempolicy(opts.mempolicy, opts.mems)
     try:
         mems = sorted(syscalls.get_mempolicy()[1])
     except KernelError:
@@ -320,6 +329,11 @@ def apply_binding(opts: Options) -> dict[str, object]:
         "cgroups": joined,
         "cgroup_errors": cg_errors,
         "affinity_error": affinity_error,
+        # errno numbers: the supervisor maps them to a reason (errors.reason_of_errno),
+        # never the text above (which is for people).
+        "cgroup_errnos": cg_errnos,
+        "affinity_errno": affinity_errno,
+        "mempolicy_errno": mempolicy_errno,
         "pid": os.getpid(),
     }
 

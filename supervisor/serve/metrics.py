@@ -37,6 +37,7 @@ from supervisor import __version__
 from supervisor.plan.placement import Placement
 from supervisor.serve.documents import process_keys, readiness
 from supervisor.serve.exposition import FamilyTable, SnapshotCollector
+from supervisor.state import BIND_REASONS as ALL_BIND_REASONS
 from supervisor.state import (
     HOST_LABEL,
     BindTarget,
@@ -56,12 +57,12 @@ PROCESS_STATES: tuple[str, ...] = get_args(ProcessState)
 MEMPOLICY_STEPS: tuple[str, ...] = get_args(MemPolicyStep)
 DRIFT_KINDS: tuple[str, ...] = get_args(DriftKind)
 BIND_TARGETS: tuple[str, ...] = get_args(BindTarget)
-# KernelError.reason values (supervisor.errors); "managed" only happens on IRQs.
-BIND_REASONS: tuple[str, ...] = ("gone", "denied", "invalid", "error")
+# The bind failure reasons of supervisor.state; "managed" only happens on IRQs.
 IRQ_ONLY_REASONS: tuple[str, ...] = ("managed",)
 # The supervisor's own binds that can fail (checker: the IRQ re-plan and the
 # instance cgroup), always counted with reason "error"; pre-initialised too.
 HOST_BIND_FAILURES: tuple[tuple[str, str], ...] = (("cgroup", "error"), ("irq", "error"))
+BIND_REASONS: tuple[str, ...] = tuple(r for r in ALL_BIND_REASONS if r not in IRQ_ONLY_REASONS)
 # Re-bind reasons pre-initialised for every process: those the daemon and the
 # check loop count under (the drift kind that was corrected, a new thread put
 # in its role, a cpuset change, an API call). Other values still appear, from

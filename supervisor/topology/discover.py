@@ -101,3 +101,17 @@ def read_topology(fs: HostFS, options: DiscoveryOptions = DiscoveryOptions()) ->
         irqs=irqs,
         warnings=warnings,
     )
+
+
+def reread_cpus(fs: HostFS, old: Topology) -> Topology:
+    """`old` with its CPUs, nodes and allowed set read again: what a cpuset write
+    or a CPU hotplug can change. Devices, NICs and IRQs are kept: the daemon's
+    ranks are fixed for its lifetime, and PCI or /proc/interrupts need no re-read."""
+    masks = read_cpu_masks(fs)
+    nodes = read_nodes(fs, masks.online)
+    cpus = read_cpus(fs, masks.online, node_of_cpus(nodes))
+    allowed = read_allowed(fs, masks.online, frozenset(n.id for n in nodes))
+    return replace(
+        old, cpus=cpus, present=masks.present, possible=masks.possible, nodes=nodes,
+        allowed=allowed,
+    )  # fmt: skip

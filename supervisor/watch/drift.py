@@ -2,10 +2,9 @@
 
 `diff()` compares one process's `Observation` with its `Slot` and returns
 `Finding`s (thread_affinity, memory_locality, irq_affinity, process_gone);
-`diff_allowed()` compares the supervisor's allowed CPUs/nodes between two
-checks (cpuset_changed, host-wide). `apply_policy()` marks each finding
-"observe" or "enforce" per the config's `[drift.policy]`. No I/O: the daemon
-observes (supervisor.watch.observe), diffs here, then applies through the binder.
+`irq_drifted()` is the one IRQ drift rule (the IRQ keeper uses it too).
+`apply_policy()` marks each finding "observe" or "enforce" per the config's
+`[drift.policy]`. No I/O: supervisor.watch.decide calls these.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from typing import Literal
 from supervisor.cpulist import format_cpulist
 from supervisor.plan.placement import Slot
 from supervisor.plan.threads import thread_verdict
-from supervisor.state import DriftKind, Finding, Observation
+from supervisor.state import Finding, Observation
 
 PolicyAction = Literal["observe", "enforce"]
 
@@ -72,7 +71,7 @@ def diff(
             )
         )
     for irq in observation.irqs:
-        if irq.cpus and irq.planned and not set(irq.cpus) <= set(irq.planned):
+        if irq_drifted(irq.cpus, irq.planned):
             findings.append(
                 Finding(
                     "irq_affinity",
@@ -84,38 +83,12 @@ def diff(
     return tuple(findings)
 
 
-def cpuset_changed(
-    old_cpus: Iterable[int],
-    old_mems: Iterable[int],
-    new_cpus: Iterable[int],
-    new_mems: Iterable[int],
-) -> bool:
-    """True when the allowed CPUs or memory nodes differ (as sets)."""
-    return set(old_cpus) != set(new_cpus) or set(old_mems) != set(new_mems)
-
-
-def diff_allowed(
-    old_cpus: Iterable[int],
-    old_mems: Iterable[int],
-    new_cpus: Iterable[int],
-    new_mems: Iterable[int],
-) -> tuple[Finding, ...]:
-    """A cpuset_changed finding when the supervisor's allowed set changed.
-
-    Pass the allowed CPUs intersected with the online CPUs to catch hotplug
-    too. Host-wide: the daemon calls this once per check and re-plans on it.
-    """
-    old_c, old_m, new_c, new_m = set(old_cpus), set(old_mems), set(new_cpus), set(new_mems)
-    if not cpuset_changed(old_c, old_m, new_c, new_m):
-        return ()
-    return (
-        Finding(
-            "cpuset_changed",
-            "cpuset",
-            f"cpus {format_cpulist(old_c)} mems {format_cpulist(old_m)}",
-            f"cpus {format_cpulist(new_c)} mems {format_cpulist(new_m)}",
-        ),
-    )
+def irq_drifted(delivered: Iterable[int], planned: Iterable[int]) -> bool:
+    """The one IRQ drift rule: delivered outside its planned CPUs. An IRQ
+    narrowed within them (by irqbalance, say) is fine; one delivered nowhere
+    (gone) or planned nowhere (not ours to keep) is no drift."""
+    got, want = set(delivered), set(planned)
+    return bool(got) and bool(want) and not got <= want
 
 
 def apply_policy(
@@ -135,14 +108,6 @@ def target_id(finding: Finding) -> int | None:
     if kind in ("tid", "irq") and number.isdigit():
         return int(number)
     return None
-
-
-def kinds(findings: Iterable[Finding]) -> dict[DriftKind, int]:
-    """How many findings of each kind (for `placement_drift_events_total`)."""
-    counts: dict[DriftKind, int] = {}
-    for finding in findings:
-        counts[finding.kind] = counts.get(finding.kind, 0) + 1
-    return counts
 
 
 def _bytes_by_node(by_node: Mapping[int, int]) -> str:

@@ -25,6 +25,7 @@ from supervisor.plan.placement import Slot
 from supervisor.plan.threads import LiveThread, ProcessKind, RoleMatcher
 from supervisor.state import IrqObservation, Observation, ThreadObservation
 from supervisor.topology.cgroup import STATUS, parse_status_allowed, read_cpuset
+from supervisor.watch.identity import read_thread_start
 
 ThreadReadMethod = Literal["auto", "syscall", "status"]
 PAGE_BYTES = 4096  # numa_maps lines without kernelpagesize_kB (old kernels) count base pages
@@ -123,10 +124,11 @@ def read_threads(fs: HostFS, pid: int, method: ThreadReadMethod = "auto") -> lis
 class _Known:
     """What a ThreadScanner remembers of one thread between scans."""
 
-    __slots__ = ("cpus", "live", "matcher", "observed", "scans")
+    __slots__ = ("cpus", "live", "matcher", "observed", "scans", "start_time")
 
     def __init__(self) -> None:
         self.scans = 0
+        self.start_time: int | None = None  # stat field 22, read when first seen
         self.cpus: set[int] | None = None  # as sched_getaffinity returned it
         self.live: LiveThread | None = None
         self.observed: ThreadObservation | None = None  # built from `live` by `matcher`
@@ -201,7 +203,9 @@ class ThreadScanner:
             live = entry.live
             if live is None:
                 continue
-            observed = ThreadObservation(live.tid, live.name, matcher.role(live.name), live.cpus)
+            observed = ThreadObservation(
+                live.tid, live.name, matcher.role(live.name), live.cpus, live.start_time
+            )
             entry.observed = observed
             entry.matcher = matcher
             out.append(observed)
@@ -258,6 +262,16 @@ class ThreadScanner:
             if live is not None and cpus == entry.cpus and not rename and entry.scans >= young:
                 out.append(entry)  # the steady state: nothing to read or build
                 continue
+            if live is None or cpus != entry.cpus:
+                # sched_getaffinity answers for any tid on the host: a thread
+                # of ours that exited may have handed its tid to another
+                # process (or to a new thread of ours). Its start time, read
+                # under /proc/<pid>/task (ours only), tells (issue 11).
+                start = read_thread_start(self.fs, self.pid, tid)
+                if start is None or (live is not None and start != entry.start_time):
+                    vanished.append(tid)
+                    continue
+                entry.start_time = start
             if live is None or rename or entry.scans < young:
                 name = _read_comm(self.fs, self.pid, tid)
                 if name is None:
@@ -267,7 +281,7 @@ class ThreadScanner:
                 name = live.name
             entry.scans += 1
             if live is None or cpus != entry.cpus or name != live.name:
-                entry.live = LiveThread(tid, name, tuple(sorted(cpus)))
+                entry.live = LiveThread(tid, name, tuple(sorted(cpus)), entry.start_time)
                 entry.cpus = cpus
                 entry.observed = None
             out.append(entry)
@@ -331,20 +345,16 @@ def _own_shared_memory(file_token: str, line: str) -> bool:
     return file_token.startswith(_SHMEM_FILES) or " huge" in line
 
 
-def _numa_maps_bytes(fs: HostFS, pid: int) -> dict[int, int]:
-    try:
-        text = fs.read_text(f"proc/{pid}/numa_maps")
-    except OSError as err:
-        raise translate_oserror(f"pid {pid}", err) from None
-    return parse_numa_maps(text)
-
-
 def read_numa_maps(fs: HostFS, pid: int) -> dict[int, int]:
     """Resident bytes per node of `pid` (walks its page tables: cost grows with RSS).
 
     Raises `errors.Gone` when the process no longer exists.
     """
-    return _numa_maps_bytes(fs, pid)
+    try:
+        text = fs.read_text(f"proc/{pid}/numa_maps")
+    except OSError as err:
+        raise translate_oserror(f"pid {pid}", err) from None
+    return parse_numa_maps(text)
 
 
 def local_memory_ratio(
@@ -361,22 +371,34 @@ def local_memory_ratio(
 # -- IRQs, allowed and online CPUs -------------------------------------------------
 
 
-def read_irq_effective(fs: HostFS, irq: int) -> tuple[int, ...] | None:
-    """The CPUs IRQ `irq` is delivered to; None when the IRQ is gone.
+def read_irq_delivery(fs: HostFS, irq: int) -> tuple[int, ...] | None:
+    """The CPUs IRQ `irq` is delivered to, as far as the kernel knows; None when gone.
 
-    effective_affinity_list (kernel >= 4.13) is what the interrupt chip
-    actually targets, usually one CPU of smp_affinity_list; where it is
-    absent or empty (irq chips that do not report it) smp_affinity_list is
-    the best there is (Documentation/core-api/irq/irq-affinity.rst).
+    effective_affinity_list when it lies inside smp_affinity_list. On x86
+    without interrupt remapping a new affinity takes effect at the IRQ's next
+    interrupt (the vector moves in the interrupt path,
+    kernel/irq/migration.c), so right after a write, and forever for an IRQ
+    that never fires, the effective CPU still names the old target. The
+    affinity itself is then what the next interrupt will use, and is reported.
     """
-    for name in ("effective_affinity_list", "smp_affinity_list"):
-        text = fs.read_optional(f"proc/irq/{irq}/{name}")
-        if text is not None and text.strip():
-            try:
-                return tuple(sorted(parse_cpulist(text)))
-            except ValueError:
-                continue
-    return None
+    affinity_text = fs.read_optional(f"proc/irq/{irq}/smp_affinity_list")
+    effective_text = fs.read_optional(f"proc/irq/{irq}/effective_affinity_list")
+    affinity = _parse_optional(affinity_text)
+    effective = _parse_optional(effective_text)
+    if affinity is None:
+        return None if effective is None else tuple(sorted(effective))
+    if effective and effective <= affinity:
+        return tuple(sorted(effective))
+    return tuple(sorted(affinity))
+
+
+def _parse_optional(text: str | None) -> frozenset[int] | None:
+    if text is None or not text.strip():
+        return None
+    try:
+        return parse_cpulist(text)
+    except ValueError:
+        return None
 
 
 def read_self_allowed(fs: HostFS) -> tuple[frozenset[int], frozenset[int]]:
@@ -386,7 +408,7 @@ def read_self_allowed(fs: HostFS) -> tuple[frozenset[int], frozenset[int]]:
     effective cpuset of its own cgroup (v1 or v2), read with the discovery
     helpers of supervisor.topology.cgroup. Not intersected with the online
     CPUs (see `read_online_cpus`); may be empty. The daemon compares
-    successive values (drift.diff_allowed) to detect a cpuset change.
+    successive values (supervisor.watch.loop) to detect a cpuset change.
     """
     status = fs.read_required(STATUS, "the supervisor's allowed CPUs")
     cpus, mems = parse_status_allowed(status)
@@ -415,7 +437,7 @@ def observe_process(
     *,
     roles: Sequence[ThreadRole] = (),
     numa_stat: Mapping[int, int] | None = None,
-    read_numa_maps: bool = False,
+    numa_maps: bool = False,
     scanner: ThreadScanner | None = None,
     matcher: RoleMatcher | None = None,
     irqs: Mapping[int, Sequence[int]] | None = None,
@@ -426,7 +448,7 @@ def observe_process(
 
     Threads come from `scanner` when given (keep one per process across
     checks), else `read_threads`; roles from `matcher` (or `roles`).
-    Memory by node: the process's numa_maps when `read_numa_maps` (exact but
+    Memory by node: the process's numa_maps when `numa_maps` (exact but
     it walks page tables), else `numa_stat` (its own cgroup's
     memory.numa_stat, cheap), else the `previous` observation's memory.
     `irqs` maps each planned IRQ to its planned CPUs. Raises `errors.Gone`
@@ -444,8 +466,8 @@ def observe_process(
         raise Gone(f"pid {pid}", OSError(errno.ESRCH, os.strerror(errno.ESRCH)))
     memory: Mapping[int, int]
     ratio: float | None
-    if read_numa_maps:
-        memory = _numa_maps_bytes(fs, pid)
+    if numa_maps:
+        memory = read_numa_maps(fs, pid)
         ratio = local_memory_ratio(memory, slot.mems)
     elif numa_stat is not None:
         memory = dict(numa_stat)
@@ -455,7 +477,7 @@ def observe_process(
     else:
         memory, ratio = {}, None
     irq_obs = tuple(
-        IrqObservation(irq, read_irq_effective(fs, irq) or (), tuple(sorted(planned)))
+        IrqObservation(irq, read_irq_delivery(fs, irq) or (), tuple(sorted(planned)))
         for irq, planned in sorted((irqs or {}).items())
     )
     return Observation(

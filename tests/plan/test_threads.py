@@ -1,4 +1,5 @@
-"""supervisor.plan.threads: role matching and per-thread affinity plans (pure)."""
+"""supervisor.plan.threads: role matching and the thread verdict (pure; the re-binds
+themselves are decided in supervisor.watch.decide: tests/watch/test_decide.py)."""
 
 from __future__ import annotations
 
@@ -10,16 +11,11 @@ from supervisor.config import ThreadRole, load_config
 from supervisor.plan.placement import Slot
 from supervisor.plan.threads import (
     DEFAULT_THREAD_ROLES,
-    LiveThread,
     RoleMatcher,
-    ThreadAction,
-    plan_rebinds,
-    plan_thread_affinity,
     role_for_thread,
     thread_verdict,
     unmatchable_patterns,
 )
-from supervisor.state import ThreadObservation
 
 ROLES = (
     ThreadRole("acl", "workers", "acl_thread*"),
@@ -108,48 +104,6 @@ def test_thread_verdict(
     live: tuple[int, ...], want: tuple[int, ...], enforce: bool, verdict: str
 ) -> None:
     assert thread_verdict(live, want, enforce) == verdict
-
-
-def test_plan_moves_only_wrong_threads() -> None:
-    threads = [
-        LiveThread(100, "python3", tuple(range(8))),  # born with the whole slot -> main
-        LiveThread(101, "acl_thread", (6,)),  # already right
-        LiveThread(102, "release_thread", (2, 3)),  # on main's CPUs -> release
-        LiveThread(103, "python3", (4,)),  # pinned by the workload inside main
-        LiveThread(104, "python3", (2, 3, 4, 5)),  # right
-    ]
-    roles = ROLES[:2]
-    actions = plan_thread_affinity(threads, SLOT, "workers", roles, enforce_pinned=False)
-    assert actions == [
-        ThreadAction(100, "python3", "main", (2, 3, 4, 5), tuple(range(8))),
-        ThreadAction(102, "release_thread", "release", (7,), (2, 3)),
-    ]
-    enforced = plan_thread_affinity(threads, SLOT, "workers", roles, enforce_pinned=True)
-    assert [a.tid for a in enforced] == [100, 102, 103]
-    assert enforced[2] == ThreadAction(103, "python3", "main", (2, 3, 4, 5), (4,))
-
-
-def test_plan_role_missing_from_slot_falls_back_to_main() -> None:
-    # The planner merged "comm" into main on a small host: comm threads go to main.
-    threads = [LiveThread(7, "hccl_poll", tuple(range(8)))]
-    actions = plan_thread_affinity(threads, SLOT, "workers", ROLES, enforce_pinned=False)
-    assert actions == [ThreadAction(7, "hccl_poll", "comm", (2, 3, 4, 5), tuple(range(8)))]
-
-
-def test_plan_rebinds_from_an_observation() -> None:
-    threads = (
-        ThreadObservation(100, "python3", "main", tuple(range(8))),
-        ThreadObservation(101, "acl_thread", "acl", (6,)),
-        ThreadObservation(103, "python3", "main", (4,)),
-    )
-    assert plan_rebinds(threads, SLOT, enforce_pinned=False) == [
-        ThreadAction(100, "python3", "main", (2, 3, 4, 5), tuple(range(8)))
-    ]
-    assert [a.tid for a in plan_rebinds(threads, SLOT, enforce_pinned=True)] == [100, 103]
-
-
-def test_plan_empty() -> None:
-    assert plan_thread_affinity([], SLOT, "engine", ROLES, enforce_pinned=True) == []
 
 
 def test_example_config_roles(repo: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -16,6 +17,7 @@ from hypothesis import strategies as st
 
 from supervisor.bind.report import ShimReport, ShimReportError, parse_shim_report, shim_argv
 from supervisor.cpulist import parse_cpulist
+from supervisor.errors import reason_of_errno
 from supervisor.run.shim import to_json
 from tests.support.children import mems_allowed, read_all, start_shimmed
 from tests.support.daemon_support import wait_until
@@ -127,6 +129,28 @@ def test_bind_failure_falls_down_the_ladder_and_still_execs() -> None:
     assert report.degraded
     shown = done.stdout.split()[2]
     assert shown == ("default" if report.mempolicy == "none" else f"prefer:{outside}")
+    # The number, not the text, is what the supervisor maps to a reason.
+    assert report.mempolicy_errno == errno.EINVAL
+    assert reason_of_errno(report.mempolicy_errno) == "invalid"
+
+
+def test_refusals_are_reported_as_errno_numbers(tmp_path: Path) -> None:
+    missing_cpu = max(allowed_cpus()) + 64  # no such CPU: sched_setaffinity gets EINVAL
+    not_a_cgroup = tmp_path / "no-such-cgroup"  # cgroup.procs cannot be opened: ENOENT
+    done, report = launch(
+        [missing_cpu],
+        [min(mems_allowed())],
+        [sys.executable, "-c", PROBE],
+        cgroups=[str(not_a_cgroup)],
+    )
+    assert done.returncode == 0, done.stderr
+    assert report.affinity_errno == errno.EINVAL and "EINVAL" in (report.affinity_error or "")
+    assert report.cgroup_errnos == (errno.ENOENT,) and len(report.cgroup_errors) == 1
+    assert report.mempolicy_errno is None
+    assert [reason_of_errno(n) for n in (report.affinity_errno, *report.cgroup_errnos)] == [
+        "invalid",
+        "gone",
+    ]
 
 
 def test_missing_command_exits_127_with_a_report() -> None:

@@ -238,9 +238,16 @@ def thread_cpus_as_planned(doc: dict[str, Any], want: dict[int, str]) -> bool:
 
 
 def write_cpuset_config(
-    tmp_path: Path, *, ranks: int, threads: int, interval_s: float, worker: Path
+    tmp_path: Path,
+    *,
+    ranks: int,
+    threads: int,
+    interval_s: float,
+    worker: Path,
+    cpuset_watch_s: float | None = None,
 ) -> Path:
-    """Ranks of COMM_THREADS_WORKER in per-rank cgroups, checked every `interval_s`."""
+    """Ranks of COMM_THREADS_WORKER in per-rank cgroups, checked every `interval_s`
+    (the allowed set every `cpuset_watch_s` when given; 0: only at the checks)."""
     doc = {
         "cpu_ranks": ranks,
         "cgroup": "auto",
@@ -249,6 +256,8 @@ def write_cpuset_config(
         "placement": {"rank_roles": {}, "engine": {"enabled": False}},
     }
     text = to_toml(doc) + f"[drift]\ncheck_interval_s = {interval_s}\n"
+    if cpuset_watch_s is not None:
+        text += f"cpuset_watch_s = {cpuset_watch_s}\n"
     text += '[threads.comm]\nprocess = "workers"\npattern = "comm*"\n'
     path = tmp_path / "cpuset.toml"
     path.write_text(text)
@@ -257,14 +266,25 @@ def write_cpuset_config(
 
 @contextlib.contextmanager
 def confined_daemon(
-    tmp_path: Path, name: str, *, ranks: int = 2, threads: int = 2, interval_s: float = 0.2
+    tmp_path: Path,
+    name: str,
+    *,
+    ranks: int = 2,
+    threads: int = 2,
+    interval_s: float = 0.2,
+    cpuset_watch_s: float | None = None,
 ) -> Iterator[tuple[DaemonProcess, Path]]:
     """The daemon in a fresh v1 cpuset (0-1), its workers in per-rank cgroups below;
     every process stopped and every cgroup removed afterwards."""
     worker = tmp_path / "worker.py"
     worker.write_text(COMM_THREADS_WORKER)
     config = write_cpuset_config(
-        tmp_path, ranks=ranks, threads=threads, interval_s=interval_s, worker=worker
+        tmp_path,
+        ranks=ranks,
+        threads=threads,
+        interval_s=interval_s,
+        worker=worker,
+        cpuset_watch_s=cpuset_watch_s,
     )
     suffix = f"{name}-{os.getpid()}"
     env = dict(os.environ, **{INSTANCE_ENV: suffix})

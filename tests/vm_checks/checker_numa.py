@@ -217,16 +217,26 @@ def scenario_memory() -> None:
         pid = rank["pid"]
 
         def reported() -> list[str]:
-            return [
+            drift = [
                 e["fields"]["actual"][0]
                 for e in daemon.events("drift")
                 if e["rank"] == str(rank["rank"])
                 and e["fields"].get("drift") == "memory_locality"
                 and float(e["fields"]["actual"][0].split()[0]) < 0.5
             ]
+            moved = [
+                f"{e['fields']['ratio']:.3f} (migrating {e['fields']['remote_bytes'] >> 20} MiB)"
+                for e in daemon.events("rebind")
+                if e["rank"] == str(rank["rank"])
+                and e["fields"].get("reason") == "memory_locality"
+                and e["fields"].get("ratio", 1.0) < 0.5
+            ]
+            return drift + moved
 
-        # The loop may catch the 64 MiB while the worker is still touching
-        # it, migrate, and see more: any report below 0.5 is the low ratio.
+        # The loop may catch the 64 MiB while the worker is still touching it
+        # (the finding is then reported once, at a higher ratio), migrate, and
+        # see more: any report below 0.5, of the drift or of a migration's
+        # starting ratio, is the low ratio seen.
         found = wait_until(reported, 60, 0.25)
         actual = found[0] if found else "none"
         CHECKS.check(

@@ -24,10 +24,10 @@ from supervisor.cpulist import parse_cpulist
 from supervisor.hostfs import HostFS
 from supervisor.plan.placement import PlanSettings
 from supervisor.plan.planner import plan
-from supervisor.state import Snapshot, StateStore
 from supervisor.topology.discover import read_topology
 from supervisor.topology.model import DiscoveryOptions
-from supervisor.watch.irqs import IrqKeeper, read_irq_delivery
+from supervisor.watch.irqs import IrqKeeper
+from supervisor.watch.observe import read_irq_delivery
 from tests.support.daemon_support import DaemonProcess, wait_until
 from tests.support.vm import Checklist
 
@@ -67,8 +67,7 @@ def keeper_alone() -> None:
     placement = plan(topology, PlanSettings(engine=False, rank_roles={"irq": 1}))
     (rank,) = placement.ranks
     irq_cpus = set(rank.slot.role_cpus("irq"))
-    store = StateStore(Snapshot(placement, topology, {}))
-    keeper = IrqKeeper(fs, store, topology, placement, IrqConfig())
+    keeper = IrqKeeper(fs, topology, placement, IrqConfig())
     try:
         outcomes = keeper.apply()
         bound = [o.irq for o in outcomes if o.status == "bound"]

@@ -43,7 +43,7 @@ def remote_child() -> None:
     slot = Slot(cpus, (0,), {"main": cpus})  # planned on node 0, memory bound to node 1
     with ThreadedChild([], touch_bytes=64 * MIB, wrapper=["numactl", "--membind=1"]) as remote:
         by_node = read_numa_maps(LIVE, remote.pid)
-        obs = observe_process(LIVE, remote.pid, slot, "workers", read_numa_maps=True)
+        obs = observe_process(LIVE, remote.pid, slot, "workers", numa_maps=True)
     CHECKS.check(
         "numa-maps-pages-on-node1", by_node.get(1, 0) >= 64 * MIB, f"bytes by node {by_node}"
     )

@@ -1,7 +1,7 @@
 """The check loop against real processes: drift found, counted, enforced or only reported.
 
 Each test runs the real `Daemon` in-process (real children through the real
-shim) with `supervisor.watch.checker` as its check loop at a short interval, and
+shim) with its check loop (supervisor.watch.loop) at a short interval, and
 perturbs or inspects the children through real syscalls and /proc. Slots are
 crafted where this 2-CPU host's own plan would merge every role into `main`:
 a role test needs roles on different CPUs.
@@ -25,13 +25,13 @@ from supervisor.daemon import Daemon, prepare
 from supervisor.hostfs import HostFS
 from supervisor.plan.placement import Placement, RankPlacement, Slot
 from supervisor.state import ProcKey
-from supervisor.watch.checker import Checker, make_check_loop
+from supervisor.watch.loop import CheckLoop
 from tests.support.children import NAMED_THREADS_CHILD, write_child
 from tests.support.daemon_support import DEMO_WORKER, free_port, merge_config, to_toml
 from tests.support.daemon_support import until as _until
 
 FS = HostFS("/")
-Scenario = Callable[[Daemon, Checker], Awaitable[None]]
+Scenario = Callable[[Daemon, CheckLoop], Awaitable[None]]
 
 pytestmark = pytest.mark.skipif(
     len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs to move threads between"
@@ -103,7 +103,6 @@ def run_with_checker(
     topology, placement = prepare(config, env, FS)
     if slots:
         placement = with_slots(placement, slots)
-    checkers: list[Checker] = []
     daemon = Daemon(
         config,
         topology,
@@ -111,15 +110,15 @@ def run_with_checker(
         env=env,
         fs=FS,
         api=False,
-        check_loop=make_check_loop(started=checkers.append),
+        check_loop=True,
     )
 
     async def main() -> None:
         async with asyncio.timeout(timeout_s):
             task = asyncio.create_task(daemon.run())
             try:
-                await until(lambda: checkers)
-                await scenario(daemon, checkers[0])
+                checker = await until(lambda: daemon.checker)
+                await scenario(daemon, checker)
             finally:
                 if daemon.rt is not None:
                     daemon.rt.stopping.set()
@@ -192,7 +191,7 @@ def test_a_thread_pushed_off_its_cpus_is_put_back_and_counted(tmp_path: Path) ->
     config = config_of(child_doc(script, out, {"threads": ["comm"]}), tmp_path)
     slot = rank_slot((0,), comm=(1,))
 
-    async def scenario(daemon: Daemon, checker: Checker) -> None:
+    async def scenario(daemon: Daemon, checker: CheckLoop) -> None:
         await until(lambda: daemon.store.snapshot.processes[0].state == "running")
         pid = pid_of(daemon, 0)
         report = await child_report(out, "0", pid, threads=2)
@@ -229,7 +228,7 @@ def test_under_observe_drift_is_reported_and_left_alone(tmp_path: Path) -> None:
     config = config_of(doc, tmp_path)
     slot = rank_slot((0,))  # main only: the shim's binding is already right
 
-    async def scenario(daemon: Daemon, checker: Checker) -> None:
+    async def scenario(daemon: Daemon, checker: CheckLoop) -> None:
         await until(lambda: daemon.store.snapshot.processes[0].state == "running")
         pid = pid_of(daemon, 0)
         report = await child_report(out, "0", pid, threads=2)
@@ -246,7 +245,6 @@ def test_under_observe_drift_is_reported_and_left_alone(tmp_path: Path) -> None:
         assert counter(daemon, "drift_events", ("0", "thread_affinity")) == 1  # once
         assert counter(daemon, "rebinds", ("0", "thread_affinity")) == 0
         # POST /rebind runs one enforcing pass now, whatever the policy.
-        assert daemon.actions.rebinder == checker.rebind  # wired by make_check_loop
         summary = await daemon.actions.rebind(0)
         assert summary["processes"]["0"]["threads_rebound"] == 1
         assert affinity(comm_tid) == (0,)
@@ -267,7 +265,7 @@ def test_late_threads_are_bound_and_pinned_threads_respected(tmp_path: Path) -> 
     # main spans both CPUs so that a thread can pin itself inside it.
     slot = rank_slot((0, 1), comm=(1,), release=(0,))
 
-    async def scenario(daemon: Daemon, checker: Checker) -> None:
+    async def scenario(daemon: Daemon, checker: CheckLoop) -> None:
         await until(lambda: daemon.store.snapshot.processes[0].state == "running")
         pid = pid_of(daemon, 0)
         report = await child_report(out, "0", pid, threads=3)
@@ -293,7 +291,7 @@ def test_enforce_pinned_moves_a_pinned_thread(tmp_path: Path) -> None:
     spec = {"pin": {"name": "pinned", "cpus": [0]}}
     config = config_of(child_doc(script, out, spec, drift={"enforce_pinned": True}), tmp_path)
 
-    async def scenario(daemon: Daemon, checker: Checker) -> None:
+    async def scenario(daemon: Daemon, checker: CheckLoop) -> None:
         await until(lambda: daemon.store.snapshot.processes[0].state == "running")
         pid = pid_of(daemon, 0)
         report = await child_report(out, "0", pid, threads=2)
@@ -338,7 +336,7 @@ def test_demo_threads_run_on_their_roles(tmp_path: Path) -> None:
                 bad.append(f"{tid} {name} {affinity(tid)} != {role} {slot.role_cpus(role)}")
         return bad
 
-    async def scenario(daemon: Daemon, checker: Checker) -> None:
+    async def scenario(daemon: Daemon, checker: CheckLoop) -> None:
         await until(
             lambda: all(p.state == "running" for p in daemon.store.snapshot.processes.values()), 60
         )
@@ -375,7 +373,7 @@ def test_a_refused_bind_is_counted_once_and_isolated(tmp_path: Path) -> None:
     missing = max(os.sched_getaffinity(0)) + 64
     slot = Slot((0, missing), (0,), {"main": (0,), "comm": (missing,)})
 
-    async def scenario(daemon: Daemon, checker: Checker) -> None:
+    async def scenario(daemon: Daemon, checker: CheckLoop) -> None:
         await until(lambda: daemon.store.snapshot.processes[0].state == "running")
         pid = pid_of(daemon, 0)
         report = await child_report(out, "0", pid, threads=2)

@@ -1,12 +1,16 @@
-"""supervisor.plan.replan on fixture hosts: the degrade ladder, fixed ranks, what moved (pure)."""
+"""supervisor.plan.replan on fixture hosts: the degrade ladder, fixed ranks, what moved (pure),
+and the re-read a re-plan does (topology.discover.reread_cpus)."""
 
 from __future__ import annotations
 
+import re
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from supervisor.cpulist import parse_cpulist
 from supervisor.errors import PlanError
 from supervisor.hostfs import HostFS
 from supervisor.plan.placement import PlanSettings
@@ -20,9 +24,10 @@ from supervisor.plan.replan import (
     same_processes,
     shortage_ladder,
 )
-from supervisor.topology.discover import read_topology
+from supervisor.topology.discover import read_topology, reread_cpus
 from supervisor.topology.model import DiscoveryOptions, Topology
 from tests.support.fakehost import FakeHost
+from tests.support.hosts import dgx_h100
 
 
 def two_nodes(tmp_path: Path, name: str = "h", allowed: str | None = None) -> Topology:
@@ -82,3 +87,26 @@ def test_allowed_sets_compare_like_discovery(tmp_path: Path) -> None:
     live = normalize_allowed({0, 1, 2, 3, 7}, {0, 1, 5}, topology.online, {0, 1})
     assert live == allowed_of(topology)
     assert normalize_allowed({0, 1, 2, 3}, {0, 1}, {0, 1, 2}, {0, 1}) != allowed_of(topology)
+
+
+def test_a_replan_rereads_only_cpus_nodes_and_the_allowed_set(tmp_path: Path) -> None:
+    root = dgx_h100(tmp_path)
+    fs = HostFS(str(root))
+    before = read_topology(fs, DiscoveryOptions())
+    assert before.devices and before.nics and before.irqs
+    # What a cpuset write or a hotplug cannot change goes away: re-reading any
+    # of it would now fail (or find nothing).
+    for rel in ("sys/bus/pci", "sys/class/net", "sys/class/infiniband"):
+        shutil.rmtree(root / rel, ignore_errors=True)
+    (root / "proc/interrupts").unlink()
+    status = root / "proc/self/status"
+    node1 = "56-111,168-223"
+    status.write_text(
+        re.sub(r"Cpus_allowed_list:\t.*", f"Cpus_allowed_list:\t{node1}", status.read_text())
+    )
+    after = reread_cpus(fs, before)
+    assert after.allowed.cpus == parse_cpulist(node1)
+    assert (after.devices, after.nics, after.irqs) == (before.devices, before.nics, before.irqs)
+    result = replan(after, PlanSettings(rank_roles={}, engine=False))
+    assert {c for r in result.placement.ranks for c in r.slot.cpus} <= parse_cpulist(node1)
+    assert len(result.placement.ranks) == 8  # the same ranks, moved

@@ -13,12 +13,32 @@ cgroups rmdir'ed deepest first).
 from __future__ import annotations
 
 import os
+import re
+import urllib.request
 from pathlib import Path
 
 import pytest
 
 from tests.support.cgroup_v1 import v1_available, write_v1_cpus
-from tests.support.daemon_support import confined_daemon, poll, rank_pids, thread_cpus_as_planned
+from tests.support.daemon_support import (
+    DaemonProcess,
+    confined_daemon,
+    poll,
+    rank_pids,
+    thread_cpus_as_planned,
+)
+
+
+def cpuset_rebinds(daemon: DaemonProcess) -> dict[str, int]:
+    """placement_rebinds_total{reason="cpuset_changed"} per rank, from /metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{daemon.port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    pattern = r'^placement_rebinds_total\{rank="([^"]+)",reason="cpuset_changed"\} (\S+)$'
+    return {
+        m.group(1): int(float(m.group(2)))
+        for m in re.finditer(pattern, text, re.MULTILINE)
+        if float(m.group(2))
+    }
 
 
 @pytest.mark.timeout(120)
@@ -67,3 +87,46 @@ def test_v1_cpuset_shrink_and_grow_replan_and_rebind(tmp_path: Path) -> None:
         assert [e["fields"]["new_cpus"] for e in cpuset_events] == [[1], [0, 1]]
         rebinds = [e for e in daemon.events("rebind") if e["fields"]["reason"] == "cpuset_changed"]
         assert rebinds, daemon.tail()
+        # rebinds_total{reason="cpuset_changed"} counts what the events say moved
+        # (threads the supervisor re-bound and those its cgroup write moved),
+        # never 0 while the events say "moved" (issue 12).
+        counted = cpuset_rebinds(daemon)
+        said: dict[str, int] = {}
+        for e in rebinds:
+            said[e["rank"]] = said.get(e["rank"], 0) + e["fields"]["threads"]
+        assert counted == said, (counted, said, rebinds)
+        assert counted.get("0", 0) >= 2, counted  # rank 0 moved 0 -> 1 -> 0, every thread
+
+
+@pytest.mark.timeout(120)
+def test_the_cpuset_watch_replans_long_before_the_next_check(tmp_path: Path) -> None:
+    why = v1_available()
+    if why is not None:
+        pytest.skip(why)
+    # Checks every 60 s: only the fast watch can see the change within the poll.
+    with confined_daemon(tmp_path, "watch", interval_s=60.0, cpuset_watch_s=0.05) as (daemon, cg):
+        poll(
+            lambda: (d := daemon.placement()) and len(rank_pids(d)) == 2 and d,
+            30,
+            what="both ranks running",
+        )
+        poll(
+            lambda: thread_cpus_as_planned(daemon.placement() or {}, {0: "0", 1: "1"}),
+            30,
+            what="start placement",
+        )
+        checks = (daemon.placement() or {})["supervisor"]["checks"]
+        write_v1_cpus(cg, {1})
+        doc = poll(
+            lambda: (d := daemon.placement()) and thread_cpus_as_planned(d, {0: "1", 1: "1"}) and d,
+            20,
+            what="re-planned onto CPU 1 by the watch",
+        )
+        assert doc["supervisor"]["cpuset_changes"] == 1
+        assert doc["supervisor"]["checks"] <= checks + 2  # the watch's pass, not the schedule
+        write_v1_cpus(cg, {0, 1})
+        poll(
+            lambda: thread_cpus_as_planned(daemon.placement() or {}, {0: "0", 1: "1"}),
+            20,
+            what="back on their own CPUs",
+        )

@@ -16,21 +16,17 @@ from typing import Any
 import pytest
 
 from supervisor.config import IrqConfig
+from supervisor.events import Recorder
 from supervisor.hostfs import HostFS
+from supervisor.plan.irqs import nic_functions, pair_nics, pci_proximity, plan_irqs
 from supervisor.plan.placement import DeviceRef, Placement, PlanSettings, RankPlacement, Slot
 from supervisor.plan.planner import plan
 from supervisor.state import Observation, Snapshot, StateStore
 from supervisor.topology.discover import read_topology
 from supervisor.topology.model import Allowed, Cpu, Device, Irq, Nic, Node, Topology
 from supervisor.watch.drift import diff
-from supervisor.watch.irqs import (
-    IrqKeeper,
-    nic_functions,
-    pair_nics,
-    pci_proximity,
-    plan_irqs,
-    read_irq_delivery,
-)
+from supervisor.watch.irqs import IrqKeeper
+from supervisor.watch.observe import read_irq_delivery
 from tests.support.hosts import dgx_a100_nps4, dgx_h100, gb200_tray, no_accel_2node
 from tests.support.irqbalance import FakeIrqbalance, serve_fake_irqbalance
 
@@ -242,6 +238,12 @@ def _store(topology: Topology, placement: Placement) -> StateStore:
     return StateStore(Snapshot(placement, topology, {}))
 
 
+def _recorded(keeper: IrqKeeper, store: StateStore) -> StateStore:
+    """The keeper's facts recorded in `store`, as the daemon does on its loop."""
+    Recorder(store).facts(keeper.take_facts())
+    return store
+
+
 def _small_setup() -> tuple[Topology, Placement]:
     gpu = _gpu(0, "0000:10:00.0", 0, (40, 41))
     topology = _topo([gpu], [Nic("eth0", "net", "0000:12:00.0", 0, (42,))])
@@ -264,7 +266,7 @@ def tree(tmp_path: Path) -> Path:
 def test_keeper_apply_observe_enforce_restore(tree: Path) -> None:
     topology, placement = _small_setup()
     store = _store(topology, placement)
-    keeper = IrqKeeper(HostFS(str(tree)), store, topology, placement, IrqConfig(nic=True))
+    keeper = IrqKeeper(HostFS(str(tree)), topology, placement, IrqConfig(nic=True))
     outcomes = keeper.apply()
     assert [(o.irq, o.status, o.cpus) for o in outcomes] == [
         (40, "bound", (1,)),
@@ -284,21 +286,22 @@ def test_keeper_apply_observe_enforce_restore(tree: Path) -> None:
     assert [(f.kind, f.target, f.expected, f.actual) for f in findings] == [
         ("irq_affinity", "irq 41", "1", "5")
     ]
-    moved = [e for e in store.snapshot.events if e.kind == "irq_moved"]
+    moved = [e for e in _recorded(keeper, store).snapshot.events if e.kind == "irq_moved"]
     assert len(moved) == 1 and "irqbalance is not running" in moved[0].message
     keeper.observe()  # the same move is reported once
-    assert len([e for e in store.snapshot.events if e.kind == "irq_moved"]) == 1
+    assert [e.kind for e in _recorded(keeper, store).snapshot.events].count("irq_moved") == 1
 
     fixed = keeper.enforce(0)
-    assert [(o.irq, o.status) for o in fixed] == [(41, "bound")]
+    assert [(o.irq, o.status, o.cpus) for o in fixed] == [(41, "bound", (1,))]
     assert _read(tree, 41) == "1"
-    assert store.snapshot.counters.rebinds == {("0", "irq_drift"): 1}
     assert keeper.enforce(0) == ()  # nothing drifted any more
+    # The keeper counts nothing: the check loop records the outcomes.
+    assert _recorded(keeper, store).snapshot.counters.rebinds == {}
 
     results = keeper.restore()
     assert results == [(40, None), (41, None), (42, None)]
     assert [_read(tree, i) for i in (40, 41, 42)] == ["0-7", "0-7", "3"]
-    assert any(e.kind == "irq_restored" for e in store.snapshot.events)
+    assert any(e.kind == "irq_restored" for e in _recorded(keeper, store).snapshot.events)
 
 
 def test_keeper_gone_irq_is_counted_once_and_not_observed_as_planned(tree: Path) -> None:
@@ -306,10 +309,10 @@ def test_keeper_gone_irq_is_counted_once_and_not_observed_as_planned(tree: Path)
     topology = _topo([gpu], [])
     placement = Placement("numa-affine", None, (_rank(0, gpu, (0, 1), (1,)),))
     store = _store(topology, placement)
-    keeper = IrqKeeper(HostFS(str(tree)), store, topology, placement, IrqConfig())
+    keeper = IrqKeeper(HostFS(str(tree)), topology, placement, IrqConfig())
     assert [(o.irq, o.status) for o in keeper.apply()] == [(40, "bound"), (77, "gone")]
     keeper.apply()
-    assert store.snapshot.counters.bind_failures == {("0", "irq", "gone"): 1}
+    assert _recorded(keeper, store).snapshot.counters.bind_failures == {("0", "irq", "gone"): 1}
     obs = keeper.observe()[0]
     assert [(o.irq, o.cpus, o.planned) for o in obs] == [(40, (1,), (1,)), (77, (), ())]
     keeper.restore()
@@ -319,7 +322,6 @@ def test_disabled_config_touches_nothing(tree: Path) -> None:
     topology, placement = _small_setup()
     keeper = IrqKeeper(
         HostFS(str(tree)),
-        _store(topology, placement),
         topology,
         placement,
         IrqConfig(enabled=False),
@@ -358,12 +360,13 @@ def test_ban_mode_bans_ours_keeps_others_and_gives_the_list_back(
     tree, server = balanced_tree
     topology, placement = _small_setup()
     store = _store(topology, placement)
-    keeper = IrqKeeper(HostFS(str(tree)), store, topology, placement, IrqConfig(nic=True))
+    keeper = IrqKeeper(HostFS(str(tree)), topology, placement, IrqConfig(nic=True))
     keeper.apply()
     assert keeper.irqbalance is not None and keeper.irqbalance.pid == 4321
     assert sorted(server.banned) == [40, 41, 42, 99]
     assert keeper.banned == {40, 41, 42}
-    assert any(e.kind == "irqbalance" and e.fields["banned"] for e in store.snapshot.events)
+    events = _recorded(keeper, store).snapshot.events
+    assert any(e.kind == "irqbalance" and e.fields["banned"] for e in events)
     keeper.apply()  # nothing new to ban: no second request
     assert sum(1 for r, _ in server.requests if r.startswith("settings")) == 1
     keeper.restore()
@@ -378,13 +381,13 @@ def test_observe_mode_never_bans_and_names_irqbalance_on_a_move(
     topology, placement = _small_setup()
     store = _store(topology, placement)
     config = IrqConfig(irqbalance="observe")
-    keeper = IrqKeeper(HostFS(str(tree)), store, topology, placement, config)
+    keeper = IrqKeeper(HostFS(str(tree)), topology, placement, config)
     keeper.apply()
     assert server.requests == []  # no ban, not even a query
     (tree / "proc/irq/40/smp_affinity_list").write_text("6\n")  # as irqbalance would
     obs = keeper.observe()[0]
     assert (40, (6,), (1,)) in [(o.irq, o.cpus, o.planned) for o in obs]
-    (moved,) = [e for e in store.snapshot.events if e.kind == "irq_moved"]
+    (moved,) = [e for e in _recorded(keeper, store).snapshot.events if e.kind == "irq_moved"]
     assert moved.fields["irqbalance"] == 4321 and "irqbalance (pid 4321)" in moved.message
     keeper.restore()
     assert server.banned == [99]
@@ -395,15 +398,17 @@ def test_unreachable_socket_falls_back_to_observing(tree: Path) -> None:
     (tree / "proc/555/comm").write_text("irqbalance\n")  # running, but no socket
     topology, placement = _small_setup()
     store = _store(topology, placement)
-    keeper = IrqKeeper(HostFS(str(tree)), store, topology, placement, IrqConfig())
+    keeper = IrqKeeper(HostFS(str(tree)), topology, placement, IrqConfig())
     keeper.apply()
     assert keeper.banned == frozenset()
-    (event,) = [e for e in store.snapshot.events if e.kind == "irqbalance"]
+    (event,) = [e for e in _recorded(keeper, store).snapshot.events if e.kind == "irqbalance"]
     assert event.fields["banned"] is False
     keeper.restore()
 
 
-def test_store_writes_from_the_executor_go_through_the_loop(tree: Path) -> None:
+def test_the_keeper_never_writes_the_store_its_facts_are_recorded_on_the_loop(
+    tree: Path,
+) -> None:
     topology, placement = _small_setup()
     store = _store(topology, placement)
     writer_threads: set[int] = set()
@@ -417,13 +422,15 @@ def test_store_writes_from_the_executor_go_through_the_loop(tree: Path) -> None:
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
-        keeper = IrqKeeper(HostFS(str(tree)), store, topology, placement, IrqConfig(nic=True))
+        keeper = IrqKeeper(HostFS(str(tree)), topology, placement, IrqConfig(nic=True))
         with ThreadPoolExecutor(1) as pool:
-            # The posted writes are queued before the executor's own completion
-            # callback, so they have run when the await returns.
             await loop.run_in_executor(pool, keeper.apply)
+            assert store.snapshot.events == ()  # the keeper holds no store
+            Recorder(store).facts(keeper.take_facts())
             assert [e.kind for e in store.snapshot.events] == ["irq"]
             await loop.run_in_executor(pool, keeper.restore)
+            Recorder(store).facts(keeper.take_facts())
+        assert keeper.take_facts() == []  # taken once
 
     asyncio.run(main())
     assert writer_threads == {threading.get_ident()}  # only the loop's thread wrote

@@ -21,6 +21,7 @@ import pytest
 from supervisor.bind.irq import detect_irqbalance, read_banned_irqs
 from supervisor.config import IrqConfig
 from supervisor.cpulist import parse_cpulist
+from supervisor.events import Recorder
 from supervisor.hostfs import HostFS
 from supervisor.plan.placement import Placement, PlanSettings
 from supervisor.plan.planner import plan
@@ -79,8 +80,7 @@ def test_keeper_on_real_irqs(originals: dict[int, str]) -> None:
     irq_cpus = rank.slot.role_cpus("irq")
     device = next(d for d in topology.devices if d.bdf == DEVICE)
     assert device.irqs, "discovery found no IRQs for the device"
-    store = StateStore(Snapshot(placement, topology, {}))
-    keeper = IrqKeeper(HostFS("/"), store, topology, placement, IrqConfig())
+    keeper = IrqKeeper(HostFS("/"), topology, placement, IrqConfig())
     try:
         outcomes = keeper.apply()
         assert [(o.irq, o.status) for o in outcomes] == [(i, "bound") for i in device.irqs]
@@ -107,7 +107,6 @@ def test_keeper_on_real_irqs(originals: dict[int, str]) -> None:
         fixed = keeper.enforce(0)
         assert [(o.irq, o.status) for o in fixed] == [(victim, "bound")]
         assert set(keeper.binder.read_affinity(victim)) == set(irq_cpus)
-        assert store.snapshot.counters.rebinds == {("0", "irq_drift"): 1}
         assert diff(rank.slot, Observation(irqs=keeper.observe()[0]), threshold=0.0) == ()
     finally:
         results = keeper.restore()
@@ -139,13 +138,14 @@ def test_managed_irq_is_skipped_and_counted_once(originals: dict[int, str]) -> N
         pytest.skip(f"no kernel-managed IRQ on {MANAGED_DEVICE} here")
     topology, placement = _setup(MANAGED_DEVICE)
     store = StateStore(Snapshot(placement, topology, {}))
-    keeper = IrqKeeper(HostFS("/"), store, topology, placement, IrqConfig())
+    keeper = IrqKeeper(HostFS("/"), topology, placement, IrqConfig())
     try:
         outcomes = {o.irq: o.status for o in keeper.apply()}
         for irq in managed:
             assert outcomes[irq] == "managed"
             assert _affinity(irq) == originals[irq]
         keeper.apply()  # refused again, reported once
+        Recorder(store).facts(keeper.take_facts())
         assert store.snapshot.counters.bind_failures == {("0", "irq", "managed"): len(managed)}
         failed = [e for e in store.snapshot.events if e.kind == "bind_failed"]
         assert sorted(e.fields["irq"] for e in failed) == managed
@@ -169,12 +169,14 @@ def test_read_only_proc_irq_turns_binding_off_once(need_root: None) -> None:
         from supervisor.config import IrqConfig
         from supervisor.hostfs import HostFS
         from supervisor.watch.irqs import IrqKeeper
+        from supervisor.events import Recorder
         from supervisor.state import Snapshot, StateStore
         topology, placement = _setup({DEVICE!r})
         store = StateStore(Snapshot(placement, topology, {{}}))
-        keeper = IrqKeeper(HostFS("/"), store, topology, placement, IrqConfig())
+        keeper = IrqKeeper(HostFS("/"), topology, placement, IrqConfig())
         first = keeper.apply()
         second = keeper.apply()
+        Recorder(store).facts(keeper.take_facts())
         obs = keeper.observe()[0]
         print(keeper.enabled, [o.status for o in first], len(second))
         print(dict(store.snapshot.counters.bind_failures))
@@ -237,13 +239,14 @@ def test_keeper_bans_our_irqs_in_a_real_irqbalance_and_unbans_on_restore(
     topology, placement = _setup(DEVICE)
     device = next(d for d in topology.devices if d.bdf == DEVICE)
     store = StateStore(Snapshot(placement, topology, {}))
-    keeper = IrqKeeper(HostFS("/"), store, topology, placement, IrqConfig(irqbalance="ban"))
+    keeper = IrqKeeper(HostFS("/"), topology, placement, IrqConfig(irqbalance="ban"))
     try:
         keeper.apply()
         assert keeper.irqbalance is not None and keeper.irqbalance.pid == real_irqbalance
         # irqbalance itself says it now leaves every one of our IRQs alone.
         banned = read_banned_irqs(keeper.irqbalance)
         assert banned is not None and set(device.irqs) <= banned
+        Recorder(store).facts(keeper.take_facts())
         assert any(e.kind == "irqbalance" for e in store.snapshot.events)
     finally:
         keeper.restore()

@@ -21,7 +21,7 @@ from supervisor.watch.observe import (
     observe_process,
     parse_numa_maps,
     parse_status_thread,
-    read_irq_effective,
+    read_irq_delivery,
     read_numa_maps,
     read_online_cpus,
     read_self_allowed,
@@ -198,15 +198,17 @@ def test_read_numa_maps_gone_process() -> None:
         read_numa_maps(LIVE, pid)
 
 
-def test_read_irq_effective_live_and_tree(tmp_path: Path) -> None:
+def test_read_irq_delivery_live_and_tree(tmp_path: Path) -> None:
     irqs = [int(n) for n in os.listdir("/proc/irq") if n.isdigit()]
     irq = irqs[0]
     with open(f"/proc/irq/{irq}/effective_affinity_list") as f:
         text = f.read().strip()
-    live = read_irq_effective(LIVE, irq)
-    if text:
+    with open(f"/proc/irq/{irq}/smp_affinity_list") as f:
+        mask = parse_cpulist(f.read())
+    live = read_irq_delivery(LIVE, irq)
+    if text and parse_cpulist(text) <= mask:
         assert live == tuple(sorted(parse_cpulist(text)))
-    assert read_irq_effective(LIVE, 1 << 20) is None
+    assert read_irq_delivery(LIVE, 1 << 20) is None
     (tmp_path / "proc/irq/41").mkdir(parents=True)
     (tmp_path / "proc/irq/41/effective_affinity_list").write_text("\n")
     (tmp_path / "proc/irq/41/smp_affinity_list").write_text("2-3\n")
@@ -214,9 +216,9 @@ def test_read_irq_effective_live_and_tree(tmp_path: Path) -> None:
     (tmp_path / "proc/irq/42/effective_affinity_list").write_text("5\n")
     (tmp_path / "proc/irq/42/smp_affinity_list").write_text("4-7\n")
     fs = HostFS(str(tmp_path))
-    assert read_irq_effective(fs, 41) == (2, 3)  # empty effective: fall back
-    assert read_irq_effective(fs, 42) == (5,)
-    assert read_irq_effective(fs, 43) is None
+    assert read_irq_delivery(fs, 41) == (2, 3)  # empty effective: fall back
+    assert read_irq_delivery(fs, 42) == (5,)
+    assert read_irq_delivery(fs, 43) is None
 
 
 def test_read_self_allowed_live() -> None:
@@ -264,7 +266,7 @@ def test_observe_process_live(child: ThreadedChild) -> None:
         slot,
         "workers",
         roles=roles,
-        read_numa_maps=True,
+        numa_maps=True,
         irqs={irq: allowed},
         scanner=ThreadScanner(LIVE, child.pid),
         now=123.0,

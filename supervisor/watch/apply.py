@@ -1,0 +1,199 @@
+"""Carry out the check loop's decisions through bind/ (blocking: run in the executor).
+
+`Applier.apply(decisions)` makes every thread bind, memory migration and IRQ
+re-write of a pass, each failure isolated to its thread, process or IRQ set,
+and returns one `settle.Outcomes` per decision. It touches a tid only while
+it is still the thread the scan saw: before and after each write it checks
+the tid's Tgid and start time (a tid handed to an unrelated process is never
+written; issue 11), and a pid by its start time before its pages move.
+`update_cgroups` sets the instance dir and the moved processes' cgroups to a
+new plan. Nothing here writes the StateStore.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from supervisor.bind.binder import Binder
+from supervisor.bind.cgroup import CgroupManager, ProcessCgroup
+from supervisor.cpulist import format_cpulist
+from supervisor.errors import Gone, KernelError, translate_oserror
+from supervisor.hostfs import HostFS
+from supervisor.logs import format_fields
+from supervisor.plan.placement import Slot
+from supervisor.plan.replan import AllowedSet
+from supervisor.state import ProcKey, key_label
+from supervisor.watch.decide import Decision, MemoryMove, ThreadBind
+from supervisor.watch.identity import is_thread_of, read_thread_start
+from supervisor.watch.scan import IrqKeeperLike
+from supervisor.watch.settle import Outcome, Outcomes
+
+log = logging.getLogger("placement_supervisor.checker")
+
+
+class CgroupsLike(Protocol):
+    """The parts of `daemon.ManagedCgroups` the loop reads (numa_stat) and updates."""
+
+    manager: CgroupManager
+    made: dict[ProcKey, ProcessCgroup]
+
+    def create(self, key: ProcKey, slot: Slot) -> tuple[str, ...]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """Which process a decision is for: its pid and start time (None: unknown)."""
+
+    pid: int
+    start_time: int | None
+
+
+class Applier:
+    """The loop's hands: the binder, the IRQ keeper and the cgroups."""
+
+    def __init__(
+        self,
+        fs: HostFS,
+        binder: Binder,
+        irqs: IrqKeeperLike | None,
+        cgroups: CgroupsLike | None,
+    ) -> None:
+        self.fs = fs
+        self.binder = binder
+        self.irqs = irqs
+        self.cgroups = cgroups
+
+    # -- one pass ------------------------------------------------------------------
+
+    def apply(
+        self, decisions: Sequence[Decision], starts: Mapping[ProcKey, int | None]
+    ) -> list[Outcomes]:
+        """Every bind of a pass. `starts`: each process's start time (pid reuse)."""
+        out: list[Outcomes] = []
+        for d in decisions:
+            start = starts.get(d.key)
+            if (d.binds or d.moves) and not self._same_process(d.pid, start):
+                # The pid names another process now (reaped and reused): nothing of
+                # it is ours. Its runner reports the exit.
+                gone = Outcome(gone=True)
+                out.append(Outcomes(dict.fromkeys((b.tid for b in d.binds), gone)))
+                continue
+            threads = {b.tid: self.bind_thread(d.pid, b) for b in d.binds}
+            moves = tuple(self.migrate(d.pid, starts.get(d.key), m) for m in d.moves)
+            irq = self.enforce_irqs(d.key) if d.irq_reason is not None else None
+            out.append(Outcomes(threads, moves, irq))
+        return out
+
+    def bind_thread(self, pid: int, b: ThreadBind) -> Outcome:
+        """sched_setaffinity(2) on `b.tid`, only while it is the thread of `pid` the
+        scan saw; a tid that is no longer that thread counts as gone."""
+        if not is_thread_of(self.fs, pid, b.tid, b.start_time):
+            return Outcome(gone=True)
+        try:
+            kept = self.binder.set_thread_affinity(b.tid, b.cpus)
+        except Gone:
+            return Outcome(gone=True)
+        except KernelError as err:
+            return Outcome(error=err)
+        if not is_thread_of(self.fs, pid, b.tid, b.start_time):
+            # Reused between the check and the write (a window of microseconds):
+            # say so; the tid is never written again, the scan drops it.
+            log.warning(
+                "tid reused %s",
+                format_fields(pid=pid, tid=b.tid, cpus=format_cpulist(b.cpus), action="drop"),
+            )
+            return Outcome(gone=True)
+        if kept != frozenset(b.cpus):
+            # sched_setaffinity(2) keeps only the CPUs the cpuset allows: a
+            # partial bind is a failure, or the next pass would redo it forever.
+            partial = translate_oserror(
+                f"tid {b.tid}",
+                OSError(
+                    errno.EINVAL,
+                    f"kernel kept CPUs {format_cpulist(kept)} of {format_cpulist(b.cpus)}"
+                    " (outside the cgroup cpuset?)",
+                ),
+            )
+            return Outcome(error=partial, kept=tuple(sorted(kept)))
+        return Outcome(kept=tuple(sorted(kept)))
+
+    def _same_process(self, pid: int, start_time: int | None) -> bool:
+        return start_time is None or read_thread_start(self.fs, pid, pid) == start_time
+
+    def migrate(self, pid: int, start_time: int | None, m: MemoryMove) -> Outcome:
+        if not self._same_process(pid, start_time):
+            return Outcome(gone=True)  # the pid names another process now
+        try:
+            return Outcome(pages_left=self.binder.migrate_pages(pid, m.from_nodes, m.to_nodes))
+        except Gone:
+            return Outcome(gone=True)
+        except KernelError as err:
+            return Outcome(error=err)
+
+    def enforce_irqs(self, key: ProcKey) -> Outcome:
+        if self.irqs is None:
+            return Outcome()
+        try:
+            outcomes = self.irqs.enforce(key)
+        except KernelError as err:
+            return Outcome(error=err)
+        except Exception as err:  # the keeper's bug stays the keeper's
+            return Outcome(
+                error=KernelError(f"irqs of {key_label(key)}", OSError(errno.EIO, str(err)))
+            )
+        bound = tuple((o.irq, o.cpus) for o in outcomes if o.status == "bound")
+        return Outcome(irqs_bound=bound)
+
+    # -- a new plan ------------------------------------------------------------------
+
+    def update_cgroups(
+        self, allowed: AllowedSet, slots: Mapping[ProcKey, Slot], moved: Iterable[ProcKey]
+    ) -> list[tuple[ProcKey | None, KernelError]]:
+        """Instance dir (v1) to the new allowed set, then each moved process's cgroup.
+
+        cgroup v1: the kernel refuses (EBUSY) to shrink a cpuset below the
+        CPUs of a child (Documentation/admin-guide/cgroup-v1/cpusets.rst), so
+        on a shrink the children go first; on growth the instance dir does.
+        """
+        cgroups = self.cgroups
+        if cgroups is None:
+            return []
+        failed: list[tuple[ProcKey | None, KernelError]] = []
+        manager = cgroups.manager
+        keys = [k for k in moved if k in cgroups.made]
+
+        def update_children() -> None:
+            for key in keys:
+                if any(k == key for k, _ in failed):
+                    continue
+                try:
+                    cgroups.create(key, slots[key])
+                except KernelError as err:
+                    failed.append((key, err))
+
+        if manager.setup.version == 1 and cgroups.made:
+            try:
+                self._write_instance(manager, allowed)
+            except KernelError:
+                update_children()
+                try:
+                    self._write_instance(manager, allowed)
+                except KernelError as err:
+                    failed.append((None, err))
+        update_children()
+        return failed
+
+    @staticmethod
+    def _write_instance(manager: CgroupManager, allowed: AllowedSet) -> None:
+        inst = manager.instance_dirs[0]
+        # Mems first on growth, so the cpus write never meets an empty mems.
+        for name, values in (("cpuset.mems", allowed.mems), ("cpuset.cpus", allowed.cpus)):
+            rel = f"{inst}/{name}"
+            try:
+                manager.fs.write_text(rel, format_cpulist(values))
+            except OSError as err:
+                raise translate_oserror(manager.fs.path(rel), err) from None

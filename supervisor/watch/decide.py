@@ -1,0 +1,469 @@
+"""The check loop's policy: one process's observation -> what to do (pure, no I/O).
+
+`decide(slot, seen, state, policy, now)` turns what one pass saw of one
+process into a `Decision`: thread binds, memory migrations, an IRQ re-write,
+the findings (and which are new, to count once), notes, and the next
+`RepairState` (supervisor.watch.settle folds what the binds did into it). The
+migration policy lives here: the start threshold, repair to
+`REPAIR_TARGET_RATIO` once started, the no-gain backoff and the tug-of-war
+backoff. Nothing here imports bind/, run/, serve/ or the daemon.
+
+Counting. A finding counts in drift_events{rank,kind} when it appears, not on
+every pass while it persists; one that goes away and comes back counts again.
+A thread never seen on its role's CPUs (new, or renamed into another role) is
+not drift: binding it is the thread-role binding of a new thread, counted in
+rebinds{reason="thread_role"}.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Any, Literal
+
+from supervisor.config import DriftConfig, DriftPolicy
+from supervisor.cpulist import format_cpulist
+from supervisor.plan.placement import Slot
+from supervisor.state import (
+    DRIFT_KINDS,
+    DriftKind,
+    Finding,
+    Observation,
+    ProcKey,
+    RebindReason,
+    ThreadObservation,
+    key_label,
+)
+from supervisor.watch.drift import apply_policy, diff, target_id
+
+Cause = Literal["check", "api", "cpuset_changed"]
+"""Why a pass runs: the periodic check, POST /rebind, or a new plan after a cpuset change."""
+
+MIGRATE_NO_GAIN_BACKOFF_S = 60.0  # a migration that did not raise the ratio waits this long
+MIGRATE_MIN_GAIN = 0.01  # ...where "raise" means by at least this much
+# Remote memory below this is not migrated by the loop (the finding stays):
+# not worth a walk of the worker's page tables under its mmap lock. The
+# ratio counts only memory the process allocated, so shared library pages
+# (which migrate_pages(2) with CAP_SYS_NICE moves too) no longer make two
+# ranks on different nodes take them back and forth; a floor sized for that
+# (it was 32 MiB) left a small worker a third remote for good. The API's
+# rebind ignores the floor.
+MIGRATE_MIN_REMOTE_BYTES = 4 << 20
+# A repair (started by a memory_locality finding) goes on to this ratio: the
+# threshold says when to act, not where to stop (numad works alike).
+REPAIR_TARGET_RATIO = 0.99
+ENFORCED_KINDS: tuple[DriftKind, ...] = ("thread_affinity", "memory_locality", "irq_affinity")
+
+
+# -- inputs ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """What `[drift]` says, and why this pass runs."""
+
+    actions: Mapping[str, DriftPolicy]  # [drift.policy]
+    threshold: float = 0.9
+    enforce_pinned: bool = False
+    migrate_max_bytes_per_s: int = 1 << 30
+    check_interval_s: float = 1.0
+    cause: Cause = "check"
+    # cause "cpuset_changed": the slot's nodes changed and no cgroup moves the
+    # pages, so every page off the new nodes moves (from any of `node_ids`).
+    move_memory: bool = False
+    node_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, drift: DriftConfig, cause: Cause = "check", **more: Any) -> Policy:
+        return cls(
+            MappingProxyType(dict(drift.policy)),
+            drift.local_memory_threshold,
+            drift.enforce_pinned,
+            drift.migrate_max_bytes_per_s,
+            drift.check_interval_s,
+            cause,
+            **more,
+        )
+
+    def action(self, kind: str) -> DriftPolicy:
+        """ "enforce" or "observe" for a finding of `kind` in a pass of this cause."""
+        if self.cause == "api":
+            return "enforce" if kind in ENFORCED_KINDS else "observe"
+        if self.cause == "cpuset_changed":
+            return "enforce" if kind == "thread_affinity" else "observe"
+        return self.actions.get(kind, "observe")
+
+    @property
+    def force(self) -> bool:
+        return self.cause == "api"
+
+
+@dataclass(frozen=True, slots=True)
+class Seen:
+    """One process as this pass's scan found it."""
+
+    key: ProcKey
+    pid: int
+    observation: Observation
+    memory_read: bool  # memory was read this pass (numa_maps or the cgroup's numa_stat)
+
+
+@dataclass(frozen=True, slots=True)
+class MoveRecord:
+    """A process's last memory migration (what the tug-of-war rule looks at)."""
+
+    from_nodes: tuple[int, ...]
+    to_nodes: tuple[int, ...]
+    at: float  # monotonic
+
+
+@dataclass(frozen=True, slots=True)
+class RepairState:
+    """What the loop remembers of one process between passes (replaced, never mutated)."""
+
+    placed: Mapping[int, str] = field(default_factory=dict)  # tid -> role, seen/bound right
+    bound: Mapping[int, tuple[int, ...]] = field(default_factory=dict)  # tid -> CPUs we set
+    reported: frozenset[tuple[str, str]] = frozenset()  # (kind, target) already counted
+    threads: tuple[ThreadObservation, ...] | None = None  # the last pass's threads
+    failures: Mapping[tuple[str, str], str] = field(default_factory=dict)  # (target, id) -> reason
+    migrate_after: float = 0.0  # monotonic; no migration before
+    migrated_from: float | None = None  # ratio before the last migration, until re-read
+    last_move: MoveRecord | None = None
+    repairing: bool = False  # a memory_locality finding started a repair
+    memory_stale: bool = False  # re-read memory at the next pass
+
+
+def after_replan(state: RepairState) -> RepairState:
+    """A process the new plan moved: its memory and threads are to be read afresh."""
+    return replace(state, memory_stale=True, threads=None, migrated_from=None)
+
+
+# -- outputs --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ThreadBind:
+    tid: int
+    name: str
+    role: str
+    cpus: tuple[int, ...]
+    reason: RebindReason
+    start_time: int | None = None  # the thread the scan saw (a reused tid is not it)
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryMove:
+    pid: int
+    from_nodes: tuple[int, ...]
+    to_nodes: tuple[int, ...]
+    remote_bytes: int
+    ratio: float
+    reason: RebindReason
+
+
+@dataclass(frozen=True, slots=True)
+class Note:
+    """Something decided that is worth an event (and a log line), counted nowhere."""
+
+    kind: Literal["migrate"]
+    message: str
+    log_message: str | None = None
+    fields: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    key: ProcKey
+    pid: int
+    observation: Observation
+    findings: tuple[Finding, ...]
+    new_drift: tuple[Finding, ...]  # findings to count (first seen)
+    binds: tuple[ThreadBind, ...] = ()
+    moves: tuple[MemoryMove, ...] = ()
+    irq_reason: RebindReason | None = None  # re-write this process's drifted IRQs
+    notes: tuple[Note, ...] = ()
+    state: RepairState = field(default_factory=RepairState)
+
+
+# -- deciding -------------------------------------------------------------------------
+
+
+def decide(
+    slot: Slot,
+    seen: Seen,
+    state: RepairState,
+    policy: Policy,
+    now: float,
+    *,
+    others: Mapping[ProcKey, MoveRecord] | None = None,
+) -> Decision:
+    """What to do about one process this pass (`now`: monotonic seconds).
+
+    `others`: the other processes' last migrations (the tug-of-war rule).
+    """
+    obs = seen.observation
+    stale = state.memory_stale and not seen.memory_read
+    findings = apply_policy(
+        diff(slot, obs, threshold=policy.threshold, pinned_ok=not policy.enforce_pinned)
+        + _pinned_by_us(slot, obs, state),
+        {kind: policy.action(kind) for kind in DRIFT_KINDS},
+    )
+    w = _Work(seen.key, state, stale, now)
+    threads = {t.tid: t for t in obs.threads} if findings else {}
+    drift_tids: set[int] = set()
+    reported: set[tuple[str, str]] = set()
+    binds: list[ThreadBind] = []
+    moves: list[MemoryMove] = []
+    irq_reason: RebindReason | None = None
+    for f in findings:
+        if f.kind == "thread_affinity":
+            tid = target_id(f)
+            thread = threads.get(tid) if tid is not None else None
+            if tid is None or thread is None:
+                continue
+            drift_tids.add(tid)
+            is_drift = state.placed.get(tid) == thread.role
+            # A thread never seen on its role's CPUs is bound as a new thread
+            # (a thread_role rebind), not counted as drift; under observe
+            # nothing binds it, so there it is drift all the same. (A new
+            # plan's binds are no drift either: see `reported` below.)
+            if is_drift or f.action != "enforce":
+                reported.add((f.kind, f.target))
+            if f.action == "enforce":
+                reason: RebindReason = (
+                    "api"
+                    if policy.cause == "api"
+                    else "cpuset_changed"
+                    if policy.cause == "cpuset_changed"
+                    else "thread_affinity"
+                    if is_drift
+                    else "thread_role"
+                )
+                cpus = tuple(sorted(set(slot.role_cpus(thread.role))))
+                binds.append(
+                    ThreadBind(tid, thread.name, thread.role, cpus, reason, thread.start_time)
+                )
+            continue
+        if policy.cause == "cpuset_changed":
+            continue  # the pass after the re-plan reports the rest
+        reported.add((f.kind, f.target))
+        if f.kind == "memory_locality" and f.action == "enforce":
+            w.repairing = True
+            move = _plan_move(seen, slot, w, policy, others or {}, force=policy.force)
+            if move is not None:
+                moves.append(move)
+        elif f.kind == "irq_affinity" and f.action == "enforce":
+            irq_reason = "api" if policy.force else "irq_affinity"
+    if policy.cause == "cpuset_changed":
+        reported = set(state.reported)
+        if policy.move_memory:
+            moves.append(
+                MemoryMove(
+                    seen.pid,
+                    tuple(sorted(set(policy.node_ids) - set(slot.mems))),
+                    tuple(sorted(slot.mems)),
+                    0,
+                    0.0,
+                    "cpuset_changed",
+                )
+            )
+    elif w.repairing and not any(f.kind == "memory_locality" for f in findings):
+        move = _continue_repair(seen, slot, w, policy, others or {})
+        if move is not None:
+            moves.append(move)
+    new_drift = tuple(f for f in findings if (f.kind, f.target) in reported - state.reported)
+    if policy.cause != "cpuset_changed":
+        _judge_migration(obs, w)
+    return Decision(
+        seen.key,
+        seen.pid,
+        obs,
+        findings,
+        new_drift,
+        tuple(binds),
+        tuple(moves),
+        irq_reason,
+        tuple(w.notes),
+        RepairState(
+            placed=_placed(state, obs, drift_tids),
+            bound=_live(state.bound, obs),
+            reported=frozenset(reported),
+            threads=obs.threads,
+            failures=state.failures,
+            migrate_after=w.migrate_after,
+            migrated_from=w.migrated_from,
+            last_move=state.last_move,
+            repairing=w.repairing,
+            memory_stale=stale,
+        ),
+    )
+
+
+@dataclass(slots=True)
+class _Work:
+    """The migration fields while one decision is made (local, then frozen)."""
+
+    key: ProcKey
+    migrate_after: float
+    migrated_from: float | None
+    repairing: bool
+    stale: bool
+    now: float
+    last_move: MoveRecord | None
+    notes: list[Note]
+
+    def __init__(self, key: ProcKey, state: RepairState, stale: bool, now: float) -> None:
+        self.key = key
+        self.migrate_after = state.migrate_after
+        self.migrated_from = state.migrated_from
+        self.repairing = state.repairing
+        self.stale = stale
+        self.now = now
+        self.last_move = state.last_move
+        self.notes = []
+
+
+def _pinned_by_us(slot: Slot, obs: Observation, state: RepairState) -> tuple[Finding, ...]:
+    """Threads narrowed inside their role's CPUs by our own last bind, not by the
+    workload: the pinned rule protects the workload's choices, never a stale one
+    of ours (a bind made just before a CPU came back, then a new plan's wider set)."""
+    if not state.bound:
+        return ()
+    out: list[Finding] = []
+    for t in obs.threads:
+        if state.bound.get(t.tid) != t.cpus:
+            continue
+        want = tuple(sorted(set(slot.role_cpus(t.role))))
+        if t.cpus != want and set(t.cpus) < set(want):
+            out.append(
+                Finding(
+                    "thread_affinity", f"tid {t.tid}", format_cpulist(want), format_cpulist(t.cpus)
+                )
+            )
+    return tuple(out)
+
+
+def _placed(state: RepairState, obs: Observation, drift_tids: set[int]) -> Mapping[int, str]:
+    """Threads found on their role's CPUs (or respected as pinned) count as
+    placed: leaving them later is drift. The same mapping when nothing changed."""
+    if state.threads is not None and not drift_tids and obs.threads == state.threads:
+        return state.placed
+    placed = dict(state.placed)
+    for t in obs.threads:
+        if t.tid not in drift_tids:
+            placed[t.tid] = t.role
+    if len(placed) > len(obs.threads):
+        live = {t.tid for t in obs.threads}
+        placed = {tid: role for tid, role in placed.items() if tid in live}
+    return placed
+
+
+def _live(bound: Mapping[int, tuple[int, ...]], obs: Observation) -> Mapping[int, tuple[int, ...]]:
+    """`bound` without the threads that are gone (the same mapping when none is)."""
+    if not bound:
+        return bound
+    live = {t.tid for t in obs.threads}
+    if all(tid in live for tid in bound):
+        return bound
+    return {tid: cpus for tid, cpus in bound.items() if tid in live}
+
+
+def _continue_repair(
+    seen: Seen, slot: Slot, w: _Work, policy: Policy, others: Mapping[ProcKey, MoveRecord]
+) -> MemoryMove | None:
+    """Above the threshold again: move what is still remote until the repair
+    target is reached (pages the process kept allocating remotely while the
+    first migration ran, say). Only under the configured policy, never the API's."""
+    if policy.actions.get("memory_locality") != "enforce" or w.stale:
+        return None
+    ratio = seen.observation.local_memory_ratio
+    if ratio is None or ratio >= REPAIR_TARGET_RATIO:
+        w.repairing = False  # repaired
+        return None
+    return _plan_move(seen, slot, w, policy, others, force=False, floor_bytes=0)
+
+
+def _plan_move(
+    seen: Seen,
+    slot: Slot,
+    w: _Work,
+    policy: Policy,
+    others: Mapping[ProcKey, MoveRecord],
+    *,
+    force: bool,
+    floor_bytes: int = MIGRATE_MIN_REMOTE_BYTES,
+) -> MemoryMove | None:
+    obs = seen.observation
+    now = w.now
+    if policy.migrate_max_bytes_per_s <= 0 or (now < w.migrate_after and not force) or w.stale:
+        return None
+    mems = set(slot.mems)
+    remote = {n: b for n, b in obs.memory_bytes_by_node.items() if n not in mems and b > 0}
+    if not remote or obs.local_memory_ratio is None:
+        return None
+    if sum(remote.values()) < floor_bytes and not force:
+        return None
+    # A tug of war: this process moved pages here, another moved pages the
+    # other way since, and now they are remote again: pages both map (shared
+    # libraries, shared memory). Do not pull them back.
+    mine = w.last_move
+    for other, theirs in sorted(others.items(), key=lambda kv: key_label(kv[0])):
+        recent = (
+            mine is not None
+            and other != seen.key
+            and mine.at < theirs.at
+            and now - mine.at < MIGRATE_NO_GAIN_BACKOFF_S
+        )
+        if (
+            recent
+            and not force
+            and set(theirs.from_nodes) & mems
+            and set(theirs.to_nodes) & set(remote)
+        ):
+            w.migrate_after = now + MIGRATE_NO_GAIN_BACKOFF_S
+            w.notes.append(
+                Note(
+                    "migrate",
+                    f"{key_label(seen.key)}: not migrating: {key_label(other)} just moved "
+                    f"pages the other way (pages both map); next try in "
+                    f"{MIGRATE_NO_GAIN_BACKOFF_S:g}s",
+                    None,
+                    {"other": key_label(other)},
+                )
+            )
+            return None
+    return MemoryMove(
+        seen.pid,
+        tuple(sorted(remote)),
+        tuple(sorted(mems)),
+        sum(remote.values()),
+        obs.local_memory_ratio,
+        "api" if force else "memory_locality",
+    )
+
+
+def _judge_migration(obs: Observation, w: _Work) -> None:
+    """After a migration and a fresh memory read: did the ratio rise? If not, back off."""
+    before = w.migrated_from
+    after = obs.local_memory_ratio
+    if before is None or w.stale or after is None:
+        return
+    w.migrated_from = None
+    if after >= before + MIGRATE_MIN_GAIN:
+        return
+    w.migrate_after = max(w.migrate_after, w.now + MIGRATE_NO_GAIN_BACKOFF_S)
+    w.notes.append(
+        Note(
+            "migrate",
+            f"{key_label(w.key)}: memory migration did not help "
+            f"(local ratio {before:.3f} -> {after:.3f}); "
+            f"next try in {MIGRATE_NO_GAIN_BACKOFF_S:g}s",
+            "migrate no gain",
+            {
+                "before": before,
+                "after": after,
+                "action": f"wait {MIGRATE_NO_GAIN_BACKOFF_S:g}s",
+            },
+        )
+    )

@@ -1,0 +1,429 @@
+"""The check loop: scan -> decide -> apply -> publish (does I/O through scan and apply).
+
+Every `check_interval_s` one pass (`CheckLoop.check_once`): the reads of
+supervisor.watch.scan in the executor, one pure `decide.decide` per process,
+the binds of supervisor.watch.apply in the executor, then `settle.settle` and
+supervisor.watch.publish: the `StateStore` through the one `events.Recorder`
+(on the loop: the store's single writer). The policy is in decide; this module holds
+none. A change of the supervisor's allowed set (cpuset write, CPU hotplug),
+seen by the pass or by the fast watch (`watch_allowed`, one syscall every
+`[drift] cpuset_watch_s`), re-plans (supervisor.plan.replan) and sends the moved
+processes through the same decide/apply with cause "cpuset_changed".
+POST /rebind is `rebind`: one pass now with cause "api".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Executor
+from typing import Any
+
+from supervisor.bind.binder import Binder
+from supervisor.config import DriftConfig, ThreadRole
+from supervisor.errors import SupervisorError
+from supervisor.events import Recorder
+from supervisor.hostfs import HostFS
+from supervisor.logs import format_fields
+from supervisor.plan.placement import Slot
+from supervisor.plan.replan import (
+    AllowedSet,
+    allowed_of,
+    mems_changed,
+)
+from supervisor.plan.threads import DEFAULT_THREAD_ROLES, ProcessKind, RoleMatcher
+from supervisor.state import Finding, Observation, ProcKey, StateStore, key_label
+from supervisor.watch.apply import Applier, CgroupsLike
+from supervisor.watch.cpuset import Moved, Replanner, Replanning
+from supervisor.watch.decide import Cause, Decision, Policy, Seen, after_replan, decide
+from supervisor.watch.publish import publish_down, record_settled, summary_of
+from supervisor.watch.scan import (
+    IrqKeeperLike,
+    ScanResult,
+    ScanTarget,
+    Supervised,
+    Tracked,
+    read_allowed,
+    scan,
+    track,
+)
+from supervisor.watch.settle import (
+    Outcomes,
+    moved_by_plan,
+    note_failure,
+    settle,
+)
+
+log = logging.getLogger("placement_supervisor.checker")
+
+
+class CheckLoop:
+    """The check loop of one daemon; `run()` is its long-running task.
+
+    `check_once` and `rebind` may be called from the API while `run` loops: a
+    lock keeps passes from overlapping (the scanners are not thread-safe).
+    """
+
+    def __init__(
+        self,
+        *,
+        store: StateStore,
+        fs: HostFS,
+        executor: Executor,
+        drift: DriftConfig,
+        roles: Sequence[ThreadRole],
+        supervised: Callable[[], Iterable[Supervised]],
+        stopping: asyncio.Event,
+        irqs: IrqKeeperLike | None = None,
+        cgroups: CgroupsLike | None = None,
+        replanner: Replanner | None = None,
+        binder: Binder | None = None,
+    ) -> None:
+        self.store = store
+        self.fs = fs
+        self.executor = executor
+        self.drift = drift
+        self.policy = Policy.of(drift)
+        self.supervised = supervised
+        self.stopping = stopping
+        self.irqs = irqs
+        self.cgroups = cgroups
+        self.binder = binder if binder is not None else Binder(fs)
+        self.applier = Applier(fs, self.binder, irqs, cgroups)
+        self.record = Recorder(store, log)
+        self.replanning = (
+            None
+            if replanner is None
+            else Replanning(
+                replanner,
+                executor=executor,
+                store=store,
+                irqs=irqs,
+                applier=self.applier,
+                record=self.record,
+            )
+        )
+        all_roles = (*roles, *DEFAULT_THREAD_ROLES)
+        self.matchers: dict[ProcessKind, RoleMatcher] = {
+            "engine": RoleMatcher("engine", all_roles),
+            "workers": RoleMatcher("workers", all_roles),
+        }
+        self.tracked: dict[ProcKey, Tracked] = {}
+        self.down_reported: set[ProcKey] = set()
+        self.allowed: AllowedSet = allowed_of(store.snapshot.topology)
+        self.lock = asyncio.Lock()
+        self.wake = asyncio.Event()  # the fast watch saw a change: check now
+        self.can_migrate_other = self.binder.can_migrate_other()
+        self._errors: dict[str, str | None] = {}  # what -> the last error said
+
+    @property
+    def stale_after_s(self) -> float:
+        """/healthz turns 503 when no check finished for this long: a few missed
+        intervals, but never less than a slow numa_maps pass needs."""
+        return max(30.0, 5 * self.policy.check_interval_s, 2 * self.drift.numa_maps_interval_s)
+
+    # -- the loop -------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Check every `check_interval_s` until stopped (cancelled at shutdown)."""
+        interval = self.policy.check_interval_s
+        if not self.can_migrate_other:
+            log.info(
+                "no CAP_SYS_NICE %s",
+                format_fields(
+                    effect="migrate_pages only for same-uid processes and unshared pages",
+                    action="degrade",
+                ),
+            )
+        watch = (
+            asyncio.create_task(self.watch_allowed(), name="allowed_watch")
+            if self.drift.cpuset_watch_s > 0
+            else None
+        )
+        try:
+            next_at = time.monotonic()
+            while not self.stopping.is_set():
+                try:
+                    await self.check_once()
+                    self._said("check", None)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as err:  # one bad pass must not end checking
+                    text = f"{type(err).__name__}: {err}"
+                    if self._said("check", text):
+                        self.record.error(
+                            f"check failed: {text}", text, what="check", action="retry", exc=err
+                        )
+                next_at = max(next_at + interval, time.monotonic())  # no burst after a slow pass
+                self.wake.clear()
+                try:
+                    await asyncio.wait_for(self.wake.wait(), next_at - time.monotonic())
+                    next_at = time.monotonic()
+                except TimeoutError:
+                    pass
+        finally:
+            if watch is not None:
+                watch.cancel()
+
+    async def watch_allowed(self) -> None:
+        """Every `cpuset_watch_s`, one sched_getaffinity(2) of the loop's own thread:
+        a cpuset write (v1, and v2, which narrows each task's mask to the new
+        effective CPUs) or a CPU hotplug (the mask is reported ∩ the active
+        CPUs) changes it, and a change wakes the full check at once, which
+        reads the allowed set properly. One syscall, on the loop: ~1 µs. A
+        change of the memory nodes alone waits for the next check. On a
+        fixture tree (tests) the allowed set itself is read, in the executor.
+        """
+        loop = asyncio.get_running_loop()
+        last = frozenset(os.sched_getaffinity(0)) if self.fs.is_live else frozenset()
+        while not self.stopping.is_set():
+            await asyncio.sleep(self.drift.cpuset_watch_s)
+            if self.fs.is_live:
+                now = frozenset(os.sched_getaffinity(0))
+                if now != last:
+                    last = now
+                    self.wake.set()
+                continue
+            node_ids = [n.id for n in self.store.snapshot.topology.nodes]
+            try:
+                allowed = await loop.run_in_executor(self.executor, read_allowed, self.fs, node_ids)
+            except (SupervisorError, OSError):
+                continue  # the pass reports it
+            if allowed != self.allowed:
+                self.wake.set()
+
+    async def rebind(self, rank: ProcKey | None) -> dict[str, Any]:
+        """POST /rebind: one enforcing pass now (every kind enforced), for one rank or all."""
+        if self.stopping.is_set():
+            raise SupervisorError("the supervisor is stopping")
+        return await self.check_once(cause="api", only=rank)
+
+    async def check_once(
+        self, *, cause: Cause = "check", only: ProcKey | None = None
+    ) -> dict[str, Any]:
+        """One pass; a summary per process. `only` limits it to one process."""
+        async with self.lock:
+            started = time.perf_counter()
+            results: dict[ProcKey, tuple[Observation, tuple[Finding, ...]]] = {}
+            try:
+                summary = await self._pass(cause, only, results)
+            finally:
+                self.store.set_observations(results)  # the pass, as one snapshot
+            self.store.finish_check(time.perf_counter() - started)
+            return summary
+
+    # -- one pass ---------------------------------------------------------------------
+
+    async def _scan(self, targets: Sequence[ScanTarget], *, host: bool = True) -> ScanResult:
+        manager = self.cgroups.manager if self.cgroups is not None else None
+        node_ids = [n.id for n in self.store.snapshot.topology.nodes]
+        result = await asyncio.get_running_loop().run_in_executor(
+            self.executor,
+            lambda: scan(
+                self.fs,
+                targets,
+                node_ids=node_ids,
+                irqs=self.irqs if host else None,
+                cgroups=manager,
+                with_allowed=host,
+            ),
+        )
+        if host:
+            self._irq_facts()
+            for what, text in (("allowed CPUs", result.host_error), ("IRQs", result.irq_error)):
+                if self._said(what, text) and text is not None:
+                    self.record.error(
+                        f"cannot observe {what}: {text}", text, what="observe", action="skip"
+                    )
+        return result
+
+    async def _apply(self, decisions: Sequence[Decision]) -> list[Outcomes]:
+        starts = {d.key: self.tracked[d.key].start_time for d in decisions}
+        try:
+            return await asyncio.get_running_loop().run_in_executor(
+                self.executor, self.applier.apply, decisions, starts
+            )
+        finally:
+            self._irq_facts()
+
+    def _irq_facts(self) -> None:
+        if self.irqs is not None:
+            self.record.facts(self.irqs.take_facts())
+
+    async def _pass(
+        self,
+        cause: Cause,
+        only: ProcKey | None,
+        results: dict[ProcKey, tuple[Observation, tuple[Finding, ...]]],
+    ) -> dict[str, Any]:
+        targets = self._targets(only)
+        result = await self._scan(targets)
+        changed = result.allowed is not None and result.allowed != self.allowed
+        if changed or (self.replanning is not None and self.replanning.pending):
+            if result.allowed is not None and changed:
+                await self._cpuset_changed(result.allowed)
+            else:
+                await self._replan()  # the last re-plan failed: try again each pass
+            targets = self._targets(only)
+            result = await self._scan(targets)
+        policy = self.policy if cause == "check" else Policy.of(self.drift, cause)
+        now = time.monotonic()
+        decisions: list[Decision] = []
+        for t in targets:
+            tracked = self.tracked.get(t.key)
+            if tracked is None or tracked.pid != t.pid:
+                continue
+            if t.key in result.errors:
+                self._fail_once(t.key, tracked, f"pid {t.pid}", result.errors[t.key])
+                continue
+            seen = result.seen.get(t.key)
+            if seen is None:
+                continue  # exited since the listing: its runner reports that
+            if seen.memory_read:
+                tracked.maps_at = now
+            decisions.append(self._decide(tracked, t.slot, seen, policy, now))
+        outcomes = await self._apply(decisions)
+        summary: dict[str, Any] = {}
+        for d, out in zip(decisions, outcomes, strict=True):
+            summary[key_label(d.key)] = self._publish(d, out, policy, now, results)
+        summary.update(self._publish_down(only, results))
+        return {"reason": "api" if cause == "api" else "check", "processes": summary}
+
+    def _decide(
+        self, tracked: Tracked, slot: Slot, seen: Seen, policy: Policy, now: float
+    ) -> Decision:
+        others = {
+            k: t.state.last_move
+            for k, t in self.tracked.items()
+            if t.state.last_move is not None and k != seen.key
+        }
+        d = decide(slot, seen, tracked.state, policy, now, others=others)
+        tracked.state = d.state
+        tracked.previous = seen.observation
+        for note in d.notes:
+            self.record.note(
+                note.kind,
+                d.key,
+                note.message,
+                log_message=note.log_message,
+                level=logging.WARNING,
+                **note.fields,
+            )
+        return d
+
+    def _targets(self, only: ProcKey | None) -> list[ScanTarget]:
+        made = self.cgroups.made if self.cgroups is not None else {}
+        return track(
+            self.fs,
+            self.tracked,
+            self.matchers,
+            self.supervised(),
+            made,
+            only=only,
+            numa_maps_interval_s=self.drift.numa_maps_interval_s,
+            now=time.monotonic(),
+        )
+
+    # -- publication (on the loop) ----------------------------------------------------
+
+    def _publish(
+        self,
+        d: Decision,
+        out: Outcomes,
+        policy: Policy,
+        now: float,
+        results: dict[ProcKey, tuple[Observation, tuple[Finding, ...]]],
+    ) -> dict[str, Any]:
+        key = d.key
+        tracked = self.tracked[key]
+        s = settle(d, out, policy, now, can_migrate_other=self.can_migrate_other)
+        tracked.state = s.state
+        record_settled(self.record, d, s, out)
+        results[key] = (s.observation, s.remaining)
+        self.down_reported.discard(key)
+        return summary_of(tracked.pid, d, s)
+
+    def _publish_down(
+        self, only: ProcKey | None, results: dict[ProcKey, tuple[Observation, tuple[Finding, ...]]]
+    ) -> dict[str, Any]:
+        if self.stopping.is_set():
+            return {}
+        return publish_down(self.record, self.supervised(), self.down_reported, only, results)
+
+    def _fail_once(self, key: ProcKey, tracked: Tracked, what: str, message: str) -> None:
+        tracked.state, new = note_failure(tracked.state, "process", what, "error")
+        if new:
+            self.record.bind_failed(key, "process", "error", message, what=what)
+
+    def _said(self, what: str, text: str | None) -> bool:
+        """Remember the last error of `what`; True when `text` is news."""
+        news = text != self._errors.get(what)
+        self._errors[what] = text
+        return news
+
+    # -- a cpuset change: re-plan, then the same decide/apply --------------------------
+
+    async def _cpuset_changed(self, new: AllowedSet) -> None:
+        old, self.allowed = self.allowed, new
+        enforce = self.drift.policy.get("cpuset_changed", "observe") == "enforce"
+        self.record.cpuset_changed(
+            old.cpus, old.mems, new.cpus, new.mems, "replan" if enforce else "observe"
+        )
+        if enforce:
+            await self._replan()
+
+    async def _replan(self) -> None:
+        if self.replanning is None:
+            return
+        moved = await self.replanning.replan(self.allowed)
+        if moved is None:
+            return
+        for key, err in moved.cgroup_failed.items():
+            if key in self.tracked:
+                tr = self.tracked[key]
+                tr.state, new = note_failure(tr.state, "cgroup", "cgroup", err.reason)
+                if new:
+                    self.record.bind_failed(key, "cgroup", err.reason, str(err), what="cgroup")
+        await self._move(moved)
+
+    async def _move(self, moved: Moved) -> None:
+        """The moved processes through scan -> decide -> apply with cause cpuset_changed."""
+        node_ids = tuple(n.id for n in self.store.snapshot.topology.nodes)
+        policies: dict[ProcKey, Policy] = {}
+        for key in moved.keys:
+            tracked = self.tracked.get(key)
+            status = self.store.snapshot.processes.get(key)
+            if tracked is None or status is None or status.pid != tracked.pid:
+                continue
+            in_cgroup = status.cgroup is not None and key not in moved.cgroup_failed
+            policies[key] = Policy.of(
+                self.drift,
+                "cpuset_changed",
+                move_memory=mems_changed(moved.old, moved.new, key) and not in_cgroup,
+                node_ids=node_ids,
+            )
+            tracked.state = after_replan(tracked.state)
+        targets = [
+            ScanTarget(key, self.tracked[key].pid, moved.slot(key), self.tracked[key], None, False)
+            for key in policies
+        ]
+        result = await self._scan(targets, host=False)
+        now = time.monotonic()
+        decisions = []
+        for t in targets:
+            seen = result.seen.get(t.key)
+            if seen is not None:
+                decisions.append(
+                    self._decide(self.tracked[t.key], t.slot, seen, policies[t.key], now)
+                )
+        outcomes = await self._apply(decisions)
+        for d, out in zip(decisions, outcomes, strict=True):
+            s = settle(d, out, policies[d.key], now, can_migrate_other=self.can_migrate_other)
+            self.tracked[d.key].state = s.state
+            by_plan = moved_by_plan(
+                moved.slot(d.key, old=True), moved.slot(d.key), d.observation, d.binds
+            )
+            record_settled(self.record, d, s, out, moved=True, by_plan=by_plan)

@@ -1,0 +1,202 @@
+"""One check pass's reads (blocking: run in the daemon's executor; I/O through HostFS).
+
+`track(...)` says which processes to read (and keeps one `Tracked` per
+process); `scan(...)` reads, for each `ScanTarget`, the process's threads (through its
+`observe.ThreadScanner`), its resident memory per node (its cgroup's
+memory.numa_stat when it has one, else numa_maps when due), its planned IRQs
+(through the IRQ keeper), and the supervisor's own allowed CPUs and nodes
+with the online CPUs. It returns an immutable `ScanResult`; the loop decides
+on it (supervisor.watch.decide). `read_allowed` is the allowed set alone
+(the fast cpuset watch reads it on fixture trees).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Protocol
+
+from supervisor.bind.cgroup import CgroupManager, ProcessCgroup
+from supervisor.errors import Gone, KernelError, SupervisorError
+from supervisor.events import FactLike
+from supervisor.hostfs import HostFS
+from supervisor.plan.placement import Placement, Slot
+from supervisor.plan.replan import AllowedSet, normalize_allowed
+from supervisor.plan.threads import ProcessKind, RoleMatcher
+from supervisor.state import IrqObservation, Observation, ProcessStatus, ProcKey
+from supervisor.topology.model import Topology
+from supervisor.watch.decide import RepairState, Seen
+from supervisor.watch.observe import (
+    ThreadScanner,
+    observe_process,
+    read_online_cpus,
+    read_self_allowed,
+)
+
+
+class IrqOutcomeLike(Protocol):
+    """One IRQ re-write (supervisor.watch.irqs.IrqOutcome)."""
+
+    @property
+    def irq(self) -> int: ...
+    @property
+    def status(self) -> str: ...
+    @property
+    def cpus(self) -> tuple[int, ...]: ...
+
+
+class IrqKeeperLike(Protocol):
+    """What the loop needs of `supervisor.watch.irqs.IrqKeeper` (blocking; run in the executor)."""
+
+    def observe(self) -> Mapping[ProcKey, tuple[IrqObservation, ...]]: ...
+
+    def enforce(self, key: ProcKey) -> Sequence[IrqOutcomeLike]: ...
+
+    def replan(self, placement: Placement, topology: Topology | None = None) -> object: ...
+
+    def take_facts(self) -> Sequence[FactLike]: ...
+
+
+Supervised = tuple[ProcKey, ProcessStatus, Slot]
+"""A planned process as its runner has it: key, status, slot."""
+
+
+@dataclass(slots=True)
+class Tracked:
+    """What the loop keeps of one process between passes (loop-owned; one per pid)."""
+
+    pid: int
+    start_time: int | None
+    scanner: ThreadScanner
+    matcher: RoleMatcher
+    kind: ProcessKind
+    previous: Observation | None = None  # memory carried over when none is read
+    maps_at: float = float("-inf")  # monotonic time of the last memory read
+    state: RepairState = field(default_factory=RepairState)
+
+
+@dataclass(frozen=True, slots=True)
+class ScanTarget:
+    """One running process to read this pass."""
+
+    key: ProcKey
+    pid: int
+    slot: Slot
+    tracked: Tracked
+    cgroup: ProcessCgroup | None  # read its memory.numa_stat
+    read_maps: bool  # else: numa_maps is due
+
+
+def track(
+    fs: HostFS,
+    tracked: dict[ProcKey, Tracked],
+    matchers: Mapping[ProcessKind, RoleMatcher],
+    supervised: Iterable[Supervised],
+    made: Mapping[ProcKey, ProcessCgroup],
+    *,
+    only: ProcKey | None,
+    numa_maps_interval_s: float,
+    now: float,
+) -> list[ScanTarget]:
+    """The running processes to scan (no I/O). Starts tracking a process anew
+    when its pid or start time changed (a restart, or a reused pid), and
+    forgets the ones no longer running."""
+    targets: list[ScanTarget] = []
+    live: set[ProcKey] = set()
+    for key, status, slot in supervised:
+        if (only is not None and key != only) or status.state != "running" or status.pid is None:
+            continue
+        live.add(key)
+        t = tracked.get(key)
+        if t is None or t.pid != status.pid or t.start_time != status.start_time:
+            kind: ProcessKind = "engine" if key == "engine" else "workers"
+            t = Tracked(
+                status.pid, status.start_time, ThreadScanner(fs, status.pid), matchers[kind], kind
+            )
+            tracked[key] = t
+        pc = made.get(key) if status.cgroup is not None else None
+        if pc is not None and pc.memory_dir is None:
+            pc = None
+        due = t.state.memory_stale or now - t.maps_at >= numa_maps_interval_s
+        targets.append(ScanTarget(key, status.pid, slot, t, pc, pc is None and due))
+    if only is None:
+        for key in list(tracked):
+            if key not in live:
+                del tracked[key]
+    return targets
+
+
+@dataclass(frozen=True, slots=True)
+class ScanResult:
+    allowed: AllowedSet | None
+    host_error: str | None
+    seen: Mapping[ProcKey, Seen | None]  # None: the process is gone
+    errors: Mapping[ProcKey, str]
+    irq_error: str | None
+
+
+def read_allowed(fs: HostFS, node_ids: Iterable[int]) -> AllowedSet:
+    """The supervisor's allowed CPUs (online ones) and nodes, as discovery computes them.
+
+    Two small reads and the cgroup's cpuset files: what a cpuset write or a
+    hotplug changes. Raises SupervisorError or OSError when unreadable.
+    """
+    cpus, mems = read_self_allowed(fs)
+    return normalize_allowed(cpus, mems, read_online_cpus(fs), node_ids)
+
+
+def scan(
+    fs: HostFS,
+    targets: Sequence[ScanTarget],
+    *,
+    node_ids: Iterable[int],
+    irqs: IrqKeeperLike | None,
+    cgroups: CgroupManager | None,
+    with_allowed: bool = True,
+) -> ScanResult:
+    """Every read of one pass; failures isolated per process, the IRQs and the host."""
+    allowed: AllowedSet | None = None
+    host_error: str | None = None
+    if with_allowed:
+        try:
+            allowed = read_allowed(fs, node_ids)
+        except (SupervisorError, OSError) as err:
+            host_error = str(err)
+    irq_obs: Mapping[ProcKey, tuple[IrqObservation, ...]] = {}
+    irq_error: str | None = None
+    if irqs is not None:
+        try:
+            irq_obs = irqs.observe()
+        except Exception as err:  # the IRQ keeper's failure is not the processes'
+            irq_error = f"{type(err).__name__}: {err}"
+    seen: dict[ProcKey, Seen | None] = {}
+    errors: dict[ProcKey, str] = {}
+    for t in targets:
+        numa_stat: dict[int, int] | None = None
+        if t.cgroup is not None and cgroups is not None:
+            try:
+                numa_stat = cgroups.read_numa_stat(t.cgroup)
+            except KernelError:
+                numa_stat = None  # fall back to the previous value
+        try:
+            observation = observe_process(
+                fs,
+                t.pid,
+                t.slot,
+                t.tracked.kind,
+                scanner=t.tracked.scanner,
+                matcher=t.tracked.matcher,
+                numa_stat=numa_stat,
+                numa_maps=t.read_maps,
+                previous=t.tracked.previous,
+            )
+        except Gone:
+            seen[t.key] = None
+            continue
+        except KernelError as err:
+            errors[t.key] = str(err)
+            continue
+        if t.key in irq_obs:
+            observation = replace(observation, irqs=irq_obs[t.key])
+        seen[t.key] = Seen(t.key, t.pid, observation, t.read_maps or t.cgroup is not None)
+    return ScanResult(allowed, host_error, seen, errors, irq_error)
