@@ -37,6 +37,8 @@ from supervisor.logs import format_fields, setup_logging
 from supervisor.plan.placement import Placement, Slot
 from supervisor.plan.planner import plan
 from supervisor.plan.render import render_plan_table
+from supervisor.run.guardian import Guardian, sweep_leftovers
+from supervisor.run.keeper import TreeKeeper
 from supervisor.run.procs import is_same_process
 from supervisor.run.runner import ProcessCgroups, Runner, Runtime, first_of
 from supervisor.run.sdnotify import Notifier, watchdog_interval_s
@@ -102,6 +104,8 @@ class Daemon:
         notifier: Notifier | None = None,
         check_loop: CheckLoop | None = None,
         api: bool = True,
+        guardian: bool = True,
+        subreaper: bool = False,
     ) -> None:
         self.config = config
         self.placement = placement
@@ -112,6 +116,12 @@ class Daemon:
         self.check_loop = check_loop
         self.check_task: asyncio.Task[None] | None = None
         self.want_api = api
+        self.want_guardian = guardian
+        # A child subreaper changes the whole process: only the real daemon
+        # (run_command) is one, never a program that embeds a Daemon.
+        self.subreaper = subreaper
+        self.guardian: Guardian | None = None
+        self.trees: TreeKeeper | None = None
         self.server: Server | None = None
         kind = placement.ranks[0].device.kind if placement.ranks else "cpu"
         specs = build_specs(config, placement, self.env)
@@ -194,9 +204,10 @@ class Daemon:
         watchdog: asyncio.Task[None] | None = None
         try:
             await self._start_api()
+            self._start_trees(executor)
             self.irq_keeper.attach_loop(loop)
             self.irq_task = asyncio.create_task(self._apply_irqs(), name="irq_apply")
-            self.runners = [Runner(self.rt, spec) for spec in self.specs]
+            self.runners = self._make_runners()
             engine = next((r for r in self.runners if r.key == "engine"), None)
             for r in self.runners:
                 if engine is not None and r is not engine:
@@ -230,6 +241,44 @@ class Daemon:
             executor.shutdown(wait=False, cancel_futures=True)
             self.notifier.close()
         return 1 if self.failed else 0
+
+    def _start_trees(self, executor: ThreadPoolExecutor) -> None:
+        """The guardian (first: it must outlive us), then the tree keeper."""
+        assert self.rt is not None
+        if self.want_guardian:
+            self.guardian = Guardian.start(self.rt.python)
+            manager = getattr(self.cgroups, "manager", None)
+            if self.guardian is not None and isinstance(manager, CgroupManager):
+                for rel in manager.instance_dirs:
+                    self.guardian.cgroup(self.fs.path(rel))
+        self.trees = TreeKeeper(
+            self.fs,
+            self.store,
+            executor,
+            interval_s=self.config.drift.check_interval_s,
+            cgroup_dir=self._cgroup_dir,
+            direct_children=self._direct_children,
+            guardian=self.guardian,
+            use_connector=os.geteuid() == 0,
+            subreaper=self.subreaper,
+        )
+        self.rt.trees = self.trees
+        self.trees.start()
+
+    def _make_runners(self) -> list[Runner]:
+        assert self.rt is not None
+        return [Runner(self.rt, spec) for spec in self.specs]
+
+    def _cgroup_dir(self, key: ProcKey) -> str | None:
+        made = getattr(self.cgroups, "made", None)
+        pc = made.get(key) if isinstance(made, dict) else None
+        return pc.cpuset_dir if isinstance(pc, ProcessCgroup) else None
+
+    def _direct_children(self) -> list[int]:
+        pids = [r.child.pid for r in self.runners if r.child is not None]
+        if self.guardian is not None:
+            pids.append(self.guardian.pid)
+        return pids
 
     async def _start_api(self) -> None:
         if not self.want_api:
@@ -358,11 +407,19 @@ class Daemon:
         engine = [r for r in self.runners if r.key == "engine"]
         await asyncio.gather(*(r.shutdown() for r in workers), return_exceptions=True)
         await asyncio.gather(*(r.shutdown() for r in engine), return_exceptions=True)
+        if self.trees is not None:
+            # Whatever is left of any tree (a setsid grandchild, an orphan) ends
+            # now, so that no process outlives us and every cgroup can go.
+            for r in engine + workers:
+                await self.trees.end_tree(r.key, self.config.stop_timeout_s)
+            await self.trees.stop()
         await self._restore_irqs()
         if self.cgroups is not None:
             await asyncio.get_running_loop().run_in_executor(
                 self.runtime.executor, _remove_cgroups, self.cgroups, [r.key for r in self.runners]
             )
+        if self.guardian is not None:
+            self.guardian.close()  # a clean stop: it exits without killing
         if self.server is not None:
             await self.server.stop()
         log.info("stopped %s", format_fields(status=self.status_line()))
@@ -529,6 +586,8 @@ def cgroups_for(config: Config, fs: HostFS, env: Mapping[str, str]) -> ManagedCg
     except KernelError as err:
         log.warning("cgroups none %s", format_fields(error=str(err), action="skip cgroups"))
         return None
+    # What an earlier instance of this config left (it died with its guardian) ends first.
+    sweep_leftovers(manager)
     log.info(
         "cgroups %s",
         format_fields(version=setup.version, parent=setup.cpuset_parent, instance=manager.instance),
@@ -583,6 +642,7 @@ def run_command(args: argparse.Namespace) -> int:
         fs=fs,
         cgroups=cgroups_for(config, fs, env),
         check_loop=default_check_loop,
+        subreaper=True,
     )
     log.info(
         "starting %s",

@@ -58,6 +58,24 @@ class ProcessStatus:
 
 
 @dataclass(frozen=True, slots=True)
+class TreeMember:
+    """A process of a supervised process's tree other than itself (DESIGN 3.6)."""
+
+    pid: int
+    ppid: int
+    cmdline: str
+    cpus: tuple[int, ...]
+
+    def to_doc(self) -> dict[str, Any]:
+        return {
+            "pid": self.pid,
+            "ppid": self.ppid,
+            "cmdline": self.cmdline,
+            "cpus": list(self.cpus),
+        }
+
+
+@dataclass(frozen=True, slots=True)
 class ThreadObservation:
     tid: int
     name: str
@@ -149,6 +167,7 @@ class Snapshot:
     processes: Mapping[ProcKey, ProcessStatus]
     observed: Mapping[ProcKey, Observation] = field(default_factory=dict)
     drift: Mapping[ProcKey, tuple[Finding, ...]] = field(default_factory=dict)
+    trees: Mapping[ProcKey, tuple[TreeMember, ...]] = field(default_factory=dict)
     counters: Counters = field(default_factory=Counters)
     events: tuple[Event, ...] = ()
     started_at: float = 0.0

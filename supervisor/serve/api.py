@@ -136,6 +136,7 @@ def process_doc(snap: Snapshot, key: ProcKey) -> dict[str, Any]:
         "backoff": {"seconds": status.backoff_s, "next_start_at": status.next_start_at},
         "mempolicy": {"step": status.mempolicy, "reason": status.mempolicy_reason},
         "cgroup": status.cgroup,
+        "children": [m.to_doc() for m in snap.trees.get(key, ())],
         "observed": observation_doc(snap.observed.get(key)),
         "drift": [f.to_doc() for f in snap.drift.get(key, ())],
     }
@@ -184,7 +185,13 @@ class PlacementRenderer:
         self._frame: tuple[object, bytes, bytes] | None = None  # placement, head, tail
 
     def _process(self, snap: Snapshot, key: ProcKey, planned: Slot | RankPlacement) -> bytes:
-        identity = (planned, snap.processes.get(key), snap.observed.get(key), snap.drift.get(key))
+        identity = (
+            planned,
+            snap.processes.get(key),
+            snap.observed.get(key),
+            snap.drift.get(key),
+            snap.trees.get(key),
+        )
         hit = self._parts.get(key)
         if hit is not None and all(a is b for a, b in zip(hit[0], identity, strict=True)):
             return hit[1]

@@ -1,0 +1,241 @@
+"""Process trees and no orphans, with real processes and a real daemon (DESIGN 3.6, issue 11.2).
+
+The engine and the worker below each start a `setsid` grandchild that
+ignores SIGTERM and an orphan (a child that exits after forking), every one
+carrying a marker argument unique to the test, so the tests can poll /proc
+for survivors. The pure owner assignment and the proc connector's parser
+are tested on tables and bytes made here.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from supervisor.hostfs import HostFS
+from supervisor.run.proc_events import (
+    PROC_EVENT_EXIT,
+    PROC_EVENT_FORK,
+    listen_message,
+    open_proc_events,
+    parse_proc_events,
+)
+from supervisor.run.procs import ProcStat, read_proc_stat
+from supervisor.run.tree import Member, Root, assign_owners, read_cmdline
+from tests.support.daemon_support import INSTANCE_ENV, DaemonProcess, daemon_env, poll, to_toml
+
+FS = HostFS("/")
+CPUSET = Path("/sys/fs/cgroup/cpuset")
+
+TREE_CHILD = r"""
+import os, signal, subprocess, sys, time
+marker, role = sys.argv[1], sys.argv[2]
+stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(3600)"
+# A setsid grandchild that ignores TERM: neither PDEATHSIG nor a group kill reaches it.
+subprocess.Popen([sys.executable, "-c", stubborn, marker, role + "-setsid"], start_new_session=True)
+# An orphan: its parent exits at once, so it is reparented (to the daemon, a subreaper).
+orphan = "import os, time\nif os.fork() == 0:\n    time.sleep(3600)\n"
+subprocess.run([sys.executable, "-c", orphan, marker, role + "-orphan"], check=True)
+if len(sys.argv) > 3:
+    open(sys.argv[3], "w").close()
+time.sleep(3600)
+"""
+
+
+def stat(pid: int, ppid: int, start: int = 100) -> ProcStat:
+    return ProcStat(pid, "p", "S", ppid, pid, 0, 0, start)
+
+
+# -- owner assignment (pure) -------------------------------------------------------------
+
+
+def test_assign_owners_follows_ppid_and_stops_at_other_roots() -> None:
+    table = {
+        s.pid: s
+        for s in (
+            stat(1, 0),
+            stat(10, 1),  # the daemon
+            stat(20, 10),  # engine
+            stat(21, 20),  # torchrun worker (setsid: same parent)
+            stat(22, 21),  # the worker's own child
+            stat(23, 20),  # another engine child
+            stat(30, 10),  # the guardian: excluded
+            stat(40, 10),  # an orphan reparented to the daemon, known from before
+        )
+    }
+    roots = [Root("engine", 20, 100), Root(0, 21, 100)]  # rank 0 adopted pid 21
+    known = {40: Member(40, 100, 20, "engine")}
+    owners = assign_owners(table, roots, known, {}, exclude={10, 30})
+    assert {pid: m.owner for pid, m in owners.items()} == {22: 0, 23: "engine", 40: "engine"}
+
+
+def test_assign_owners_uses_cgroup_members_and_drops_reused_pids() -> None:
+    table = {s.pid: s for s in (stat(20, 1), stat(50, 1), stat(51, 50), stat(60, 1, start=999))}
+    roots = [Root("engine", 20, 100)]
+    known = {60: Member(60, 100, 20, "engine")}  # pid 60 was reused (other start time)
+    owners = assign_owners(table, roots, known, {"engine": [50]})
+    assert sorted(owners) == [50, 51]
+    # A root whose pid was reused is no root.
+    assert assign_owners(table, [Root("engine", 20, 7)], {}, {}) == {}
+
+
+# -- the proc connector -------------------------------------------------------------------
+
+
+def _message(what: int, payload: bytes) -> bytes:
+    event = struct.pack("=IIQ", what, 0, 123) + payload
+    cn = struct.pack("=IIIIHH", 1, 1, 0, 0, len(event), 0) + event
+    return struct.pack("=IHHII", 16 + len(cn), 3, 0, 0, 0) + cn
+
+
+def test_parse_proc_events_reads_fork_and_exit_and_skips_garbage() -> None:
+    data = _message(PROC_EVENT_FORK, struct.pack("=iiii", 5, 5, 7, 7))
+    data += _message(PROC_EVENT_EXIT, struct.pack("=iiII", 9, 8, 0, 17))
+    data += _message(0x40, b"")  # an event kind we do not use
+    events = parse_proc_events(data + b"\x01\x02")
+    assert [(e.kind, e.pid, e.tgid, e.parent_tgid) for e in events] == [
+        ("fork", 7, 7, 5),
+        ("exit", 9, 8, 0),
+    ]
+    assert events[0].is_process and not events[1].is_process
+    assert len(listen_message(1)) == 16 + 20 + 4
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the proc connector needs root")
+def test_proc_connector_sees_a_real_fork_exec_and_exit() -> None:
+    events, why = open_proc_events()
+    assert events is not None, why
+    try:
+        events.sock.setblocking(True)
+        events.sock.settimeout(5)
+        child = subprocess.Popen([sys.executable, "-c", "pass"])
+        child.wait()
+        seen: set[str] = set()
+        while seen != {"fork", "exec", "exit"}:
+            for ev in parse_proc_events(events.sock.recv(65536)):
+                if ev.tgid == child.pid and ev.is_process:
+                    seen.add(ev.kind)
+    finally:
+        events.sock.close()
+
+
+# -- a real daemon ------------------------------------------------------------------------
+
+
+def marked(marker: str) -> list[int]:
+    """Live (not zombie) processes whose command line holds `marker`."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        pid = int(name)
+        cmdline = read_cmdline(FS, pid)
+        s = read_proc_stat(FS, pid)
+        if cmdline and marker in cmdline and s is not None and s.state not in ("Z", "X"):
+            found.append(pid)
+    return found
+
+
+def tree_config(tmp_path: Path, marker: str, cgroup: str) -> Path:
+    script = tmp_path / "tree_child.py"
+    script.write_text(TREE_CHILD)
+    ready = tmp_path / "engine.ready"
+    doc: dict[str, Any] = {
+        "cpu_ranks": 1,
+        "cgroup": cgroup,
+        "stop_timeout_s": 1,
+        "engine": {"command": ["python", str(script), marker, "engine", str(ready)]},
+        "ready": {"file": str(ready), "timeout_s": 30},
+        "workers": {"command": ["python", str(script), marker, "rank{rank}"]},
+        "placement": {"rank_roles": {}, "on_shortage": "share"},
+    }
+    path = tmp_path / "tree.toml"
+    path.write_text(to_toml(doc) + "[drift]\ncheck_interval_s = 0.2\n")
+    return path
+
+
+def whole_trees(daemon: DaemonProcess) -> dict[str, Any] | None:
+    """/placement once both trees show their setsid grandchild and their orphan."""
+    doc = daemon.running()
+    if doc is None:
+        return None
+    for entry in (doc["engine"], doc["ranks"][0]):
+        lines = " | ".join(c["cmdline"] for c in entry["children"])
+        if "-setsid" not in lines or "-orphan" not in lines:
+            return None
+    return doc
+
+
+def instance_dirs(suffix: str) -> list[Path]:
+    return [p for p in Path("/sys/fs/cgroup").glob(f"*/**/placement-supervisor-{suffix}")]
+
+
+@pytest.mark.parametrize("cgroup", ["auto", "off"])
+def test_clean_stop_ends_every_tree_and_removes_its_cgroups(tmp_path: Path, cgroup: str) -> None:
+    marker = f"tree-{uuid.uuid4().hex}"
+    suffix = f"trees-{cgroup}-{os.getpid()}"
+    env = daemon_env(**{INSTANCE_ENV: suffix})
+    with DaemonProcess(tree_config(tmp_path, marker, cgroup), tmp_path / "d.log", env=env) as d:
+        doc = poll(lambda: whole_trees(d), timeout_s=60, what="trees with setsid + orphan")
+        engine_children = doc["engine"]["children"]
+        orphan = next(c for c in engine_children if "engine-orphan" in c["cmdline"])
+        assert orphan["ppid"] == d.pid  # reparented to the daemon, still the engine's
+        assert set(marked(marker)) >= {c["pid"] for c in engine_children}
+        if cgroup == "auto":
+            assert instance_dirs(suffix)
+        code = d.stop(timeout_s=30)
+    assert code == 0, d.tail()
+    assert marked(marker) == [], d.tail()
+    assert instance_dirs(suffix) == [], d.tail()
+    assert "EBUSY" not in d.log.read_text()
+
+
+def test_sigkill_of_the_daemon_leaves_no_process_and_no_cgroup(tmp_path: Path) -> None:
+    marker = f"tree-{uuid.uuid4().hex}"
+    suffix = f"trees-kill-{os.getpid()}"
+    env = daemon_env(**{INSTANCE_ENV: suffix})
+    with DaemonProcess(tree_config(tmp_path, marker, "auto"), tmp_path / "d.log", env=env) as d:
+        poll(lambda: whole_trees(d), timeout_s=60, what="trees with setsid + orphan")
+        assert len(marked(marker)) >= 6  # engine, worker, 2 x (setsid, orphan), at least
+        d.proc.kill()
+        d.proc.wait()
+        poll(lambda: marked(marker) == [], timeout_s=20, what=f"no survivors: {marked(marker)}")
+        poll(lambda: instance_dirs(suffix) == [], timeout_s=20, what="cgroups removed")
+
+
+@pytest.mark.skipif(not (CPUSET / "cpuset.cpus").exists(), reason="needs cgroup v1 cpuset")
+def test_a_new_daemon_ends_what_an_earlier_instance_left(tmp_path: Path) -> None:
+    marker = f"left-{uuid.uuid4().hex}"
+    suffix = f"trees-left-{os.getpid()}"
+    inst = CPUSET / f"placement-supervisor-{suffix}"
+    left = inst / "rank0"
+    left.mkdir(parents=True)
+    for d in (inst, left):
+        (d / "cpuset.mems").write_text((CPUSET / "cpuset.mems").read_text())
+        (d / "cpuset.cpus").write_text((CPUSET / "cpuset.cpus").read_text())
+    stray = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)", marker])
+    try:
+        (left / "cgroup.procs").write_text(str(stray.pid))
+        env = daemon_env(**{INSTANCE_ENV: suffix})
+        config = tree_config(tmp_path, f"tree-{uuid.uuid4().hex}", "auto")
+        with DaemonProcess(config, tmp_path / "d.log", env=env) as d:
+            poll(d.running, timeout_s=60)
+            assert stray.wait(timeout=10) == -9
+            log = d.tail(20000)
+            assert f"leftover processes cgroup={left}" in log
+            assert f"pids={stray.pid}" in log
+        assert not inst.exists()
+    finally:
+        if stray.poll() is None:
+            stray.kill()
+            stray.wait()
+        for d in (left, inst):
+            if d.exists():
+                d.rmdir()
