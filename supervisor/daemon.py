@@ -37,9 +37,11 @@ from supervisor.logs import format_fields, setup_logging
 from supervisor.plan.placement import Placement, Slot
 from supervisor.plan.planner import plan
 from supervisor.plan.render import render_plan_table
+from supervisor.run.adopt import Adopter, AdoptRunner
 from supervisor.run.guardian import Guardian, sweep_leftovers
 from supervisor.run.keeper import TreeKeeper
 from supervisor.run.procs import is_same_process
+from supervisor.run.rank_source import parse_rank_source
 from supervisor.run.runner import ProcessCgroups, Runner, Runtime, first_of
 from supervisor.run.sdnotify import Notifier, watchdog_interval_s
 from supervisor.run.spec import ChildSpec, build_specs, child_env, resolve_python, worker_argv
@@ -267,7 +269,25 @@ class Daemon:
 
     def _make_runners(self) -> list[Runner]:
         assert self.rt is not None
-        return [Runner(self.rt, spec) for spec in self.specs]
+        workers = self.config.workers
+        if workers.spawned_by != "engine":
+            return [Runner(self.rt, spec) for spec in self.specs]
+        nodes = [n.id for n in self.topology.nodes]
+        runners: list[Runner] = []
+        adopters: dict[int, AdoptRunner] = {}
+        for spec in self.specs:
+            if spec.key == "engine":
+                runners.append(Runner(self.rt, spec))
+            else:
+                adopters[spec.key] = AdoptRunner(self.rt, spec, nodes)
+                runners.append(adopters[spec.key])
+        adopter = Adopter(
+            self.rt, adopters, [parse_rank_source(s) for s in workers.rank_from], self.placement
+        )
+        if self.trees is not None:
+            self.trees.adopter = adopter
+            self.trees.on_refresh = adopter.note_pass
+        return runners
 
     def _cgroup_dir(self, key: ProcKey) -> str | None:
         made = getattr(self.cgroups, "made", None)

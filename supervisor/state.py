@@ -21,7 +21,7 @@ from supervisor.topology.model import Topology
 ProcKey = int | Literal["engine"]
 """A rank number, or "engine"."""
 
-ProcessState = Literal["starting", "running", "backoff", "failed", "stopped"]
+ProcessState = Literal["starting", "running", "backoff", "failed", "stopped", "waiting"]
 MemPolicyStep = Literal["bind", "preferred", "none"]
 DriftKind = Literal[
     "thread_affinity", "memory_locality", "irq_affinity", "cpuset_changed", "process_gone"
@@ -55,6 +55,8 @@ class ProcessStatus:
     mempolicy_reason: str | None = None
     cgroup: str | None = None  # the process's own cgroup, when it has one
     bound: bool = False  # every bind of the plan applied and read back
+    adopted: bool = False  # spawned by the engine and adopted (DESIGN 3.6)
+    ppid: int | None = None  # an adopted worker's parent
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +153,8 @@ class Counters:
     drift_events: Mapping[tuple[str, str], int] = field(default_factory=dict)  # rank, kind
     rebinds: Mapping[tuple[str, str], int] = field(default_factory=dict)  # rank, reason
     restarts: Mapping[str, int] = field(default_factory=dict)  # rank
+    adoptions: Mapping[str, int] = field(default_factory=dict)  # rank
+    unnamed_processes: int = 0  # engine-tree processes no rank_from source named
     cpuset_changes: int = 0
     checks: int = 0
     check_seconds_sum: float = 0.0
@@ -242,7 +246,7 @@ class StateStore:
 
     def count(
         self,
-        counter: Literal["bind_failures", "drift_events", "rebinds", "restarts"],
+        counter: Literal["bind_failures", "drift_events", "rebinds", "restarts", "adoptions"],
         label: tuple[str, ...] | str,
         n: int = 1,
     ) -> None:

@@ -136,6 +136,8 @@ def process_doc(snap: Snapshot, key: ProcKey) -> dict[str, Any]:
         "backoff": {"seconds": status.backoff_s, "next_start_at": status.next_start_at},
         "mempolicy": {"step": status.mempolicy, "reason": status.mempolicy_reason},
         "cgroup": status.cgroup,
+        "adopted": status.adopted,
+        "ppid": status.ppid,
         "children": [m.to_doc() for m in snap.trees.get(key, ())],
         "observed": observation_doc(snap.observed.get(key)),
         "drift": [f.to_doc() for f in snap.drift.get(key, ())],

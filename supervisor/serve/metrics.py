@@ -211,6 +211,13 @@ def _families(snap: Snapshot | None) -> Iterator[Metric]:
     cpuset_changes = CounterMetricFamily(
         "placement_cpuset_changes", "Changes of the supervisor's allowed cpuset seen."
     )
+    adoptions = CounterMetricFamily(
+        "placement_adoptions", "Engine-spawned workers adopted by the rank.", labels=("rank",)
+    )
+    unnamed = CounterMetricFamily(
+        "placement_unnamed_processes",
+        "Processes of the engine's tree that no rank_from source named.",
+    )
     last_check = GaugeMetricFamily(
         "placement_last_check_timestamp_seconds",
         "Unix time the last placement check finished (0 before the first).",
@@ -245,6 +252,9 @@ def _families(snap: Snapshot | None) -> Iterator[Metric]:
         start_time.add_metric([], snap.started_at)
         ready.add_metric([], 0.0 if not_ready_reasons(snap) else 1.0)
         cpuset_changes.add_metric([], counters.cpuset_changes)
+        unnamed.add_metric([], counters.unnamed_processes)
+        for rank, n in sorted(counters.adoptions.items()):
+            adoptions.add_metric([rank], n)
 
         failures: dict[tuple[str, str, str], int] = {}
         drifts: dict[tuple[str, str], int] = {}
@@ -321,6 +331,8 @@ def _families(snap: Snapshot | None) -> Iterator[Metric]:
     yield drift_events
     yield rebinds
     yield cpuset_changes
+    yield adoptions
+    yield unnamed
     yield check_duration
     yield last_check
     yield last_duration
