@@ -125,7 +125,7 @@ def adopt_process(  # noqa: PLR0917 - one call site, run in the executor
     pages onto `mems`. Blocking (the executor). Raises Gone when the candidate
     is no longer the process it was."""
     stat = read_proc_stat(fs, candidate.pid)
-    if stat is None or stat.start_time != candidate.start_time:
+    if stat is None or stat.start_time != candidate.start_time or stat.state in ("Z", "X"):
         raise translate_oserror(f"pid {candidate.pid}", OSError(3, "No such process"))
     errors: list[tuple[str, str]] = []
     moved = 0
@@ -177,6 +177,7 @@ class AdoptRunner(Runner):
         super().__init__(rt, spec)
         self.offers: asyncio.Queue[Candidate] = asyncio.Queue()
         self.adopted: Candidate | None = None
+        self.seen: set[tuple[int, int]] = set()  # adopted before (an offer may come twice)
         self.cgroup_dirs: tuple[str, ...] = ()
         self.all_nodes = tuple(all_nodes)
         self.binder = Binder(rt.fs)
@@ -185,12 +186,12 @@ class AdoptRunner(Runner):
     def waiting(self) -> bool:
         return self.adopted is None and self.status.state == "waiting"
 
-    def offer(self, candidate: Candidate) -> bool:
-        """A process the sources named this rank; False when the rank has a live worker."""
-        if self.adopted is not None:
-            return False
-        self.offers.put_nowait(candidate)
-        return True
+    def offer(self, candidate: Candidate) -> None:
+        """A process the sources named this rank. Queued even while the rank
+        has a live worker: an engine starts the next one as soon as it sees the
+        old one die, often before we do."""
+        if (candidate.pid, candidate.start_time) not in self.seen:
+            self.offers.put_nowait(candidate)
 
     async def run(self) -> None:
         try:
@@ -223,7 +224,8 @@ class AdoptRunner(Runner):
                 get.cancel()
                 return
             candidate = get.result()
-            if not await self._adopt(candidate):
+            ident = (candidate.pid, candidate.start_time)
+            if ident in self.seen or not await self._adopt(candidate):
                 continue
             await self._watch(candidate)
             if self.stopping:
@@ -255,6 +257,7 @@ class AdoptRunner(Runner):
         except KernelError:
             self.adopted = None
             return False  # gone before we got to it
+        self.seen.add((candidate.pid, candidate.start_time))
         if trees is not None:
             trees.set_root(self.key, candidate.pid, candidate.start_time, adopted=True)
         for target, message in result.errors:
@@ -374,33 +377,28 @@ class Adopter:
         self.want_fds = any(s.kind == "device" for s in self.sources)
         self.named: set[tuple[int, int]] = set()
         self.unnamed_passes: dict[tuple[int, int], int] = {}
-        self.tasks: set[asyncio.Task[None]] = set()
 
     def __call__(self, member: Member) -> None:
-        task = asyncio.get_running_loop().create_task(self._consider(member))
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
-
-    def resolve(self, pid: int) -> int | None:
-        """The rank the sources give `pid` now (blocking reads: the executor)."""
-        facts = read_proc_facts(self.rt.fs, pid, want_fds=self.want_fds)
-        if facts is None:
-            return None
-        return resolve_rank(
-            self.sources, facts, local_ranks=self.local_ranks, device_ranks=self.device_ranks
-        )
-
-    async def _consider(self, member: Member) -> None:
+        """Name `member` now and offer it to its rank (on the loop: two small
+        /proc reads; a hop to a busy pool thread was most of the latency)."""
         if self.rt.stopping.is_set():
             return
-        loop = asyncio.get_running_loop()
-        rank = await loop.run_in_executor(self.rt.executor, self.resolve, member.pid)
+        rank = self.resolve(member.pid)
         if rank is None:
             return
         self.named.add((member.pid, member.start_time))
         runner = self.runners.get(rank)
         if runner is not None:
             runner.offer(Candidate(member.pid, member.start_time, member.ppid))
+
+    def resolve(self, pid: int) -> int | None:
+        """The rank the sources give `pid` now (None: unnamed, or gone)."""
+        facts = read_proc_facts(self.rt.fs, pid, want_fds=self.want_fds)
+        if facts is None:
+            return None
+        return resolve_rank(
+            self.sources, facts, local_ranks=self.local_ranks, device_ranks=self.device_ranks
+        )
 
     def note_pass(self, members: Mapping[int, Member]) -> None:
         """After each tree pass: try the unnamed again; count those unnamed twice."""

@@ -13,6 +13,7 @@ import os
 import struct
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -99,31 +100,52 @@ def test_parse_proc_events_reads_fork_and_exit_and_skips_garbage() -> None:
     data = _message(PROC_EVENT_FORK, struct.pack("=iiii", 5, 5, 7, 7))
     data += _message(PROC_EVENT_EXIT, struct.pack("=iiII", 9, 8, 0, 17))
     data += _message(0x40, b"")  # an event kind we do not use
-    events = parse_proc_events(data + b"\x01\x02")
+    events = parse_proc_events(data + b"\x01\x02", threads=True)
     assert [(e.kind, e.pid, e.tgid, e.parent_tgid) for e in events] == [
         ("fork", 7, 7, 5),
         ("exit", 9, 8, 0),
     ]
     assert events[0].is_process and not events[1].is_process
+    # By default a thread's events (tid 9 of process 8) are dropped.
+    assert [e.kind for e in parse_proc_events(data)] == ["fork"]
     assert len(listen_message(1)) == 16 + 20 + 4
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="the proc connector needs root")
-def test_proc_connector_sees_a_real_fork_exec_and_exit() -> None:
-    events, why = open_proc_events()
+THREADED = "import threading; t = threading.Thread(target=len, args=((),)); t.start(); t.join()"
+
+
+def connector_events(filtered: bool) -> set[tuple[str, bool]]:
+    """(kind, is_process) of the events of one real child that starts a thread."""
+    events, why = open_proc_events(filtered=filtered)
     assert events is not None, why
+    seen: set[tuple[str, bool]] = set()
     try:
-        events.sock.setblocking(True)
-        events.sock.settimeout(5)
-        child = subprocess.Popen([sys.executable, "-c", "pass"])
+        events.sock.settimeout(0.2)
+        child = subprocess.Popen([sys.executable, "-c", THREADED])
         child.wait()
-        seen: set[str] = set()
-        while seen != {"fork", "exec", "exit"}:
-            for ev in parse_proc_events(events.sock.recv(65536)):
-                if ev.tgid == child.pid and ev.is_process:
-                    seen.add(ev.kind)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and len(seen) < 5:
+            try:
+                data = events.sock.recv(65536)
+            except TimeoutError:
+                continue
+            for ev in parse_proc_events(data, threads=True):
+                if ev.tgid == child.pid:
+                    seen.add((ev.kind, ev.is_process))
     finally:
         events.sock.close()
+    return seen
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the proc connector needs root")
+def test_proc_connector_sees_a_real_fork_exec_thread_and_exit() -> None:
+    seen = connector_events(filtered=False)
+    assert {("fork", True), ("exec", True), ("fork", False), ("exit", True)} <= seen
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the proc connector needs root")
+def test_the_kernel_filter_keeps_only_process_fork_exec_comm() -> None:
+    assert connector_events(filtered=True) == {("fork", True), ("exec", True)}
 
 
 # -- a real daemon ------------------------------------------------------------------------
