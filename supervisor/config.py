@@ -95,6 +95,7 @@ class DriftConfig:
             "irq_affinity": "enforce",
             "cpuset_changed": "enforce",
             "process_gone": "observe",
+            "self_rebind": "enforce",
         }
     )
 

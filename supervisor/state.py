@@ -24,7 +24,12 @@ ProcKey = int | Literal["engine"]
 ProcessState = Literal["starting", "running", "backoff", "failed", "stopped", "waiting"]
 MemPolicyStep = Literal["bind", "preferred", "none"]
 DriftKind = Literal[
-    "thread_affinity", "memory_locality", "irq_affinity", "cpuset_changed", "process_gone"
+    "thread_affinity",
+    "memory_locality",
+    "irq_affinity",
+    "cpuset_changed",
+    "process_gone",
+    "self_rebind",
 ]
 BindTarget = Literal["process", "thread", "memory", "irq", "cgroup"]
 

@@ -111,7 +111,7 @@ MIGRATE_MIN_REMOTE_BYTES = 4 << 20
 # A repair (started by a memory_locality finding) goes on to this ratio.
 REPAIR_TARGET_RATIO = 0.99
 EVENT_TARGETS_MAX = 20  # targets named in one grouped event
-ENFORCED_KINDS = ("thread_affinity", "memory_locality", "irq_affinity")
+ENFORCED_KINDS = ("thread_affinity", "memory_locality", "irq_affinity", "self_rebind")
 
 
 def _more_suffix(total: int, shown: int) -> str:
@@ -526,7 +526,7 @@ class Checker:
         p = _Pass(target.key, obs, findings, [])
         reported: set[tuple[str, str]] = set()
         for f in findings:
-            if f.kind == "thread_affinity":
+            if f.kind in ("thread_affinity", "self_rebind"):
                 tid = target_id(f)
                 thread = threads.get(tid) if tid is not None else None
                 if tid is None or thread is None:
