@@ -44,6 +44,9 @@ subprocess.Popen([sys.executable, "-c", stubborn, marker, role + "-setsid"], sta
 # An orphan: its parent exits at once, so it is reparented (to the daemon, a subreaper).
 orphan = "import os, time\nif os.fork() == 0:\n    time.sleep(3600)\n"
 subprocess.run([sys.executable, "-c", orphan, marker, role + "-orphan"], check=True)
+# An orphan that exits soon: the daemon, now its parent, must reap it (no zombie).
+brief = "import os, time\nif os.fork() == 0:\n    time.sleep(1.5)\n"
+subprocess.run([sys.executable, "-c", brief, marker, role + "-brief"], check=True)
 if len(sys.argv) > 3:
     open(sys.argv[3], "w").close()
 time.sleep(3600)
@@ -165,6 +168,15 @@ def marked(marker: str) -> list[int]:
     return found
 
 
+def zombie_children(pid: int) -> list[int]:
+    out = []
+    for name in os.listdir("/proc"):
+        s = read_proc_stat(FS, int(name)) if name.isdigit() else None
+        if s is not None and s.ppid == pid and s.state == "Z":
+            out.append(s.pid)
+    return out
+
+
 def tree_config(tmp_path: Path, marker: str, cgroup: str) -> Path:
     script = tmp_path / "tree_child.py"
     script.write_text(TREE_CHILD)
@@ -212,6 +224,12 @@ def test_clean_stop_ends_every_tree_and_removes_its_cgroups(tmp_path: Path, cgro
         assert set(marked(marker)) >= {c["pid"] for c in engine_children}
         if cgroup == "auto":
             assert instance_dirs(suffix)
+
+        def brief_orphans_reaped() -> bool:
+            live = [p for p in marked(marker) if "-brief" in (read_cmdline(FS, p) or "")]
+            return not live and zombie_children(d.pid) == []
+
+        poll(brief_orphans_reaped, timeout_s=20, what=f"reaped: {zombie_children(d.pid)}")
         code = d.stop(timeout_s=30)
     assert code == 0, d.tail()
     assert marked(marker) == [], d.tail()
