@@ -237,11 +237,14 @@ def test_clean_stop_ends_every_tree_and_removes_its_cgroups(tmp_path: Path, cgro
     assert "EBUSY" not in d.log.read_text()
 
 
-def test_sigkill_of_the_daemon_leaves_no_process_and_no_cgroup(tmp_path: Path) -> None:
+@pytest.mark.parametrize("cgroup", ["auto", "off"])
+def test_sigkill_of_the_daemon_leaves_no_process_and_no_cgroup(tmp_path: Path, cgroup: str) -> None:
+    """The guardian ends the cgroups' processes (auto), or the processes the
+    daemon told it about, checked by start time (off)."""
     marker = f"tree-{uuid.uuid4().hex}"
-    suffix = f"trees-kill-{os.getpid()}"
+    suffix = f"trees-kill-{cgroup}-{os.getpid()}"
     env = daemon_env(**{INSTANCE_ENV: suffix})
-    with DaemonProcess(tree_config(tmp_path, marker, "auto"), tmp_path / "d.log", env=env) as d:
+    with DaemonProcess(tree_config(tmp_path, marker, cgroup), tmp_path / "d.log", env=env) as d:
         poll(lambda: whole_trees(d), timeout_s=60, what="trees with setsid + orphan")
         assert len(marked(marker)) >= 6  # engine, worker, 2 x (setsid, orphan), at least
         d.proc.kill()
