@@ -13,7 +13,7 @@ import pytest
 from tests.support.vm import run_checks_in_vm
 
 EXPECTED = (
-    "before adoption: pages on node 0",
+    "pages on node 0 before adoption",
     "adopted",
     "one rank per node",
     "planned on node 1",

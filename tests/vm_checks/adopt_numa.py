@@ -116,12 +116,12 @@ def run_checks(daemon: DaemonProcess, tmp: Path) -> int:
     if before is not None:
         by_node, _ = anon_pages_by_node(before)
         CHECKS.check(
-            "before adoption: pages on node 0",
+            "pages on node 0 before adoption",
             by_node.get(0, 0) > 10 * by_node.get(1, 0),
             f"pid {before} anon pages by node {by_node}",
         )
     else:
-        CHECKS.check("before adoption: pages on node 0", False, "worker 1 not found unadopted")
+        CHECKS.check("pages on node 0 before adoption", False, "worker 1 not found unadopted")
     doc = wait_until(lambda: adopted(daemon), timeout_s=240, interval_s=0.5)
     CHECKS.check("adopted", doc is not None, "both ranks adopted" if doc else daemon.tail(2000))
     if doc is None:
