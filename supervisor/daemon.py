@@ -251,8 +251,11 @@ class Daemon:
         """The guardian (first: it must outlive us), then the tree keeper."""
         assert self.rt is not None
         if self.want_guardian:
-            self.guardian = Guardian.start(self.rt.python)
             manager = getattr(self.cgroups, "manager", None)
+            instance = ""
+            if isinstance(manager, CgroupManager):
+                instance = self.fs.path(manager.instance_dirs[0])
+            self.guardian = Guardian.start(self.rt.python, instance)
             if self.guardian is not None and isinstance(manager, CgroupManager):
                 for rel in manager.instance_dirs:
                     self.guardian.cgroup(self.fs.path(rel))

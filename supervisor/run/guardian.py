@@ -45,6 +45,7 @@ log = logging.getLogger("placement_supervisor.guardian")
 
 KILL_ROUNDS_S = 5.0  # keep killing (a fork racing the kill) for at most this long
 
+GUARDIAN_TAG = "placement-supervisor-guardian"
 GUARDIAN_STUB = (
     "import sys; sys.path.insert(0, sys.argv[1]); "
     "from supervisor.run.guardian import guardian_main; guardian_main()"
@@ -168,12 +169,16 @@ class Guardian:
         self._cgroups: set[str] = set()
 
     @classmethod
-    def start(cls, python: str = sys.executable) -> Guardian | None:
-        """Start it (its own session: a signal to the daemon's group does not reach it)."""
+    def start(cls, python: str = sys.executable, instance: str = "") -> Guardian | None:
+        """Start it (its own session: a signal to the daemon's group does not reach it).
+
+        `instance` (the instance cgroup dir) is only shown in its argv: a
+        daemon that starts with the same instance sees this one is alive
+        (`live_guardian`) and leaves its cgroups alone."""
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         try:
             proc = subprocess.Popen(
-                [python, "-I", "-S", "-c", GUARDIAN_STUB, package_root],
+                [python, "-I", "-S", "-c", GUARDIAN_STUB, package_root, GUARDIAN_TAG, instance],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.DEVNULL,
                 close_fds=True,
@@ -226,6 +231,27 @@ class Guardian:
 # -- leftovers of an earlier instance --------------------------------------------------
 
 
+def live_guardian(fs: HostFS, instance: str) -> tuple[int, int] | None:
+    """(guardian pid, daemon pid) of a daemon still running with `instance`, else None.
+
+    A guardian whose daemon died is reparented (to init or a subreaper): then
+    its parent no longer runs the supervisor, and what it guards is leftover.
+    """
+    for name in fs.listdir("proc"):
+        if not name.isdigit():
+            continue
+        words = (fs.read_optional(f"proc/{name}/cmdline") or "").split("\0")
+        if GUARDIAN_TAG not in words or instance not in words:
+            continue
+        stat = fs.read_optional(f"proc/{name}/stat") or ""
+        rest = stat[stat.rfind(")") + 2 :].split()
+        ppid = int(rest[1]) if len(rest) > 1 and rest[1].isdigit() else 0
+        parent = (fs.read_optional(f"proc/{ppid}/cmdline") or "").split("\0")
+        if ppid > 1 and "supervisor" in " ".join(parent) and "run" in parent:
+            return int(name), ppid
+    return None
+
+
 def sweep_leftovers(manager: CgroupManager, timeout_s: float = 5.0) -> list[str]:
     """End the processes in, and remove, the per-process cgroups an earlier
     instance of this config left behind (it died with its guardian). Logs each.
@@ -237,6 +263,15 @@ def sweep_leftovers(manager: CgroupManager, timeout_s: float = 5.0) -> list[str]
     fs: HostFS = manager.fs
     found: list[str] = []
     deadline = time.monotonic() + timeout_s
+    instance = fs.path(manager.instance_dirs[0])
+    live = live_guardian(fs, instance)
+    if live is not None:
+        # Another daemon of this config runs now: its processes are not leftovers.
+        log.warning(
+            "instance in use %s",
+            format_fields(cgroup=instance, daemon=live[1], guardian=live[0], action="no sweep"),
+        )
+        return found
     for inst in manager.instance_dirs:
         try:
             names = fs.listdir(inst)

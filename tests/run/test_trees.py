@@ -20,7 +20,9 @@ from typing import Any
 
 import pytest
 
+from supervisor.bind.cgroup import CgroupManager, detect_cgroup_setup
 from supervisor.hostfs import HostFS
+from supervisor.run.guardian import live_guardian, sweep_leftovers
 from supervisor.run.proc_events import (
     PROC_EVENT_EXIT,
     PROC_EVENT_FORK,
@@ -282,3 +284,24 @@ def test_a_new_daemon_ends_what_an_earlier_instance_left(tmp_path: Path) -> None
         for d in (left, inst):
             if d.exists():
                 d.rmdir()
+
+
+def test_no_sweep_while_a_daemon_of_the_instance_runs(tmp_path: Path) -> None:
+    """A second start of the same config must not take the running one's
+    processes for leftovers: its guardian, alive under its daemon, says so."""
+    marker = f"tree-{uuid.uuid4().hex}"
+    suffix = f"trees-live-{os.getpid()}"
+    env = daemon_env(**{INSTANCE_ENV: suffix})
+    with DaemonProcess(tree_config(tmp_path, marker, "auto"), tmp_path / "d.log", env=env) as d:
+        poll(lambda: whole_trees(d), timeout_s=60)
+        before = set(marked(marker))
+        setup = detect_cgroup_setup(FS)
+        assert setup is not None
+        manager = CgroupManager(FS, setup, suffix=suffix)
+        inst = FS.path(manager.instance_dirs[0])
+        guardian = live_guardian(FS, inst)
+        assert guardian is not None and guardian[1] == d.pid
+        assert sweep_leftovers(manager) == []
+        assert set(marked(marker)) == before
+    assert marked(marker) == []
+    assert live_guardian(FS, inst) is None
