@@ -44,7 +44,10 @@ from supervisor.state import ProcKey, StateStore, TreeMember, key_label
 log = logging.getLogger("placement_supervisor.trees")
 
 PR_SET_CHILD_SUBREAPER = 36  # include/uapi/linux/prctl.h
-END_POLL_S = 0.02  # how often an ending tree is looked at (a deadline-bounded poll)
+END_POLL_S = 0.02
+# Forks whose parent is in no tree yet are kept this long (and pruned past this many).
+UNOWNED_FORKS_S = 5.0
+UNOWNED_FORKS_KEPT = 4096  # how often an ending tree is looked at (a deadline-bounded poll)
 
 
 def set_child_subreaper() -> bool:
@@ -99,6 +102,8 @@ class TreeKeeper:
         self.me = os.getpid()
         self.exited: dict[int, int] = {}  # members gone from the trees, maybe not reaped yet
         self.lineage: dict[int, ProcKey] = {}  # pid -> owner from fork events, until a pass
+        # Process forks of no known tree: child -> (parent, monotonic time).
+        self.unowned_forks: dict[int, tuple[int, float]] = {}
         self.subreaper = subreaper
         self._wake = asyncio.Event()
 
@@ -109,6 +114,7 @@ class TreeKeeper:
     ) -> None:
         self.roots[key] = Root(key, pid, start_time, self.cgroup_dir(key))
         self.members.pop(pid, None)
+        self._replay_forks(key, pid)
         if adopted:
             self.adopted.add(key)
             # Its descendants are the rank's now, not the engine's.
@@ -259,18 +265,14 @@ class TreeKeeper:
                     # A parent that exited before we could read it (the middle
                     # of a double fork) still passes its owner on.
                     owner = self.lineage.get(ev.parent_tgid)
-                if owner is None or ev.pid in self.members:
+                if ev.pid in self.members:
                     continue
-                self.lineage[ev.pid] = owner
-                stat = read_proc_stat(self.fs, ev.pid)
-                if stat is None:
+                if owner is None:
+                    # Maybe a tree whose root is not known yet (its runner is
+                    # still reading the shim's report): kept a while for it.
+                    self._remember_fork(ev.parent_tgid, ev.pid)
                     continue
-                member = Member(ev.pid, stat.start_time, ev.parent_tgid, owner)
-                self.members[ev.pid] = member
-                if self.guardian is not None:
-                    self.guardian.process(member.pid, member.start_time)
-                if owner == "engine" and self.adopter is not None:
-                    self.adopter(member)
+                self._add_member(ev.pid, ev.parent_tgid, owner)
             elif ev.kind in ("exec", "comm"):
                 known = self.members.get(ev.pid)
                 if known is not None and known.owner == "engine" and self.adopter is not None:
@@ -285,6 +287,42 @@ class TreeKeeper:
         if exited:
             # The exit event comes before the process is a zombie: reap a moment later.
             asyncio.get_running_loop().call_later(0.05, self.reap)
+
+    def _add_member(self, pid: int, ppid: int, owner: ProcKey) -> None:
+        self.lineage[pid] = owner
+        stat = read_proc_stat(self.fs, pid)
+        if stat is None:
+            return  # gone already; its children still find their owner (lineage)
+        member = Member(pid, stat.start_time, ppid, owner)
+        self.members[pid] = member
+        if self.guardian is not None:
+            self.guardian.process(member.pid, member.start_time)
+        if owner == "engine" and self.adopter is not None:
+            self.adopter(member)
+
+    def _remember_fork(self, parent: int, child: int) -> None:
+        now = time.monotonic()
+        self.unowned_forks[child] = (parent, now)
+        if len(self.unowned_forks) > UNOWNED_FORKS_KEPT:
+            cutoff = now - UNOWNED_FORKS_S
+            self.unowned_forks = {
+                c: (p, t) for c, (p, t) in self.unowned_forks.items() if t >= cutoff
+            }
+
+    def _replay_forks(self, key: ProcKey, pid: int) -> None:
+        """Forks seen before `pid` became a root: its descendants join its tree."""
+        if not self.unowned_forks:
+            return
+        below: dict[int, list[int]] = {}
+        for child, (parent, _) in self.unowned_forks.items():
+            below.setdefault(parent, []).append(child)
+        queue = [(c, pid) for c in below.get(pid, ())]
+        while queue:
+            child, parent = queue.pop()
+            self.unowned_forks.pop(child, None)
+            if child not in self.members:
+                self._add_member(child, parent, key)
+            queue.extend((c, child) for c in below.get(child, ()))
 
     # -- reaping -----------------------------------------------------------------
 

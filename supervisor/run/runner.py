@@ -446,6 +446,9 @@ class Runner:
             return None
         os.close(write_fd)
         self.child = child
+        if self.rt.trees is not None:
+            # Known as a root at once: what it forks while its report is read is its tree.
+            self.rt.trees.set_root(self.key, child.pid, None)
         data = await read_until_eof(read_fd, REPORT_TIMEOUT_S)
         stat = await loop.run_in_executor(self.rt.executor, read_proc_stat, self.rt.fs, child.pid)
         start_time = stat.start_time if stat is not None else None
