@@ -209,7 +209,7 @@ class Daemon:
         watchdog: asyncio.Task[None] | None = None
         try:
             await self._start_api()
-            self._start_trees(executor)
+            self._start_trees()
             self.irq_keeper.attach_loop(loop)
             self.irq_task = asyncio.create_task(self._apply_irqs(), name="irq_apply")
             self.runners = self._make_runners()
@@ -247,7 +247,7 @@ class Daemon:
             self.notifier.close()
         return 1 if self.failed else 0
 
-    def _start_trees(self, executor: ThreadPoolExecutor) -> None:
+    def _start_trees(self) -> None:
         """The guardian (first: it must outlive us), then the tree keeper."""
         assert self.rt is not None
         if self.want_guardian:
@@ -262,7 +262,6 @@ class Daemon:
         self.trees = TreeKeeper(
             self.fs,
             self.store,
-            executor,
             interval_s=self.config.drift.check_interval_s,
             cgroup_dir=self._cgroup_dir,
             direct_children=self._direct_children,

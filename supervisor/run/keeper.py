@@ -22,7 +22,7 @@ import os
 import signal
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import Executor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -75,7 +75,7 @@ class TreeKeeper:
         self,
         fs: HostFS,
         store: StateStore,
-        executor: Executor,
+        executor: Executor | None = None,
         *,
         interval_s: float,
         cgroup_dir: Callable[[ProcKey], str | None],
@@ -86,6 +86,11 @@ class TreeKeeper:
     ) -> None:
         self.fs = fs
         self.store = store
+        # Its own thread by default: a /proc pass on a loaded host must never
+        # delay the daemon's executor (spawns, IRQ writes, the check loop).
+        self._own_executor: ThreadPoolExecutor | None = None
+        if executor is None:
+            executor = self._own_executor = ThreadPoolExecutor(1, thread_name_prefix="ps-tree")
         self.executor = executor
         self.interval_s = interval_s
         self.cgroup_dir = cgroup_dir
@@ -184,6 +189,8 @@ class TreeKeeper:
                 await self.task
             self.task = None
         self.reap()
+        if self._own_executor is not None:
+            self._own_executor.shutdown(wait=False)
 
     async def _loop(self) -> None:
         while True:
