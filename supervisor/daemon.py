@@ -127,6 +127,7 @@ class Daemon:
         self.subreaper = subreaper
         self.guardian: Guardian | None = None
         self.trees: TreeKeeper | None = None
+        self.adopt_executor: ThreadPoolExecutor | None = None  # binds of adoptions
         self.server: Server | None = None
         kind = placement.ranks[0].device.kind if placement.ranks else "cpu"
         specs = build_specs(config, placement, self.env)
@@ -244,6 +245,8 @@ class Daemon:
             for signum in installed:
                 loop.remove_signal_handler(signum)
             executor.shutdown(wait=False, cancel_futures=True)
+            if self.adopt_executor is not None:
+                self.adopt_executor.shutdown(wait=False, cancel_futures=True)
             self.notifier.close()
         return 1 if self.failed else 0
 
@@ -278,13 +281,14 @@ class Daemon:
         if workers.spawned_by != "engine":
             return [Runner(self.rt, spec) for spec in self.specs]
         nodes = [n.id for n in self.topology.nodes]
+        self.adopt_executor = ThreadPoolExecutor(1, thread_name_prefix="ps-adopt")
         runners: list[Runner] = []
         adopters: dict[int, AdoptRunner] = {}
         for spec in self.specs:
             if spec.key == "engine":
                 runners.append(Runner(self.rt, spec))
             else:
-                adopters[spec.key] = AdoptRunner(self.rt, spec, nodes)
+                adopters[spec.key] = AdoptRunner(self.rt, spec, nodes, self.adopt_executor)
                 runners.append(adopters[spec.key])
         adopter = Adopter(
             self.rt, adopters, [parse_rank_source(s) for s in workers.rank_from], self.placement

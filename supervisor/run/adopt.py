@@ -20,6 +20,7 @@ import logging
 import os
 import signal
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass, replace
 
 from supervisor.bind.binder import Binder
@@ -173,8 +174,17 @@ def adopt_process(  # noqa: PLR0917 - one call site, run in the executor
 class AdoptRunner(Runner):
     """A rank whose worker the engine spawns: adopt, watch, wait for the next one."""
 
-    def __init__(self, rt: Runtime, spec: ChildSpec, all_nodes: Sequence[int]) -> None:
+    def __init__(
+        self,
+        rt: Runtime,
+        spec: ChildSpec,
+        all_nodes: Sequence[int],
+        executor: Executor | None = None,
+    ) -> None:
         super().__init__(rt, spec)
+        # The binds of an adoption run here: a thread of their own (the daemon's
+        # pool may be busy with a check pass) keeps fork-to-bound short.
+        self.bind_executor = executor if executor is not None else rt.executor
         self.offers: asyncio.Queue[Candidate] = asyncio.Queue()
         self.adopted: Candidate | None = None
         self.seen: set[tuple[int, int]] = set()  # adopted before (an offer may come twice)
@@ -243,7 +253,7 @@ class AdoptRunner(Runner):
         self.adopted = candidate
         try:
             result = await loop.run_in_executor(
-                self.rt.executor,
+                self.bind_executor,
                 adopt_process,
                 self.rt.fs,
                 self.binder,
