@@ -43,6 +43,7 @@ from supervisor.run.tree import Member, read_cmdline
 log = logging.getLogger("placement_supervisor.adopt")
 
 ENVIRON_MAX_BYTES = 1 << 20
+UNNAMED_AFTER_PASSES = 30
 
 
 # -- reading a process ---------------------------------------------------------------------
@@ -370,7 +371,9 @@ class Adopter:
     Called by the tree keeper for each engine-owned process when it appears
     (fork), changes (exec, comm: setproctitle sets comm too) and at each
     pass while still unnamed. A process no source names stays the engine's;
-    it is counted once in `unnamed_processes` when two passes found it so.
+    it is counted once in `unnamed_processes` when UNNAMED_AFTER_PASSES passes
+    found it so (30 s at 1 s checks: an engine titles its workers after its
+    imports, seconds after they start, and they are not "unnamed" meanwhile).
     """
 
     def __init__(
@@ -411,7 +414,7 @@ class Adopter:
         )
 
     def note_pass(self, members: Mapping[int, Member]) -> None:
-        """After each tree pass: try the unnamed again; count those unnamed twice."""
+        """After each tree pass: try the unnamed again; count the long unnamed once."""
         live: set[tuple[int, int]] = set()
         for m in members.values():
             if m.owner != "engine":
@@ -422,7 +425,7 @@ class Adopter:
                 continue
             passes = self.unnamed_passes.get(ident, 0) + 1
             self.unnamed_passes[ident] = passes
-            if passes == 2:
+            if passes == UNNAMED_AFTER_PASSES:
                 counters = self.rt.store.snapshot.counters
                 self.rt.store.update(
                     counters=replace(counters, unnamed_processes=counters.unnamed_processes + 1)

@@ -159,6 +159,8 @@ def start(rank):
     argv = [sys.executable, worker, marker, mode, str(rank)]
     return subprocess.Popen(argv, env=env, start_new_session=True)  # as torchrun does
 procs = {r: start(r) for r in range(int(ranks))}
+# A helper no source names (no LOCAL_RANK, no title): it stays the engine's.
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)", marker, "helper"])
 open(ready, "w").close()
 while True:
     for r, p in list(procs.items()):
@@ -261,7 +263,18 @@ def test_a_real_engine_s_workers_are_adopted_and_replaced(tmp_path: Path, mode: 
         metrics = get_text(f"http://127.0.0.1:{d.port}/metrics")
         assert 'placement_adoptions_total{rank="0"} 2.0' in metrics
         assert 'placement_adoptions_total{rank="1"} 1.0' in metrics
-        assert "placement_unnamed_processes_total" in metrics
+        poll(
+            lambda: (
+                "placement_unnamed_processes_total 1.0"
+                in get_text(f"http://127.0.0.1:{d.port}/metrics")
+            ),
+            timeout_s=30,  # 30 tree passes at 0.2 s
+            what="the helper counted once as unnamed",
+        )
+        helper = [
+            c for c in (d.placement() or doc)["engine"]["children"] if "helper" in c["cmdline"]
+        ]
+        assert len(helper) == 1 and helper[0]["ppid"] == engine_pid
         code = d.stop(timeout_s=30)
     assert code == 0, d.tail()
 
