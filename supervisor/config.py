@@ -23,6 +23,7 @@ from typing import Any, Literal, TypeVar
 from supervisor.errors import ConfigError
 from supervisor.hostfs import SpecialFileError, read_regular_file_stat
 from supervisor.plan.placement import PlanSettings, Shortage, StrategySetting
+from supervisor.run.rank_source import parse_rank_source
 from supervisor.serve.listen import parse_listen
 from supervisor.topology.model import DiscoveryOptions
 from supervisor.topology.pci import normalize_bdf
@@ -58,6 +59,10 @@ class ProcessConfig:
     user: str | None = field(default=None, kw_only=True)
     group: str | None = field(default=None, kw_only=True)
     env: Mapping[str, str] = field(default_factory=dict)  # set only where unset
+    # [workers] only: the engine spawns the workers and the supervisor adopts
+    # them (DESIGN 3.6); `command` is then empty and `rank_from` names them.
+    spawned_by: Literal["engine"] | None = None
+    rank_from: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +112,7 @@ class DriftConfig:
             "irq_affinity": "enforce",
             "cpuset_changed": "enforce",
             "process_gone": "observe",
+            "self_rebind": "enforce",
         }
     )
 
@@ -316,6 +322,8 @@ def _check_exec_strings(t: _Table, argv: tuple[str, ...], env: Mapping[str, str]
 
 def _process(top: _Table, key: str, *, template: bool) -> ProcessConfig:
     t = top.table(key)
+    if template and t.has("spawned_by"):
+        return _adopted_workers(t)
     argv = t.command("command")
     if template:
         _check_template(t, "command", argv)
@@ -337,6 +345,28 @@ def _account(t: _Table) -> tuple[str | None, str | None]:
     if group == "":
         raise t.fail("group", "must not be empty (leave it out for the user's primary group)")
     return user, group
+
+
+def _adopted_workers(t: _Table) -> ProcessConfig:
+    """[workers] spawned_by = "engine" with rank_from = [...] (DESIGN 3.6)."""
+    t.choice("spawned_by", None, ("engine",))
+    if t.has("command"):
+        raise t.fail("command", 'give either command or spawned_by = "engine", not both')
+    if not t.has("rank_from"):
+        raise t.fail(
+            "rank_from", 'is required with spawned_by = "engine" (e.g. ["env:LOCAL_RANK"])'
+        )
+    sources = t.str_list("rank_from")
+    if not sources:
+        raise t.fail("rank_from", "must name at least one source")
+    for i, text in enumerate(sources):
+        try:
+            parse_rank_source(text)
+        except ValueError as err:
+            raise t.fail("rank_from", f"item {i}: {err}") from None
+    env = t.str_map("env")
+    t.done()
+    return ProcessConfig((), env, "engine", sources)
 
 
 def _ready(t: _Table) -> ReadyProbe | None:
@@ -557,6 +587,8 @@ def parse_config(doc: Mapping[str, Any], file: str = "<config>") -> Config:
         cgroup=top.choice("cgroup", "auto", ("auto", "off")),
     )
     top.done()
+    if cfg.workers.spawned_by == "engine" and cfg.engine is None:
+        raise ConfigError(f'{file}: workers.spawned_by: "engine" needs an [engine] to spawn them')
     if cfg.ready is not None and cfg.engine is None:
         raise top.fail("ready", "a readiness probe needs an [engine]")
     if cfg.engine is not None and not cfg.placement.engine:

@@ -41,7 +41,11 @@ from supervisor.plan.placement import Placement, Slot
 from supervisor.plan.planner import plan
 from supervisor.plan.render import render_plan_table
 from supervisor.run import users
+from supervisor.run.adopt import Adopter, AdoptRunner
+from supervisor.run.guardian import Guardian, sweep_leftovers
 from supervisor.run.instance_lock import hold_instance_lock
+from supervisor.run.keeper import TreeKeeper
+from supervisor.run.rank_source import parse_rank_source
 from supervisor.run.runner import ProcessCgroups, Runner, Runtime, first_of
 from supervisor.run.sdnotify import Notifier, watchdog_interval_s
 from supervisor.run.spec import ChildSpec, build_specs, child_env, resolve_python, worker_argv
@@ -79,6 +83,9 @@ __all__ = [
 log = logging.getLogger("placement_supervisor.daemon")
 
 INSTANCE_ENV = "PLACEMENT_SUPERVISOR_INSTANCE"
+# "0": see new processes at each check only, not through the proc connector
+# (the benchmark's baseline; a host that forbids netlink sockets needs nothing).
+PROC_EVENTS_ENV = "PLACEMENT_SUPERVISOR_PROC_EVENTS"
 EXECUTOR_THREADS = 2
 
 
@@ -110,6 +117,8 @@ class Daemon:
         notifier: Notifier | None = None,
         check_loop: bool = False,
         api: bool = True,
+        guardian: bool = True,
+        subreaper: bool = False,
     ) -> None:
         self.config = config
         self.placement = placement
@@ -121,6 +130,13 @@ class Daemon:
         self.checker: CheckLoop | None = None
         self.check_task: asyncio.Task[None] | None = None
         self.want_api = api
+        self.want_guardian = guardian
+        # A child subreaper changes the whole process: only the real daemon
+        # (run_command) is one, never a program that embeds a Daemon.
+        self.subreaper = subreaper
+        self.guardian: Guardian | None = None
+        self.trees: TreeKeeper | None = None
+        self.adopt_executor: ThreadPoolExecutor | None = None  # binds of adoptions
         self.server: Server | None = None
         kind = placement.ranks[0].device.kind if placement.ranks else "cpu"
         # Who engines and workers run as, looked up once: a typo is exit 2.
@@ -209,8 +225,9 @@ class Daemon:
         try:
             self.checker = self._check_loop(self.rt)
             await self._start_api(self.checker.stale_after_s)
+            self._start_trees()
             self.irq_task = asyncio.create_task(self._apply_irqs(), name="irq_apply")
-            self.runners = [Runner(self.rt, spec) for spec in self.specs]
+            self.runners = self._make_runners()
             engine = next((r for r in self.runners if r.key == "engine"), None)
             for r in self.runners:
                 if engine is not None and r is not engine:
@@ -242,8 +259,69 @@ class Daemon:
             for signum in installed:
                 loop.remove_signal_handler(signum)
             executor.shutdown(wait=False, cancel_futures=True)
+            if self.adopt_executor is not None:
+                self.adopt_executor.shutdown(wait=False, cancel_futures=True)
             self.notifier.close()
         return 1 if self.failed else 0
+
+    def _start_trees(self) -> None:
+        """The guardian (first: it must outlive us), then the tree keeper."""
+        assert self.rt is not None
+        if self.want_guardian:
+            manager = getattr(self.cgroups, "manager", None)
+            instance = ""
+            if isinstance(manager, CgroupManager):
+                instance = self.fs.path(manager.instance_dirs[0])
+            self.guardian = Guardian.start(self.rt.python, instance)
+            if self.guardian is not None and isinstance(manager, CgroupManager):
+                for rel in manager.instance_dirs:
+                    self.guardian.cgroup(self.fs.path(rel))
+        self.trees = TreeKeeper(
+            self.fs,
+            self.store,
+            interval_s=self.config.drift.check_interval_s,
+            cgroup_dir=self._cgroup_dir,
+            direct_children=self._direct_children,
+            guardian=self.guardian,
+            use_connector=os.geteuid() == 0 and self.env.get(PROC_EVENTS_ENV) != "0",
+            subreaper=self.subreaper,
+        )
+        self.rt.trees = self.trees
+        self.trees.start()
+
+    def _make_runners(self) -> list[Runner]:
+        assert self.rt is not None
+        workers = self.config.workers
+        if workers.spawned_by != "engine":
+            return [Runner(self.rt, spec) for spec in self.specs]
+        nodes = [n.id for n in self.topology.nodes]
+        self.adopt_executor = ThreadPoolExecutor(1, thread_name_prefix="ps-adopt")
+        runners: list[Runner] = []
+        adopters: dict[int, AdoptRunner] = {}
+        for spec in self.specs:
+            if spec.key == "engine":
+                runners.append(Runner(self.rt, spec))
+            else:
+                adopters[spec.key] = AdoptRunner(self.rt, spec, nodes, self.adopt_executor)
+                runners.append(adopters[spec.key])
+        adopter = Adopter(
+            self.rt, adopters, [parse_rank_source(s) for s in workers.rank_from], self.placement
+        )
+        if self.trees is not None:
+            self.trees.adopter = adopter
+            self.trees.on_refresh = adopter.note_pass
+        return runners
+
+    def _cgroup_dir(self, key: ProcKey) -> str | None:
+        made = getattr(self.cgroups, "made", None)
+        pc = made.get(key) if isinstance(made, dict) else None
+        return pc.cpuset_dir if isinstance(pc, ProcessCgroup) else None
+
+    def _direct_children(self) -> list[int]:
+        pids = [r.child.pid for r in self.runners if r.child is not None]
+        if self.guardian is not None:
+            pids.append(self.guardian.pid)
+        return pids
 
     async def _start_api(self, stale_after_s: float) -> None:
         if not self.want_api:
@@ -421,11 +499,19 @@ class Daemon:
         engine = [r for r in self.runners if r.key == "engine"]
         await asyncio.gather(*(r.shutdown() for r in workers), return_exceptions=True)
         await asyncio.gather(*(r.shutdown() for r in engine), return_exceptions=True)
+        if self.trees is not None:
+            # Whatever is left of any tree (a setsid grandchild, an orphan) ends
+            # now, so that no process outlives us and every cgroup can go.
+            for r in engine + workers:
+                await self.trees.end_tree(r.key, self.config.stop_timeout_s)
+            await self.trees.stop()
         await self._restore_irqs()
         if self.cgroups is not None:
             await asyncio.get_running_loop().run_in_executor(
                 self.runtime.executor, _remove_cgroups, self.cgroups, [r.key for r in self.runners]
             )
+        if self.guardian is not None:
+            self.guardian.close()  # a clean stop: it exits without killing
         if self.server is not None:
             await self.server.stop()
         log.info("stopped %s", format_fields(status=self.status_line()))
@@ -533,6 +619,8 @@ def cgroups_for(config: Config, fs: HostFS, env: Mapping[str, str]) -> ManagedCg
     except KernelError as err:
         log.warning("cgroups none %s", format_fields(error=str(err), action="skip cgroups"))
         return None
+    # What an earlier instance of this config left (it died with its guardian) ends first.
+    sweep_leftovers(manager)
     log.info(
         "cgroups %s",
         format_fields(version=setup.version, parent=setup.cpuset_parent, instance=manager.instance),
@@ -593,6 +681,7 @@ def run_command(args: argparse.Namespace) -> int:
         fs=fs,
         cgroups=cgroups_for(config, fs, env),
         check_loop=True,
+        subreaper=True,
     )
     log.info(
         "starting %s",

@@ -21,13 +21,18 @@ from supervisor.topology.model import Topology
 ProcKey = int | Literal["engine"]
 """A rank number, or "engine"."""
 
-ProcessState = Literal["starting", "running", "backoff", "failed", "stopped"]
+ProcessState = Literal["starting", "running", "backoff", "failed", "stopped", "waiting"]
 MemPolicyStep = Literal["bind", "preferred", "none"]
 
 # -- the vocabulary: every event kind and metric label value, in one place -----------
 
 DriftKind = Literal[
-    "thread_affinity", "memory_locality", "irq_affinity", "cpuset_changed", "process_gone"
+    "thread_affinity",
+    "memory_locality",
+    "irq_affinity",
+    "cpuset_changed",
+    "process_gone",
+    "self_rebind",
 ]
 BindTarget = Literal["process", "thread", "memory", "irq", "cgroup"]
 BindReason = Literal["gone", "denied", "invalid", "managed", "error"]
@@ -41,7 +46,7 @@ EventKind = Literal[
     "spawn", "spawn_failed", "exit", "state", "restart", "restart_requested", "not_started",
     "ready", "ready_failed", "stopping", "error",
     "bind_failed", "drift", "rebind", "migrate", "cpuset", "plan", "plan_failed",
-    "irq", "irq_moved", "irq_restored", "irqbalance",
+    "irq", "irq_moved", "irq_restored", "irqbalance", "adopt",
 ]  # fmt: skip
 DRIFT_KINDS: tuple[DriftKind, ...] = get_args(DriftKind)
 BIND_TARGETS: tuple[BindTarget, ...] = get_args(BindTarget)
@@ -76,6 +81,26 @@ class ProcessStatus:
     mempolicy_reason: str | None = None
     cgroup: str | None = None  # the process's own cgroup, when it has one
     bound: bool = False  # every bind of the plan applied and read back
+    adopted: bool = False  # spawned by the engine and adopted (DESIGN 3.6)
+    ppid: int | None = None  # an adopted worker's parent
+
+
+@dataclass(frozen=True, slots=True)
+class TreeMember:
+    """A process of a supervised process's tree other than itself (DESIGN 3.6)."""
+
+    pid: int
+    ppid: int
+    cmdline: str
+    cpus: tuple[int, ...]
+
+    def to_doc(self) -> dict[str, Any]:
+        return {
+            "pid": self.pid,
+            "ppid": self.ppid,
+            "cmdline": self.cmdline,
+            "cpus": list(self.cpus),
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +180,8 @@ class Counters:
     drift_events: Mapping[tuple[str, str], int] = field(default_factory=dict)  # rank, kind
     rebinds: Mapping[tuple[str, str], int] = field(default_factory=dict)  # rank, reason
     restarts: Mapping[str, int] = field(default_factory=dict)  # rank
+    adoptions: Mapping[str, int] = field(default_factory=dict)  # rank
+    unnamed_processes: int = 0  # engine-tree processes no rank_from source named
     cpuset_changes: int = 0
     checks: int = 0
     check_seconds_sum: float = 0.0
@@ -180,6 +207,7 @@ class Snapshot:
     processes: Mapping[ProcKey, ProcessStatus]
     observed: Mapping[ProcKey, Observation] = field(default_factory=dict)
     drift: Mapping[ProcKey, tuple[Finding, ...]] = field(default_factory=dict)
+    trees: Mapping[ProcKey, tuple[TreeMember, ...]] = field(default_factory=dict)
     counters: Counters = field(default_factory=Counters)
     events: tuple[Event, ...] = ()
     started_at: float = 0.0
@@ -273,7 +301,7 @@ class StateStore:
 
     def count(
         self,
-        counter: Literal["bind_failures", "drift_events", "rebinds", "restarts"],
+        counter: Literal["bind_failures", "drift_events", "rebinds", "restarts", "adoptions"],
         label: tuple[str, ...] | str,
         n: int = 1,
     ) -> None:

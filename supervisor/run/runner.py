@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -65,6 +66,22 @@ class ProcessCgroups(Protocol):
     def close(self) -> None: ...
 
 
+class ProcessTrees(Protocol):
+    """The daemon's tree keeper (`supervisor.run.keeper.TreeKeeper`)."""
+
+    def set_root(
+        self, key: ProcKey, pid: int, start_time: int | None, *, adopted: bool = False
+    ) -> None: ...
+
+    def clear_root(self, key: ProcKey) -> None: ...
+
+    def descendants(self, pid: int) -> list[int]: ...
+
+    def signal_tree(self, key: ProcKey, sig: int, *, roots: bool = False) -> int: ...
+
+    async def end_tree(self, key: ProcKey, timeout_s: float, *, roots: bool = True) -> int: ...
+
+
 @dataclass(slots=True)
 class Runtime:
     """What the daemon's parts share: the store, the executor, the stop flag."""
@@ -77,6 +94,7 @@ class Runtime:
     cgroups: ProcessCgroups | None = None
     python: str = sys.executable
     on_state_change: Callable[[], None] | None = None  # e.g. a new systemd STATUS=
+    trees: ProcessTrees | None = None  # every process below each supervised one
 
 
 # -- one supervised process --------------------------------------------------------
@@ -320,6 +338,8 @@ class Runner:
                 self.interrupt.clear()
                 await self._stop_child(child, "restart" if self.restart_requested else "stop")
         code = await exit_future
+        # Its whole tree goes with it (setsid descendants, orphans) before any restart.
+        await self._end_tree()
         ended = time.monotonic()
         self.child = None
         self.set_status(exit_code=code)
@@ -347,7 +367,16 @@ class Runner:
             "stopping %s",
             format_fields(rank=self.label, pid=child.pid, why=why, timeout_s=f"{timeout_s:g}"),
         )
+        if self.rt.trees is not None:
+            # TERM reaches the child's group; its setsid descendants get theirs here.
+            self.rt.trees.signal_tree(self.key, signal.SIGTERM)
         return await child.stop(timeout_s)
+
+    async def _end_tree(self) -> None:
+        trees = self.rt.trees
+        if trees is not None:
+            await trees.end_tree(self.key, self.rt.config.stop_timeout_s)
+            trees.clear_root(self.key)
 
     async def _await_ready(self, child: ChildProcess, exit_future: asyncio.Future[int]) -> bool:
         """For the engine with a probe: wait until it passes; True when ready or exited."""
@@ -455,6 +484,9 @@ class Runner:
             user=spec.account.shim_user if spec.account is not None else None,
             report_fd=write_fd,
             parent_pid=os.getpid(),
+            # KILL, not TERM: a worker that ignores TERM must not outlive a
+            # SIGKILLed supervisor (its descendants are the guardian's).
+            pdeathsig="KILL",
         )
         try:
             # On the loop's thread, never a pool thread: see procs.spawn (PDEATHSIG).
@@ -466,10 +498,15 @@ class Runner:
             return None
         os.close(write_fd)
         self.child = child
+        if self.rt.trees is not None:
+            # Known as a root at once: what it forks while its report is read is its tree.
+            self.rt.trees.set_root(self.key, child.pid, None)
         data = await read_until_eof(read_fd, REPORT_TIMEOUT_S)
         stat = await loop.run_in_executor(self.rt.executor, read_proc_stat, self.rt.fs, child.pid)
         start_time = stat.start_time if stat is not None else None
         self.set_status(pid=child.pid, start_time=start_time)
+        if self.rt.trees is not None:
+            self.rt.trees.set_root(self.key, child.pid, start_time)
         try:
             report = parse_shim_report(data)
         except ShimReportError as err:
@@ -553,6 +590,7 @@ class Runner:
         if child is not None and child.returncode is None:
             # Cancelled or stopping mid-run: the child never outlives its runner.
             code = await asyncio.shield(self._stop_child(child, "shutdown"))
+            await asyncio.shield(self._end_tree())
             self.rt.store.emit(
                 "exit", self.key, f"{self.label}: pid {child.pid} stopped ({code})", exit_code=code
             )

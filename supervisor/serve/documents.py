@@ -154,6 +154,9 @@ def process_doc(snap: Snapshot, key: ProcKey) -> dict[str, Any]:
         "backoff": {"seconds": status.backoff_s, "next_start_at": status.next_start_at},
         "mempolicy": {"step": status.mempolicy, "reason": status.mempolicy_reason},
         "cgroup": status.cgroup,
+        "adopted": status.adopted,
+        "ppid": status.ppid,
+        "children": [m.to_doc() for m in snap.trees.get(key, ())],
         "observed": observation_doc(snap.observed.get(key)),
         "drift": [f.to_doc() for f in snap.drift.get(key, ())],
     }
@@ -203,7 +206,13 @@ class PlacementRenderer:
         self._last: tuple[Snapshot, bytes] | None = None
 
     def _process(self, snap: Snapshot, key: ProcKey, planned: Slot | RankPlacement) -> bytes:
-        identity = (planned, snap.processes.get(key), snap.observed.get(key), snap.drift.get(key))
+        identity = (
+            planned,
+            snap.processes.get(key),
+            snap.observed.get(key),
+            snap.drift.get(key),
+            snap.trees.get(key),
+        )
         hit = self._parts.get(key)
         if hit is not None and all(a is b for a, b in zip(hit[0], identity, strict=True)):
             return hit[1]

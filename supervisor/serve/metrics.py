@@ -344,6 +344,26 @@ def _cpuset_changes(m: CounterMetricFamily, cpuset_changes: int) -> None:
     m.add_metric([], cpuset_changes)
 
 
+# -- adoption (DESIGN 3.6) ----------------------------------------------------------------
+
+
+@FAMILIES.add(
+    "counter", "placement_adoptions", "Engine-spawned workers adopted by the rank.", ("rank",)
+)
+def _adoptions(m: CounterMetricFamily, adoptions: Mapping[str, int]) -> None:
+    for rank, n in sorted(adoptions.items()):
+        m.add_metric([rank], n)
+
+
+@FAMILIES.add(
+    "counter",
+    "placement_unnamed_processes",
+    "Processes of the engine's tree that no rank_from source named.",
+)
+def _unnamed_processes(m: CounterMetricFamily, unnamed_processes: int) -> None:
+    m.add_metric([], unnamed_processes)
+
+
 # -- the checks ---------------------------------------------------------------------------
 
 

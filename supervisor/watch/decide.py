@@ -53,7 +53,15 @@ MIGRATE_MIN_REMOTE_BYTES = 4 << 20
 # A repair (started by a memory_locality finding) goes on to this ratio: the
 # threshold says when to act, not where to stop (numad works alike).
 REPAIR_TARGET_RATIO = 0.99
-ENFORCED_KINDS: tuple[DriftKind, ...] = ("thread_affinity", "memory_locality", "irq_affinity")
+ENFORCED_KINDS: tuple[DriftKind, ...] = (
+    "thread_affinity",
+    "memory_locality",
+    "irq_affinity",
+    "self_rebind",
+)
+# Findings about one thread's CPUs: a thread off its role, or a process that
+# bound all of itself outside its slot (vLLM --numa-bind, SGLang's numactl).
+THREAD_KINDS: tuple[DriftKind, ...] = ("thread_affinity", "self_rebind")
 
 
 # -- inputs ---------------------------------------------------------------------------
@@ -91,7 +99,7 @@ class Policy:
         if self.cause == "api":
             return "enforce" if kind in ENFORCED_KINDS else "observe"
         if self.cause == "cpuset_changed":
-            return "enforce" if kind == "thread_affinity" else "observe"
+            return "enforce" if kind in THREAD_KINDS else "observe"
         return self.actions.get(kind, "observe")
 
     @property
@@ -217,7 +225,7 @@ def decide(
     moves: list[MemoryMove] = []
     irq_reason: RebindReason | None = None
     for f in findings:
-        if f.kind == "thread_affinity":
+        if f.kind in THREAD_KINDS:
             tid = target_id(f)
             thread = threads.get(tid) if tid is not None else None
             if tid is None or thread is None:

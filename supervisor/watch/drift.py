@@ -1,7 +1,8 @@
 """Drift: what differs between the plan and live state, and what to do about it (pure).
 
 `diff()` compares one process's `Observation` with its `Slot` and returns
-`Finding`s (thread_affinity, memory_locality, irq_affinity, process_gone);
+`Finding`s (thread_affinity, self_rebind, memory_locality, irq_affinity,
+process_gone);
 `irq_drifted()` is the one IRQ drift rule (the IRQ keeper uses it too).
 `apply_policy()` marks each finding "observe" or "enforce" per the config's
 `[drift.policy]`. No I/O: supervisor.watch.decide calls these.
@@ -36,6 +37,8 @@ def diff(
       (`slot.role_cpus(thread.role)`), unless the workload pinned it to a
       strict subset of them and `pinned_ok` (config `enforce_pinned = false`).
       target "tid <tid>", expected/actual as CPU lists.
+    - self_rebind: every thread on the same CPUs outside the slot (the process
+      bound itself; see `_self_rebind`), instead of their thread_affinity.
     - memory_locality: the local memory ratio is below `threshold`.
     - irq_affinity: an IRQ's effective CPUs are not within its planned CPUs
       (an IRQ observed with no CPUs is gone and skipped). target "irq <n>".
@@ -60,6 +63,7 @@ def diff(
                     format_cpulist(thread.cpus),
                 )
             )
+    findings = _self_rebind(slot, observation, findings)
     ratio = observation.local_memory_ratio
     if ratio is not None and ratio < threshold:
         findings.append(
@@ -89,6 +93,24 @@ def irq_drifted(delivered: Iterable[int], planned: Iterable[int]) -> bool:
     (gone) or planned nowhere (not ours to keep) is no drift."""
     got, want = set(delivered), set(planned)
     return bool(got) and bool(want) and not got <= want
+
+
+def _self_rebind(slot: Slot, obs: Observation, findings: list[Finding]) -> list[Finding]:
+    """thread_affinity findings that are one process moving itself out of its slot.
+
+    When every thread sits on the same CPUs and they are not inside the slot,
+    the process bound itself as a whole (vLLM --numa-bind, SGLang's numactl
+    wrapper, torchrun --numa-binding, a sched_setaffinity before its threads
+    started): `self_rebind`, fixed or left by its own policy. A single thread
+    off its role stays thread_affinity; narrowing inside the slot is "pinned"
+    and never a finding (pinned_ok). Who made the change the kernel does not say.
+    """
+    if not obs.threads or len(findings) != len(obs.threads):
+        return findings
+    cpus = {t.cpus for t in obs.threads}
+    if len(cpus) != 1 or set(next(iter(cpus))) <= set(slot.cpus):
+        return findings
+    return [replace(f, kind="self_rebind") for f in findings]
 
 
 def apply_policy(

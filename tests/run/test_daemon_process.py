@@ -103,7 +103,7 @@ def test_sigkill_of_the_supervisor_takes_its_children_along(tmp_path: Path) -> N
         pids = [e["pid"] for e in entries(doc)]
         daemon.proc.kill()
         daemon.proc.wait()
-    # PR_SET_PDEATHSIG, set by the shim before exec, sends each child SIGTERM.
+    # PR_SET_PDEATHSIG, set by the shim before exec, sends each child SIGKILL.
     poll(lambda: all(gone(pid) for pid in pids), timeout_s=20)
 
 

@@ -1,0 +1,434 @@
+"""Adoption: which rank an engine-spawned process is (`rank_from`), and its rank's runner.
+
+The sources themselves (`parse_rank_source`, `resolve_rank`) are pure and
+live in `supervisor.run.rank_source`. `read_proc_facts` reads
+/proc/<pid>/{environ,cmdline,fd} through HostFS.
+`AdoptRunner` stands where a spawning `Runner` would for a rank of
+`[workers] spawned_by = "engine"`: it waits (state `waiting`) for the
+engine's tree to show a process its sources name, moves it into the rank's
+cgroup, binds every thread to the rank's CPUs, migrates its pages to the
+rank's nodes, and makes it the rank's pid, so the check loop checks,
+re-binds and migrates it like a spawned worker. When it exits the rank waits
+for the next one; the engine, not the supervisor, restarts workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, replace
+
+from supervisor.bind.binder import Binder
+from supervisor.cpulist import format_cpulist
+from supervisor.errors import Gone, KernelError, translate_oserror
+from supervisor.hostfs import HostFS
+from supervisor.logs import format_fields
+from supervisor.plan.placement import Placement
+from supervisor.run.procs import read_proc_stat
+from supervisor.run.rank_source import (
+    ProcFacts,
+    RankSource,
+    rank_tables,
+    resolve_rank,
+)
+from supervisor.run.runner import Runner, Runtime, first_of
+from supervisor.run.spec import ChildSpec
+from supervisor.run.tree import Member, read_cmdline
+from supervisor.state import BindTarget
+
+log = logging.getLogger("placement_supervisor.adopt")
+
+ENVIRON_MAX_BYTES = 1 << 20
+UNNAMED_AFTER_PASSES = 30
+
+
+# -- reading a process ---------------------------------------------------------------------
+
+
+def parse_environ(raw: str) -> dict[str, str]:
+    env: dict[str, str] = {}
+    for item in raw.split("\0"):
+        name, sep, value = item.partition("=")
+        if sep and name:
+            env[name] = value
+    return env
+
+
+def read_proc_facts(fs: HostFS, pid: int, *, want_fds: bool) -> ProcFacts | None:
+    """A process's environment, command line and (with `want_fds`) open files; None if gone.
+
+    /proc/<pid>/environ is the environment the process was exec'd with (later
+    setenv calls are not in it), which is where launchers put LOCAL_RANK.
+    """
+    cmdline = read_cmdline(fs, pid)
+    if cmdline is None:
+        return None
+    raw = fs.read_optional(f"proc/{pid}/environ") or ""
+    files: list[str] = []
+    if want_fds:
+        try:
+            names = fs.listdir(f"proc/{pid}/fd")
+        except OSError:
+            names = []
+        for name in names:
+            target = fs.readlink(f"proc/{pid}/fd/{name}")
+            if target is not None and target.startswith("/dev/"):
+                files.append(target)
+    return ProcFacts(parse_environ(raw[:ENVIRON_MAX_BYTES]), cmdline, tuple(files))
+
+
+# -- binding an adopted process ---------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    pid: int
+    start_time: int
+    ppid: int
+
+
+@dataclass(frozen=True, slots=True)
+class AdoptResult:
+    cpus: tuple[int, ...]  # every thread's affinity read back (union)
+    cgroup: str | None
+    errors: tuple[tuple[BindTarget, str], ...]  # (target, message)
+    moved: int  # processes moved into the cgroup (the worker and its descendants)
+    pages_left: int = 0
+
+
+def _set_done(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def _pidfd(pid: int) -> int | None:
+    with contextlib.suppress(OSError, AttributeError):
+        fd: int = os.pidfd_open(pid)
+        return fd
+    return None
+
+
+def adopt_process(  # noqa: PLR0917 - one call site, run in the executor
+    fs: HostFS,
+    binder: Binder,
+    candidate: Candidate,
+    pids: Sequence[int],
+    cgroup_dirs: Sequence[str],
+    cpus: Sequence[int],
+    mems: Sequence[int],
+    all_nodes: Sequence[int],
+) -> AdoptResult:
+    """Move `pids` (the candidate first, then its descendants) into the rank's
+    cgroups, bind each of their threads to `cpus`, migrate the candidate's
+    pages onto `mems`. Blocking (the executor). Raises Gone when the candidate
+    is no longer the process it was."""
+    stat = read_proc_stat(fs, candidate.pid)
+    if stat is None or stat.start_time != candidate.start_time or stat.state in ("Z", "X"):
+        raise translate_oserror(f"pid {candidate.pid}", OSError(3, "No such process"))
+    errors: list[tuple[BindTarget, str]] = []
+    moved = 0
+    # The cgroup first: its cpuset then bounds whatever the process does next.
+    # Writing a pid to cgroup.procs moves all of its threads (cgroups(7)).
+    for pid in pids:
+        ok = True
+        for directory in cgroup_dirs:
+            try:
+                with open(os.path.join(directory, "cgroup.procs"), "w") as f:
+                    f.write(str(pid))
+            except OSError as err:
+                ok = False
+                if pid == candidate.pid:
+                    errors.append(("cgroup", str(translate_oserror(directory, err))))
+        moved += ok
+    seen: set[int] = set()
+    for pid in pids:
+        try:
+            done = binder.set_process_affinity(pid, cpus)
+        except Gone:
+            continue
+        except KernelError as err:
+            errors.append(("process", str(err)))
+            continue
+        for kept in done.bound.values():
+            seen.update(kept)
+        for tid, failure in done.failed.items():
+            errors.append(("thread", f"tid {tid}: {failure}"))
+    left = 0
+    remote = sorted(set(all_nodes) - set(mems))
+    if remote and mems:
+        try:
+            left = binder.migrate_pages(candidate.pid, remote, mems)
+        except KernelError as err:
+            errors.append(("memory", str(err)))
+    return AdoptResult(
+        tuple(sorted(seen)), cgroup_dirs[0] if cgroup_dirs else None, tuple(errors), moved, left
+    )
+
+
+# -- the rank's runner ------------------------------------------------------------------
+
+
+class AdoptRunner(Runner):
+    """A rank whose worker the engine spawns: adopt, watch, wait for the next one."""
+
+    def __init__(
+        self,
+        rt: Runtime,
+        spec: ChildSpec,
+        all_nodes: Sequence[int],
+        executor: Executor | None = None,
+    ) -> None:
+        super().__init__(rt, spec)
+        # The binds of an adoption run here: a thread of their own (the daemon's
+        # pool may be busy with a check pass) keeps fork-to-bound short.
+        self.bind_executor = executor if executor is not None else rt.executor
+        self.offers: asyncio.Queue[Candidate] = asyncio.Queue()
+        self.adopted: Candidate | None = None
+        self.seen: set[tuple[int, int]] = set()  # adopted before (an offer may come twice)
+        self.cgroup_dirs: tuple[str, ...] = ()
+        self.all_nodes = tuple(all_nodes)
+        self.binder = Binder(rt.fs)
+
+    def offer(self, candidate: Candidate) -> None:
+        """A process the sources named this rank. Queued even while the rank
+        has a live worker: an engine starts the next one as soon as it sees the
+        old one die, often before we do."""
+        if (candidate.pid, candidate.start_time) not in self.seen:
+            self.offers.put_nowait(candidate)
+
+    async def run(self) -> None:
+        try:
+            if self.gate is not None and not await self._wait_gate():
+                return
+            await self._adopt_loop()
+        finally:
+            self.adopted = None
+            if self.stopping:
+                self.set_status(state="stopped", pid=None, ppid=None, adopted=False)
+
+    async def _prepare_cgroup(self) -> None:
+        if self.rt.cgroups is None or self.cgroup_dirs:
+            return
+        loop = asyncio.get_running_loop()
+        try:
+            self.cgroup_dirs = await loop.run_in_executor(
+                self.rt.executor, self.rt.cgroups.create, self.key, self.spec.slot
+            )
+        except (KernelError, OSError) as err:
+            self.record_bind_failure("cgroup", "error", str(err))
+
+    async def _adopt_loop(self) -> None:
+        await self._prepare_cgroup()
+        self.set_status(state="waiting", pid=None, ppid=None, adopted=False)
+        while not self.stopping:
+            get = asyncio.ensure_future(self.offers.get())
+            await first_of(get, self.rt.stopping.wait())
+            if not get.done():
+                get.cancel()
+                return
+            candidate = get.result()
+            ident = (candidate.pid, candidate.start_time)
+            if ident in self.seen or not await self._adopt(candidate):
+                continue
+            await self._watch(candidate)
+            if self.stopping:
+                return
+            self.adopted = None
+            self.set_status(state="waiting", pid=None, ppid=None, adopted=False, bound=False)
+
+    async def _adopt(self, candidate: Candidate) -> bool:
+        loop = asyncio.get_running_loop()
+        trees = self.rt.trees
+        pids = [candidate.pid]
+        if trees is not None:
+            pids += trees.descendants(candidate.pid)
+        slot = self.spec.slot
+        self.adopted = candidate
+        try:
+            result = await loop.run_in_executor(
+                self.bind_executor,
+                adopt_process,
+                self.rt.fs,
+                self.binder,
+                candidate,
+                pids,
+                self.cgroup_dirs,
+                slot.cpus,
+                slot.mems,
+                self.all_nodes,
+            )
+        except KernelError:
+            self.adopted = None
+            return False  # gone before we got to it
+        self.seen.add((candidate.pid, candidate.start_time))
+        if trees is not None:
+            trees.set_root(self.key, candidate.pid, candidate.start_time, adopted=True)
+        for target, message in result.errors:
+            self.record_bind_failure(target, "error", message)
+        bound = not result.errors and result.cpus == tuple(sorted(slot.cpus))
+        self.set_status(
+            state="running",
+            pid=candidate.pid,
+            start_time=candidate.start_time,
+            ppid=candidate.ppid,
+            adopted=True,
+            cgroup=result.cgroup,
+            bound=bound,
+            mempolicy=None,
+        )
+        self.ready.set()
+        self.settled.set()
+        self.rt.store.count("adoptions", self.label)
+        self.rt.store.emit(
+            "adopt",
+            self.key,
+            f"{self.label}: adopted pid {candidate.pid} (ppid {candidate.ppid}) "
+            f"cpus={format_cpulist(result.cpus)}",
+            pid=candidate.pid,
+            ppid=candidate.ppid,
+            cpus=list(result.cpus),
+            cgroup=result.cgroup,
+            moved=result.moved,
+            bound=bound,
+        )
+        log.info(
+            "adopt %s",
+            format_fields(
+                rank=self.label,
+                pid=candidate.pid,
+                ppid=candidate.ppid,
+                cpus=format_cpulist(result.cpus),
+                cgroup=result.cgroup,
+                bound=str(bound).lower(),
+                action="bound to the rank's slot",
+            ),
+        )
+        return True
+
+    async def _watch(self, candidate: Candidate) -> None:
+        """Until the adopted process exits (or the daemon stops)."""
+        loop = asyncio.get_running_loop()
+        exited: asyncio.Future[None] = loop.create_future()
+        fd = _pidfd(candidate.pid)
+        if fd is not None:
+            loop.add_reader(fd, _set_done, exited)
+        try:
+            while not exited.done() and not self.stopping:
+                await first_of(
+                    exited, self.rt.stopping.wait(), self.interrupt.wait(), asyncio.sleep(1.0)
+                )
+                if self.restart_requested:
+                    # The engine restarts its workers: ending this one is the restart.
+                    self.restart_requested = False
+                    self.interrupt.clear()
+                    with contextlib.suppress(OSError):
+                        os.kill(candidate.pid, signal.SIGTERM)
+                stat = read_proc_stat(self.rt.fs, candidate.pid)
+                if stat is None or stat.start_time != candidate.start_time or stat.state == "Z":
+                    break
+        finally:
+            if fd is not None:
+                loop.remove_reader(fd)
+                os.close(fd)
+        if self.stopping:
+            return
+        trees = self.rt.trees
+        if trees is not None:
+            trees.clear_root(self.key)
+        self.rt.store.emit(
+            "exit",
+            self.key,
+            f"{self.label}: adopted pid {candidate.pid} exited; waiting for the next",
+            pid=candidate.pid,
+        )
+        log.info(
+            "adopted exit %s",
+            format_fields(rank=self.label, pid=candidate.pid, action="wait for the engine's next"),
+        )
+
+    async def shutdown(self) -> None:
+        """Stop waiting. The worker itself ends with its engine's tree (the daemon ends it)."""
+        self.request_stop()
+        if self.task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.task
+
+
+# -- naming the engine's processes ---------------------------------------------------------
+
+
+class Adopter:
+    """Names the engine tree's processes by `rank_from` and offers each to its rank.
+
+    Called by the tree keeper for each engine-owned process when it appears
+    (fork), changes (exec, comm: setproctitle sets comm too) and at each
+    pass while still unnamed. A process no source names stays the engine's;
+    it is counted once in `unnamed_processes` when UNNAMED_AFTER_PASSES passes
+    found it so (30 s at 1 s checks: an engine titles its workers after its
+    imports, seconds after they start, and they are not "unnamed" meanwhile).
+    """
+
+    def __init__(
+        self,
+        rt: Runtime,
+        runners: Mapping[int, AdoptRunner],
+        sources: Sequence[RankSource],
+        placement: Placement,
+    ) -> None:
+        self.rt = rt
+        self.runners = runners
+        self.sources = tuple(sources)
+        self.local_ranks, self.device_ranks = rank_tables(placement)
+        self.want_fds = any(s.kind == "device" for s in self.sources)
+        self.named: set[tuple[int, int]] = set()
+        self.unnamed_passes: dict[tuple[int, int], int] = {}
+
+    def __call__(self, member: Member) -> None:
+        """Name `member` now and offer it to its rank (on the loop: two small
+        /proc reads; a hop to a busy pool thread was most of the latency)."""
+        if self.rt.stopping.is_set():
+            return
+        rank = self.resolve(member.pid)
+        if rank is None:
+            return
+        self.named.add((member.pid, member.start_time))
+        runner = self.runners.get(rank)
+        if runner is not None:
+            runner.offer(Candidate(member.pid, member.start_time, member.ppid))
+
+    def resolve(self, pid: int) -> int | None:
+        """The rank the sources give `pid` now (None: unnamed, or gone)."""
+        facts = read_proc_facts(self.rt.fs, pid, want_fds=self.want_fds)
+        if facts is None:
+            return None
+        return resolve_rank(
+            self.sources, facts, local_ranks=self.local_ranks, device_ranks=self.device_ranks
+        )
+
+    def note_pass(self, members: Mapping[int, Member]) -> None:
+        """After each tree pass: try the unnamed again; count the long unnamed once."""
+        live: set[tuple[int, int]] = set()
+        for m in members.values():
+            if m.owner != "engine":
+                continue
+            ident = (m.pid, m.start_time)
+            live.add(ident)
+            if ident in self.named:
+                continue
+            passes = self.unnamed_passes.get(ident, 0) + 1
+            self.unnamed_passes[ident] = passes
+            if passes == UNNAMED_AFTER_PASSES:
+                counters = self.rt.store.snapshot.counters
+                self.rt.store.update(
+                    counters=replace(counters, unnamed_processes=counters.unnamed_processes + 1)
+                )
+            self(m)
+        self.named &= live
+        for ident in list(self.unnamed_passes):
+            if ident not in live:
+                del self.unnamed_passes[ident]

@@ -1,0 +1,304 @@
+"""The guardian: ends the trees of a daemon that died unclean; leftovers at start (does I/O).
+
+What the kernel offers, and what it does not:
+- A direct child of the daemon gets SIGKILL when the daemon dies: the shim
+  sets PR_SET_PDEATHSIG=KILL before exec (prctl(2)). That reaches only the
+  child itself, never its descendants, and `setsid` does not matter to it.
+- A descendant (torchrun's `start_new_session=True` workers, a worker's own
+  child) has no such signal from us, and the kernel has no "kill my subtree
+  when I die". So the daemon starts one small guardian process first, in a
+  session of its own, holding the read end of a pipe whose only write end
+  the daemon holds. The daemon tells it the cgroups and the processes of its
+  trees as they change. When the daemon dies by any means (SIGKILL
+  included), the kernel closes the write end, the guardian reads EOF and
+  SIGKILLs every process in those cgroups (`cgroup.kill` where v2 has it)
+  and every listed process still the same (pid + start time), then removes
+  the cgroups. A clean stop writes "bye" first, and the guardian exits
+  without killing.
+- What cannot be covered: a SIGKILL of the guardian and the daemon together
+  (`kill -9 -PGID` of both, the OOM killer taking both). The daemon's next
+  start then ends what its instance's cgroups still hold (`sweep_leftovers`)
+  and says so; processes without a cgroup are beyond reach then.
+  Under systemd, KillMode=control-group also ends the unit's whole cgroup.
+
+The guardian is `python -I -S -c GUARDIAN_STUB` (standard library only).
+Protocol, one line each: "cgroup DIR" (it and every cgroup below it), "pid PID START",
+"forget PID", "bye".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from supervisor.bind.cgroup import SUPERVISOR_LEAF, CgroupManager
+from supervisor.hostfs import HostFS
+from supervisor.logs import format_fields
+
+log = logging.getLogger("placement_supervisor.guardian")
+
+KILL_ROUNDS_S = 5.0  # keep killing (a fork racing the kill) for at most this long
+
+GUARDIAN_TAG = "placement-supervisor-guardian"
+GUARDIAN_STUB = (
+    "import sys; sys.path.insert(0, sys.argv[1]); "
+    "from supervisor.run.guardian import guardian_main; guardian_main()"
+)
+
+
+# -- the guardian process (standard library only) ---------------------------------------
+
+
+def _start_time(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    rest = text[text.rfind(")") + 2 :].split()
+    return int(rest[19]) if len(rest) > 19 else None
+
+
+def _cgroup_pids(directory: str) -> list[int]:
+    try:
+        with open(os.path.join(directory, "cgroup.procs")) as f:
+            return [int(w) for w in f.read().split() if w.isdigit()]
+    except OSError:
+        return []
+
+
+def kill_cgroup(directory: str, deadline: float) -> int:
+    """SIGKILL everything in one cgroup until it is empty or `deadline`; returns kills sent."""
+    kill_file = os.path.join(directory, "cgroup.kill")
+    if os.path.exists(kill_file):  # cgroup v2, Linux 5.14: the kernel kills them all at once
+        with contextlib.suppress(OSError), open(kill_file, "w") as f:
+            f.write("1")
+    sent = 0
+    me = os.getpid()
+    while time.monotonic() < deadline:
+        pids = [p for p in _cgroup_pids(directory) if p != me]
+        if not pids:
+            break
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+                sent += 1
+        time.sleep(0.01)  # a killed process leaves cgroup.procs once reaped
+    return sent
+
+
+def cgroup_tree(directory: str) -> list[str]:
+    """`directory` and every cgroup below it, deepest first."""
+    out: list[str] = []
+    for parent, dirs, _files in os.walk(directory, topdown=False):
+        out.extend(os.path.join(parent, d) for d in dirs)
+    return [*out, directory] if os.path.isdir(directory) else out
+
+
+def remove_cgroup_dir(directory: str, deadline: float) -> bool:
+    while True:
+        try:
+            os.rmdir(directory)
+            return True
+        except FileNotFoundError:
+            return True
+        except OSError as err:
+            if err.errno != errno.EBUSY or time.monotonic() >= deadline:
+                return False
+        time.sleep(0.02)
+
+
+def guardian_main() -> None:
+    """Read orders from stdin until EOF; on EOF without "bye", kill the trees."""
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)  # only the daemon's death ends us
+    cgroups: dict[str, None] = {}
+    pids: dict[int, int] = {}
+    clean = False
+    for raw in sys.stdin.buffer:
+        words = raw.decode(errors="replace").split()
+        if not words:
+            continue
+        if words[0] == "bye":
+            clean = True
+            break
+        if words[0] == "cgroup" and len(words) == 2:
+            cgroups[words[1]] = None
+        elif words[0] == "pid" and len(words) == 3:
+            pids[int(words[1])] = int(words[2])
+        elif words[0] == "forget" and len(words) == 2:
+            pids.pop(int(words[1]), None)
+    if clean:
+        return
+    deadline = time.monotonic() + KILL_ROUNDS_S
+    killed = 0
+    for pid, start in pids.items():
+        if _start_time(pid) == start:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+    # Each named cgroup stands for its whole subtree (the instance dir: every
+    # per-process cgroup below it, whenever it was made).
+    dirs = [d for top in cgroups for d in cgroup_tree(top)]
+    for directory in dirs:
+        killed += kill_cgroup(directory, deadline)
+    for directory in dirs:
+        remove_cgroup_dir(directory, deadline)
+    sys.stderr.write(
+        f"guardian: supervisor gone pid={os.getppid()} killed={killed} "
+        f"cgroups={len(cgroups)} action=ended its trees\n"
+    )
+
+
+# -- the daemon's side ----------------------------------------------------------------
+
+
+class Guardian:
+    """The daemon's handle on its guardian process; every call is best effort."""
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        self.proc = proc
+        self.pid = proc.pid
+        self._sent_pids: set[int] = set()
+        self._cgroups: set[str] = set()
+
+    @classmethod
+    def start(cls, python: str = sys.executable, instance: str = "") -> Guardian | None:
+        """Start it (its own session: a signal to the daemon's group does not reach it).
+
+        `instance` (the instance cgroup dir) is only shown in its argv: a
+        daemon that starts with the same instance sees this one is alive
+        (`live_guardian`) and leaves its cgroups alone."""
+        package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        try:
+            proc = subprocess.Popen(
+                [python, "-I", "-S", "-c", GUARDIAN_STUB, package_root, GUARDIAN_TAG, instance],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                close_fds=True,
+                start_new_session=True,
+            )
+        except OSError as err:
+            log.warning("guardian not started %s", format_fields(error=err, action="degrade"))
+            return None
+        assert proc.stdin is not None
+        os.set_blocking(proc.stdin.fileno(), False)
+        return cls(proc)
+
+    def _send(self, line: str) -> None:
+        stdin = self.proc.stdin
+        if stdin is None:
+            return
+        try:
+            os.write(stdin.fileno(), (line + "\n").encode())
+        except OSError as err:  # full (65 KiB of orders) or the guardian died
+            log.warning("guardian write failed %s", format_fields(error=err, action="skip"))
+
+    def cgroup(self, directory: str) -> None:
+        if directory not in self._cgroups:
+            self._cgroups.add(directory)
+            self._send(f"cgroup {directory}")
+
+    def process(self, pid: int, start_time: int) -> None:
+        if pid not in self._sent_pids:
+            self._sent_pids.add(pid)
+            self._send(f"pid {pid} {start_time}")
+
+    def forget(self, pid: int) -> None:
+        if pid in self._sent_pids:
+            self._sent_pids.discard(pid)
+            self._send(f"forget {pid}")
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """A clean stop: "bye", close the pipe, reap the guardian."""
+        self._send("bye")
+        if self.proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+# -- leftovers of an earlier instance --------------------------------------------------
+
+
+def live_guardian(fs: HostFS, instance: str) -> tuple[int, int] | None:
+    """(guardian pid, daemon pid) of a daemon still running with `instance`, else None.
+
+    A guardian whose daemon died is reparented (to init or a subreaper): then
+    its parent no longer runs the supervisor, and what it guards is leftover.
+    """
+    for name in fs.listdir("proc"):
+        if not name.isdigit():
+            continue
+        words = (fs.read_optional(f"proc/{name}/cmdline") or "").split("\0")
+        if GUARDIAN_TAG not in words or instance not in words:
+            continue
+        stat = fs.read_optional(f"proc/{name}/stat") or ""
+        rest = stat[stat.rfind(")") + 2 :].split()
+        ppid = int(rest[1]) if len(rest) > 1 and rest[1].isdigit() else 0
+        parent = (fs.read_optional(f"proc/{ppid}/cmdline") or "").split("\0")
+        if ppid > 1 and "supervisor" in " ".join(parent) and "run" in parent:
+            return int(name), ppid
+    return None
+
+
+def sweep_leftovers(manager: CgroupManager, timeout_s: float = 5.0) -> list[str]:
+    """End the processes in, and remove, the per-process cgroups an earlier
+    instance of this config left behind (it died with its guardian). Logs each.
+
+    Call after `manager.prepare()` and before anything is spawned: every
+    per-process dir under the instance dir is then a leftover. Returns the
+    dirs found (relative to the HostFS root).
+    """
+    fs: HostFS = manager.fs
+    found: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    instance = fs.path(manager.instance_dirs[0])
+    live = live_guardian(fs, instance)
+    if live is not None:
+        # Another daemon of this config runs now: its processes are not leftovers.
+        log.warning(
+            "instance in use %s",
+            format_fields(cgroup=instance, daemon=live[1], guardian=live[0], action="no sweep"),
+        )
+        return found
+    for inst in manager.instance_dirs:
+        try:
+            names = fs.listdir(inst)
+        except OSError:
+            continue
+        for name in sorted(names):
+            rel = f"{inst}/{name}"
+            if name == SUPERVISOR_LEAF or not fs.is_dir(rel):
+                continue
+            found.append(rel)
+            path = fs.path(rel)
+            pids = _cgroup_pids(path)
+            if pids:
+                log.warning(
+                    "leftover processes %s",
+                    format_fields(
+                        cgroup=path,
+                        pids=",".join(map(str, pids)),
+                        action="kill (an earlier instance of this config left them)",
+                    ),
+                )
+                kill_cgroup(path, deadline)
+            removed = remove_cgroup_dir(path, deadline)
+            log.warning(
+                "leftover cgroup %s",
+                format_fields(
+                    cgroup=path, processes=len(pids), action="removed" if removed else "kept (busy)"
+                ),
+            )
+    return found

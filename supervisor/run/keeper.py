@@ -1,0 +1,462 @@
+"""The tree keeper: tracks every supervised process's tree, reaps orphans, ends trees (does I/O).
+
+The daemon makes one `TreeKeeper`. Runners tell it their roots
+(`set_root`); it learns members from the proc connector within
+milliseconds (fork/exec/comm/exit, `supervisor.run.proc_events`) where
+the daemon may open it, and from a /proc + cgroup.procs pass
+(`supervisor.run.tree.assign_owners`) every `interval_s` in any case. It
+publishes each tree into the snapshot (`/placement` "children"), reaps
+orphans reparented to the daemon (a child subreaper: no zombies), tells
+the guardian what to end if the daemon dies, hands engine-owned processes
+to the adopter, and ends a tree on request: TERM, then KILL after a
+timeout (`cgroup.kill` where cgroup v2 has it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from supervisor.hostfs import HostFS
+from supervisor.logs import format_fields
+from supervisor.run.guardian import Guardian
+from supervisor.run.proc_events import ProcEvent, ProcEvents, open_proc_events
+from supervisor.run.procs import ProcStat, read_proc_stat
+from supervisor.run.tree import (
+    Member,
+    Root,
+    assign_owners,
+    read_cgroup_procs,
+    read_member_info,
+    scan_procs,
+)
+from supervisor.state import ProcKey, StateStore, TreeMember, key_label
+
+log = logging.getLogger("placement_supervisor.trees")
+
+PR_SET_CHILD_SUBREAPER = 36  # include/uapi/linux/prctl.h
+END_POLL_S = 0.02
+# Forks whose parent is in no tree yet are kept this long (and pruned past this many).
+UNOWNED_FORKS_S = 5.0
+UNOWNED_FORKS_KEPT = 4096  # how often an ending tree is looked at (a deadline-bounded poll)
+
+
+def set_child_subreaper() -> bool:
+    """Make this process a child subreaper (prctl(2)): orphaned descendants are
+    reparented to it instead of init, so they stay findable and it reaps them."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    zero = ctypes.c_ulong(0)
+    done: int = libc.prctl(PR_SET_CHILD_SUBREAPER, ctypes.c_ulong(1), zero, zero, zero)
+    return done == 0
+
+
+@dataclass(frozen=True, slots=True)
+class RefreshResult:
+    members: Mapping[int, Member]
+    infos: Mapping[ProcKey, tuple[TreeMember, ...]]
+
+
+Adopter = Callable[[Member], None]
+
+
+class TreeKeeper:
+    """Every tree of one daemon. Call its methods from the event loop."""
+
+    def __init__(
+        self,
+        fs: HostFS,
+        store: StateStore,
+        executor: Executor | None = None,
+        *,
+        interval_s: float,
+        cgroup_dir: Callable[[ProcKey], str | None],
+        direct_children: Callable[[], Iterable[int]],
+        guardian: Guardian | None = None,
+        use_connector: bool = True,
+        subreaper: bool = True,
+    ) -> None:
+        self.fs = fs
+        self.store = store
+        # Its own thread by default: a /proc pass on a loaded host must never
+        # delay the daemon's executor (spawns, IRQ writes, the check loop).
+        self._own_executor: ThreadPoolExecutor | None = None
+        if executor is None:
+            executor = self._own_executor = ThreadPoolExecutor(1, thread_name_prefix="ps-tree")
+        self.executor = executor
+        self.interval_s = interval_s
+        self.cgroup_dir = cgroup_dir
+        self.direct_children = direct_children
+        self.guardian = guardian
+        self.use_connector = use_connector
+        self.roots: dict[ProcKey, Root] = {}
+        self.adopted: set[ProcKey] = set()  # roots that are engine-spawned workers
+        self.members: dict[int, Member] = {}
+        self.adopter: Adopter | None = None
+        self.on_refresh: Callable[[Mapping[int, Member]], None] | None = None
+        self.events: ProcEvents | None = None
+        self.task: asyncio.Task[None] | None = None
+        self.me = os.getpid()
+        self.exited: dict[int, int] = {}  # members gone from the trees, maybe not reaped yet
+        self.lineage: dict[int, ProcKey] = {}  # pid -> owner from fork events, until a pass
+        # Process forks of no known tree: child -> (parent, monotonic time).
+        self.unowned_forks: dict[int, tuple[int, float]] = {}
+        self.subreaper = subreaper
+        self._wake = asyncio.Event()
+
+    # -- roots ---------------------------------------------------------------
+
+    def set_root(
+        self, key: ProcKey, pid: int, start_time: int | None, *, adopted: bool = False
+    ) -> None:
+        self.roots[key] = Root(key, pid, start_time, self.cgroup_dir(key))
+        self.members.pop(pid, None)
+        self._replay_forks(key, pid)
+        if adopted:
+            self.adopted.add(key)
+            # Its descendants are the rank's now, not the engine's.
+            for child in self.descendants(pid):
+                m = self.members[child]
+                self.members[child] = Member(m.pid, m.start_time, m.ppid, key)
+        if self.guardian is not None and start_time is not None:
+            self.guardian.process(pid, start_time)
+        self._wake.set()
+
+    def clear_root(self, key: ProcKey) -> None:
+        root = self.roots.pop(key, None)
+        self.adopted.discard(key)
+        if root is not None and self.guardian is not None:
+            self.guardian.forget(root.pid)
+
+    def descendants(self, pid: int) -> list[int]:
+        """Known members below `pid` by their parent links."""
+        below: dict[int, list[int]] = {}
+        for m in self.members.values():
+            below.setdefault(m.ppid, []).append(m.pid)
+        out: list[int] = []
+        queue = list(below.get(pid, ()))
+        while queue:
+            child = queue.pop()
+            if child in self.members and child not in out:
+                out.append(child)
+                queue.extend(below.get(child, ()))
+        return out
+
+    def owner_of(self, pid: int) -> ProcKey | None:
+        for root in self.roots.values():
+            if root.pid == pid:
+                return root.key
+        member = self.members.get(pid)
+        return member.owner if member is not None else None
+
+    # -- running -------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self.subreaper:
+            if set_child_subreaper():
+                log.info("subreaper %s", format_fields(pid=self.me, action="orphans come back"))
+            else:
+                log.warning("subreaper refused %s", format_fields(action="orphans go to init"))
+        if self.use_connector:
+            self.events, how = open_proc_events()
+            if self.events is not None:
+                self.events.attach(self._on_events)
+            log.info(
+                "process events %s",
+                format_fields(
+                    source=how if self.events else "checks only",
+                    reason=None if self.events else how,
+                    interval_s=f"{self.interval_s:g}",
+                ),
+            )
+        self.task = asyncio.create_task(self._loop(), name="tree_keeper")
+
+    async def stop(self) -> None:
+        if self.events is not None:
+            self.events.close()
+            self.events = None
+        if self.task is not None:
+            self.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.task
+            self.task = None
+        self.reap()
+        if self._own_executor is not None:
+            self._own_executor.shutdown(wait=False)
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self.refresh()
+            except asyncio.CancelledError:
+                raise
+            except Exception as err:  # a bad pass must not end tracking
+                log.exception("tree pass failed %s", format_fields(error=err, action="retry"))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.interval_s)
+            self._wake.clear()
+
+    async def refresh(self) -> RefreshResult:
+        """One /proc + cgroup pass; publishes the trees and reaps zombies."""
+        roots = tuple(self.roots.values())
+        known = dict(self.members)
+        loop = asyncio.get_running_loop()
+        result = await loop.run_in_executor(self.executor, self._scan, roots, known)
+        fresh = {pid: m for pid, m in result.members.items() if pid not in self.members}
+        gone = [pid for pid in self.members if pid not in result.members]
+        # Events may have added members meanwhile: keep those the scan could not know.
+        merged = dict(result.members)
+        for pid, m in self.members.items():
+            if pid not in merged and pid not in known:
+                merged[pid] = m
+        self.members = merged
+        # Events up to this pass are applied: their short-lived parents are done.
+        self.lineage.clear()
+        for pid in gone:
+            self.exited[pid] = known[pid].start_time
+        if self.guardian is not None:
+            for pid in gone:
+                self.guardian.forget(pid)
+            for m in fresh.values():
+                self.guardian.process(m.pid, m.start_time)
+        if dict(self.store.snapshot.trees) != result.infos:  # unchanged: keep the API's cache
+            self.store.update(trees=MappingProxyType(dict(result.infos)))
+        self.reap()
+        if self.adopter is not None:
+            for m in fresh.values():
+                if m.owner == "engine":
+                    self.adopter(m)
+        if self.on_refresh is not None:
+            self.on_refresh(self.members)
+        return result
+
+    def _scan(self, roots: Sequence[Root], known: Mapping[int, Member]) -> RefreshResult:
+        # Zombies are done: they leave the trees (and are reaped as `exited`).
+        table = {pid: s for pid, s in scan_procs(self.fs).items() if s.state != "Z"}
+        cgroup_members: dict[ProcKey, list[int]] = {}
+        for root in roots:
+            if root.cgroup_dir is not None:
+                cgroup_members[root.key] = read_cgroup_procs(self.fs, root.cgroup_dir)
+        exclude = {self.me, *(self.direct_children())}
+        exclude -= {r.pid for r in roots}
+        members = assign_owners(table, roots, known, cgroup_members, exclude=exclude)
+        infos: dict[ProcKey, list[TreeMember]] = {}
+        for m in sorted(members.values(), key=lambda m: m.pid):
+            info = read_member_info(self.fs, m)
+            if info is not None:
+                infos.setdefault(m.owner, []).append(info)
+        return RefreshResult(members, {k: tuple(v) for k, v in infos.items()})
+
+    # -- events ----------------------------------------------------------------
+
+    def _on_events(self, batch: list[ProcEvent]) -> None:
+        root_pids = {r.pid: r.key for r in self.roots.values()}
+        exited = False
+        for ev in batch:
+            if not ev.is_process:
+                continue  # a thread: it inherited its creator's binding
+            if ev.kind == "fork":
+                owner = root_pids.get(ev.parent_tgid)
+                if owner is None:
+                    parent = self.members.get(ev.parent_tgid)
+                    owner = parent.owner if parent is not None else None
+                if owner is None:
+                    # A parent that exited before we could read it (the middle
+                    # of a double fork) still passes its owner on.
+                    owner = self.lineage.get(ev.parent_tgid)
+                if ev.pid in self.members:
+                    continue
+                if owner is None:
+                    # Maybe a tree whose root is not known yet (its runner is
+                    # still reading the shim's report): kept a while for it.
+                    self._remember_fork(ev.parent_tgid, ev.pid)
+                    continue
+                self._add_member(ev.pid, ev.parent_tgid, owner)
+            elif ev.kind in ("exec", "comm"):
+                known = self.members.get(ev.pid)
+                if known is not None and known.owner == "engine" and self.adopter is not None:
+                    self.adopter(known)
+            elif ev.kind == "exit":
+                gone = self.members.pop(ev.pid, None)
+                if gone is not None:
+                    exited = True
+                    self.exited[ev.pid] = gone.start_time
+                    if self.guardian is not None:
+                        self.guardian.forget(ev.pid)
+        if exited:
+            # The exit event comes before the process is a zombie: reap a moment later.
+            asyncio.get_running_loop().call_later(0.05, self.reap)
+
+    def _add_member(self, pid: int, ppid: int, owner: ProcKey) -> None:
+        self.lineage[pid] = owner
+        stat = read_proc_stat(self.fs, pid)
+        if stat is None:
+            return  # gone already; its children still find their owner (lineage)
+        member = Member(pid, stat.start_time, ppid, owner)
+        self.members[pid] = member
+        if self.guardian is not None:
+            self.guardian.process(member.pid, member.start_time)
+        if owner == "engine" and self.adopter is not None:
+            self.adopter(member)
+
+    def _remember_fork(self, parent: int, child: int) -> None:
+        now = time.monotonic()
+        self.unowned_forks[child] = (parent, now)
+        if len(self.unowned_forks) > UNOWNED_FORKS_KEPT:
+            cutoff = now - UNOWNED_FORKS_S
+            self.unowned_forks = {
+                c: (p, t) for c, (p, t) in self.unowned_forks.items() if t >= cutoff
+            }
+
+    def _replay_forks(self, key: ProcKey, pid: int) -> None:
+        """Forks seen before `pid` became a root: its descendants join its tree."""
+        if not self.unowned_forks:
+            return
+        below: dict[int, list[int]] = {}
+        for child, (parent, _) in self.unowned_forks.items():
+            below.setdefault(parent, []).append(child)
+        queue = [(c, pid) for c in below.get(pid, ())]
+        while queue:
+            child, parent = queue.pop()
+            self.unowned_forks.pop(child, None)
+            if child not in self.members:
+                self._add_member(child, parent, key)
+            queue.extend((c, child) for c in below.get(child, ()))
+
+    # -- reaping -----------------------------------------------------------------
+
+    def reap(self) -> int:
+        """waitpid the daemon's exited children that were members of a tree
+        (orphans it adopted as subreaper); never a runner's own child, never a
+        process that was not in a tree (an embedding program's children)."""
+        direct = set(self.direct_children())
+        candidates = dict(self.exited)
+        candidates.update((m.pid, m.start_time) for m in self.members.values())
+        reaped = 0
+        for pid, start in candidates.items():
+            stat = read_proc_stat(self.fs, pid)
+            if stat is None or stat.start_time != start:
+                self.exited.pop(pid, None)
+                continue
+            if stat.ppid != self.me or stat.state != "Z" or pid in direct:
+                continue
+            with contextlib.suppress(ChildProcessError, OSError):
+                done, _ = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    reaped += 1
+                    self.exited.pop(pid, None)
+                    self.members.pop(pid, None)
+        return reaped
+
+    # -- ending trees --------------------------------------------------------------
+
+    def live_pids(self, keys: Iterable[ProcKey], *, roots: bool = False) -> dict[int, int]:
+        """pid -> start time of every member (and with `roots`, root) owned by `keys`,
+        plus whatever their cgroups hold now."""
+        keys = set(keys)
+        out = {m.pid: m.start_time for m in self.members.values() if m.owner in keys}
+        for key in keys:
+            root = self.roots.get(key)
+            if roots and root is not None and root.start_time is not None:
+                out[root.pid] = root.start_time
+            directory = self.cgroup_dir(key)
+            if directory is not None:
+                for pid in read_cgroup_procs(self.fs, directory):
+                    if pid != self.me and pid not in out:
+                        stat = read_proc_stat(self.fs, pid)
+                        if stat is not None:
+                            out[pid] = stat.start_time
+        return out
+
+    def tree_keys(self, key: ProcKey) -> set[ProcKey]:
+        """`key` and, for the engine, every rank it spawned (adopted roots)."""
+        return {key, *self.adopted} if key == "engine" else {key}
+
+    def signal_tree(self, key: ProcKey, sig: int, *, roots: bool = False) -> int:
+        """Send `sig` to every live process of the tree (pid + start time checked)."""
+        sent = 0
+        direct = set(self.direct_children())
+        for pid, start in self.live_pids(self.tree_keys(key), roots=roots).items():
+            if pid in direct or pid == self.me:
+                continue  # a runner's own child is signalled through its pidfd
+            if _send(self.fs, pid, start, sig):
+                sent += 1
+        return sent
+
+    async def end_tree(self, key: ProcKey, timeout_s: float, *, roots: bool = True) -> int:
+        """TERM every process of the tree, KILL what is left after `timeout_s`, reap.
+
+        Returns how many were still there for the KILL."""
+        keys = self.tree_keys(key)
+        loop = asyncio.get_running_loop()
+        if not await loop.run_in_executor(self.executor, self._alive, keys, roots):
+            return 0
+        self.signal_tree(key, signal.SIGTERM, roots=roots)
+        deadline = time.monotonic() + timeout_s
+        left: dict[int, int] = {}
+        while time.monotonic() < deadline:
+            self.reap()
+            left = await loop.run_in_executor(self.executor, self._alive, keys, roots)
+            if not left:
+                return 0
+            await asyncio.sleep(END_POLL_S)
+        killed = len(left)
+        log.warning(
+            "tree kill %s",
+            format_fields(
+                rank=key_label(key), pids=",".join(map(str, sorted(left))), action="SIGKILL"
+            ),
+        )
+        for k in keys:
+            directory = self.cgroup_dir(k)
+            if directory is not None and self.fs.exists(f"{directory}/cgroup.kill"):
+                with contextlib.suppress(OSError):
+                    self.fs.write_text(f"{directory}/cgroup.kill", "1")
+        self.signal_tree(key, signal.SIGKILL, roots=roots)
+        kill_deadline = time.monotonic() + 2.0
+        while time.monotonic() < kill_deadline:
+            self.reap()
+            if not await loop.run_in_executor(self.executor, self._alive, keys, roots):
+                break
+            await asyncio.sleep(END_POLL_S)
+        return killed
+
+    def _alive(self, keys: set[ProcKey], roots: bool) -> dict[int, int]:
+        direct = set(self.direct_children())
+        out = {}
+        for pid, start in self.live_pids(keys, roots=roots).items():
+            if pid in direct:
+                continue
+            stat = read_proc_stat(self.fs, pid)
+            if stat is not None and stat.start_time == start and stat.state not in ("Z", "X"):
+                out[pid] = start
+        return out
+
+
+def _send(fs: HostFS, pid: int, start_time: int, sig: int) -> bool:
+    """Signal `pid` only while it is still the process that started at `start_time`.
+
+    Through a pidfd where there is one: checked then signalled with no window
+    for the pid to be reused in between."""
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError:
+        return False
+    try:
+        stat: ProcStat | None = read_proc_stat(fs, pid)
+        if stat is None or stat.start_time != start_time:
+            return False
+        signal.pidfd_send_signal(fd, sig)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)

@@ -1,0 +1,152 @@
+"""Process trees: who belongs to which supervised process, however deep (reads /proc).
+
+A supervised process (the engine, a spawned or adopted worker) is a *root*;
+its tree is every process found under it: the members of its cgroup
+(cgroup.procs) where it has one, plus the /proc descendants (PPid chain) of
+the root and of every member already known. `setsid` does not change a
+parent, so torchrun's workers stay under torchrun; an orphan reparented to
+the daemon (a child subreaper, prctl(2) PR_SET_CHILD_SUBREAPER) is no
+longer under its owner by PPid, so a member, once seen, stays its owner's
+until it exits. Processes are always pid + start time (/proc/PID/stat field 22).
+`assign_owners` is pure; `scan_procs` and `read_member_info` read /proc.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from supervisor.hostfs import HostFS
+from supervisor.run.procs import ProcStat, parse_proc_stat
+from supervisor.state import ProcKey, TreeMember
+
+CMDLINE_MAX_CHARS = 512  # /placement shows this much of a member's command line
+
+
+@dataclass(frozen=True, slots=True)
+class Root:
+    """One supervised process: the top of a tree."""
+
+    key: ProcKey
+    pid: int
+    start_time: int | None
+    cgroup_dir: str | None = None  # relative to the HostFS root; its cgroup.procs are members
+
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    """One process of a tree other than its root."""
+
+    pid: int
+    start_time: int
+    ppid: int
+    owner: ProcKey
+
+
+def scan_procs(fs: HostFS) -> dict[int, ProcStat]:
+    """Every process's /proc/<pid>/stat (threads are not listed in /proc itself)."""
+    table: dict[int, ProcStat] = {}
+    for name in fs.listdir("proc"):
+        if not name.isdigit():
+            continue
+        text = fs.read_optional(f"proc/{name}/stat")
+        if text is None:
+            continue
+        try:
+            stat = parse_proc_stat(text)
+        except ValueError:
+            continue
+        table[stat.pid] = stat
+    return table
+
+
+def read_cgroup_procs(fs: HostFS, cgroup_dir: str) -> list[int]:
+    """The pids in a cgroup (cgroup.procs); [] when it is gone."""
+    text = fs.read_optional(f"{cgroup_dir}/cgroup.procs") or ""
+    return [int(word) for word in text.split() if word.isdigit()]
+
+
+def children_map(table: Mapping[int, ProcStat]) -> dict[int, list[int]]:
+    """ppid -> child pids (pure)."""
+    out: dict[int, list[int]] = {}
+    for stat in table.values():
+        out.setdefault(stat.ppid, []).append(stat.pid)
+    return out
+
+
+def assign_owners(
+    table: Mapping[int, ProcStat],
+    roots: Iterable[Root],
+    known: Mapping[int, Member],
+    cgroup_members: Mapping[ProcKey, Iterable[int]],
+    *,
+    exclude: Iterable[int] = (),
+) -> dict[int, Member]:
+    """Every live process of every tree other than the roots, with its owner (pure).
+
+    Seeds, for each root: the root, its cgroup's members, and the members
+    `known` from before that are still the same process (pid and start time).
+    Each seed's /proc descendants join the seed's owner, without crossing into
+    another root (an adopted worker is the root of its rank's tree, not a
+    member of the engine's). Nothing in `exclude` (the daemon, its guardian)
+    is ever a member.
+    """
+    roots = list(roots)
+    root_pids = {
+        r.pid: r
+        for r in roots
+        if r.pid in table and r.start_time in (None, table[r.pid].start_time)
+    }
+    excluded = set(exclude)
+    children = children_map(table)
+    out: dict[int, Member] = {}
+    visited: set[int] = set()
+
+    def walk(seeds: Iterable[tuple[int, ProcKey]]) -> None:
+        queue = list(seeds)
+        while queue:
+            pid, owner = queue.pop()
+            stat = table.get(pid)
+            if pid in visited or pid in excluded or stat is None:
+                continue
+            root = root_pids.get(pid)
+            if root is not None and root.key != owner:
+                continue  # another root's tree
+            visited.add(pid)
+            if root is None:
+                out[pid] = Member(pid, stat.start_time, stat.ppid, owner)
+            queue.extend((child, owner) for child in children.get(pid, ()))
+
+    # In this order, so that a process is its nearest root's: the /proc trees
+    # of the roots first, then cgroup members (orphans included), then members
+    # known from before whose parent has gone (reparented to the daemon).
+    walk((r.pid, r.key) for r in roots if r.pid in root_pids)
+    walk((pid, key) for key, pids in cgroup_members.items() for pid in pids)
+    walk(
+        (pid, m.owner)
+        for pid, m in known.items()
+        if pid in table and table[pid].start_time == m.start_time
+    )
+    return out
+
+
+def read_cmdline(fs: HostFS, pid: int) -> str | None:
+    """The command line, words joined by single spaces (what setproctitle rewrites)."""
+    raw = fs.read_optional(f"proc/{pid}/cmdline")
+    if raw is None:
+        return None
+    # setproctitle pads the rewritten argv area with NULs: drop empty words.
+    return " ".join(word for word in raw.split("\0") if word)
+
+
+def read_member_info(fs: HostFS, member: Member) -> TreeMember | None:
+    """A member's command line and CPUs; None when it has exited."""
+    cmdline = read_cmdline(fs, member.pid)
+    if cmdline is None:
+        return None
+    try:
+        cpus = tuple(sorted(os.sched_getaffinity(member.pid)))
+    except OSError:
+        return None
+    return TreeMember(member.pid, member.ppid, cmdline[:CMDLINE_MAX_CHARS], cpus)
