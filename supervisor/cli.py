@@ -10,11 +10,10 @@ infeasible plan or unusable topology; a user error is one line on stderr.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from json.encoder import encode_basestring_ascii
 from typing import Any
 
@@ -136,25 +135,18 @@ def _cmd_snapshot(args: argparse.Namespace) -> int:
     return 0
 
 
-def _delegate(module: str, function: str) -> Callable[[argparse.Namespace], int]:
-    """A subcommand implemented elsewhere, imported only when it runs."""
+# `run` and `status` pull in asyncio, aiohttp and the daemon; `plan` and
+# `topology` stay quick to start by importing them only when they run.
+def _run_daemon(args: argparse.Namespace) -> int:
+    from supervisor.daemon import run_command  # noqa: PLC0415
 
-    def run(args: argparse.Namespace) -> int:
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as err:
-            if err.name != module:
-                raise
-            print(
-                f"{PROG}: error: the {args.command} command is not available: "
-                f"module {module} is not installed",
-                file=sys.stderr,
-            )
-            return EXIT_INTERNAL
-        command: Callable[[argparse.Namespace], int] = getattr(mod, function)
-        return command(args)
+    return run_command(args)
 
-    return run
+
+def _status(args: argparse.Namespace) -> int:
+    from supervisor.serve.status import status_command  # noqa: PLC0415
+
+    return status_command(args)
 
 
 def _listen(value: str) -> str:
@@ -199,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="run the supervisor daemon")
     p.add_argument("--config", required=True, help="TOML config")
     p.add_argument("--listen", type=_listen, help="HOST:PORT or unix:PATH for the API")
-    p.set_defaults(func=_delegate("supervisor.daemon", "run_command"))
+    p.set_defaults(func=_run_daemon)
 
     p = sub.add_parser("status", help="show a running daemon's placement")
     p.add_argument("--listen", type=_listen, help="the daemon's HOST:PORT or unix:PATH")
@@ -207,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--config", metavar="FILE", help="find the daemon where this config's [api] listens"
     )
     p.add_argument("--json", action="store_true", help="print the placement document")
-    p.set_defaults(func=_delegate("supervisor.serve.status", "status_command"))
+    p.set_defaults(func=_status)
     return parser
 
 

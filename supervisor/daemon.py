@@ -48,7 +48,7 @@ from supervisor.run.keeper import TreeKeeper
 from supervisor.run.rank_source import parse_rank_source
 from supervisor.run.runner import ProcessCgroups, Runner, Runtime, first_of
 from supervisor.run.sdnotify import Notifier, watchdog_interval_s
-from supervisor.run.spec import ChildSpec, build_specs, child_env, resolve_python, worker_argv
+from supervisor.run.spec import build_specs
 from supervisor.serve.routes import Actions
 from supervisor.serve.server import ApiServer
 from supervisor.state import ProcessStatus, ProcKey, Snapshot, StateStore, key_label
@@ -64,21 +64,6 @@ try:  # uvloop where it is installed; asyncio's own loop otherwise
     new_uvloop: Callable[[], asyncio.AbstractEventLoop] | None = _uvloop.new_event_loop
 except ImportError:  # tests/test_daemon.py runs this branch in a subprocess
     new_uvloop = None
-
-# Names that moved to `supervisor.run.spec` and `supervisor.run.runner`, still importable here.
-__all__ = [
-    "ChildSpec",
-    "Daemon",
-    "DaemonActions",
-    "Runner",
-    "Runtime",
-    "build_specs",
-    "child_env",
-    "prepare",
-    "resolve_python",
-    "run_command",
-    "worker_argv",
-]
 
 log = logging.getLogger("placement_supervisor.daemon")
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -196,16 +197,14 @@ def test_snapshot_reproduces_the_live_plan(tmp_path: Path) -> None:
     assert json.loads(again.stdout)["ranks"]
 
 
-def test_missing_subcommand_module_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
-    run = cli._delegate("supervisor.not_written_yet", "run_command")
-    parser = cli.build_parser()
-    args = parser.parse_args(["status"])
-    assert run(args) == 1
-    err = capsys.readouterr().err
-    assert err.strip() == (
-        "placement-supervisor: error: the status command is not available: "
-        "module supervisor.not_written_yet is not installed"
+def test_plan_and_topology_do_not_load_the_daemon() -> None:
+    # `run` and `status` import the daemon and aiohttp only when they run.
+    heavy = ("aiohttp", "supervisor.daemon", "supervisor.serve.status")
+    code = (
+        f"import sys; from supervisor import cli; print(sorted(set(sys.modules) & {set(heavy)!r}))"
     )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert proc.stdout.strip() == "[]"
 
 
 def test_listen_argument_is_validated() -> None:

@@ -31,10 +31,11 @@ from typing import Any
 import uvloop
 
 from supervisor.config import parse_config
-from supervisor.daemon import ChildSpec, Runner, Runtime
 from supervisor.hostfs import HostFS
 from supervisor.plan.placement import Placement, Slot
 from supervisor.run.procs import ChildProcess, read_proc_stat, spawn
+from supervisor.run.runner import Runner, Runtime
+from supervisor.run.spec import ChildSpec
 from supervisor.state import ProcessStatus, Snapshot, StateStore
 from supervisor.topology.discover import read_topology
 from supervisor.topology.model import DiscoveryOptions

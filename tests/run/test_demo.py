@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 from supervisor.config import discovery_options, load_config
-from supervisor.daemon import build_specs
 from supervisor.demo.worker import parse_numa_maps
 from supervisor.hostfs import HostFS
 from supervisor.plan.planner import plan
+from supervisor.run.spec import build_specs
 from supervisor.topology.discover import read_topology
 from supervisor.worker import SLOT_ENV, slot_env_value
 from tests.support import hosts
