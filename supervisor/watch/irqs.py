@@ -83,7 +83,9 @@ class IrqOutcome:
 class IrqKeeper:
     """Keeps every rank's planned IRQs on its `irq` CPUs for the daemon's lifetime.
 
-    Blocking: every public method reads or writes /proc/irq (and may talk to
+    The IRQs are the placement's (`RankPlacement.irqs`), as given to the
+    constructor and to `replan`; `config` says only whether to write them
+    (`enabled`) and how to treat irqbalance. Blocking: every public method reads or writes /proc/irq (and may talk to
     irqbalance's socket), so the daemon calls them through
     `loop.run_in_executor`. Calls are serialised by a lock. Events and counts
     are facts for the caller (`take_facts`); `enforce` returns its outcomes,
@@ -124,17 +126,9 @@ class IrqKeeper:
     # -- queries (no I/O) ------------------------------------------------------
 
     @property
-    def plan(self) -> Mapping[ProcKey, tuple[IrqAssignment, ...]]:
-        return self._plan
-
-    @property
     def enabled(self) -> bool:
         """False when the config turns IRQ binding off or /proc/irq refused us."""
         return self.config.enabled and self._off_reason is None
-
-    @property
-    def off_reason(self) -> str | None:
-        return self._off_reason
 
     @property
     def irqbalance(self) -> IrqbalanceInfo | None:
@@ -145,9 +139,6 @@ class IrqKeeper:
     def banned(self) -> frozenset[int]:
         """The IRQs irqbalance was asked to leave alone."""
         return self._banned
-
-    def status(self, irq: int) -> IrqStatus:
-        return self._status.get(irq, "planned")
 
     def planned_irqs(self, key: ProcKey | None = None) -> dict[int, tuple[int, ...]]:
         """IRQ -> planned CPUs of the IRQs we keep (bound ones), of one rank or all."""
