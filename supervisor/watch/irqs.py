@@ -85,7 +85,9 @@ class IrqKeeper:
 
     The IRQs are the placement's (`RankPlacement.irqs`), as given to the
     constructor and to `replan`; `config` says only whether to write them
-    (`enabled`) and how to treat irqbalance. Blocking: every public method reads or writes /proc/irq (and may talk to
+    (`enabled`) and how to treat irqbalance.
+
+    Blocking: every public method reads or writes /proc/irq (and may talk to
     irqbalance's socket), so the daemon calls them through
     `loop.run_in_executor`. Calls are serialised by a lock. Events and counts
     are facts for the caller (`take_facts`); `enforce` returns its outcomes,
