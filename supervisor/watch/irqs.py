@@ -83,15 +83,14 @@ class IrqOutcome:
 class IrqKeeper:
     """Keeps every rank's planned IRQs on its `irq` CPUs for the daemon's lifetime.
 
-    The IRQs are the placement's (`RankPlacement.irqs`), as given to the
-    constructor and to `replan`; `config` says only whether to write them
-    (`enabled`) and how to treat irqbalance.
-
-    Blocking: every public method reads or writes /proc/irq (and may talk to
-    irqbalance's socket), so the daemon calls them through
-    `loop.run_in_executor`. Calls are serialised by a lock. Events and counts
-    are facts for the caller (`take_facts`); `enforce` returns its outcomes,
-    which the check loop counts in rebinds{reason="irq_affinity"}.
+    The IRQs are the placement's (`RankPlacement.irqs`, given to the
+    constructor and to `replan`); `config` says only whether to write them
+    (`enabled`) and how to treat irqbalance. Blocking: every public method
+    reads or writes /proc/irq (and may talk to irqbalance's socket), so the
+    daemon calls them through `loop.run_in_executor`. Calls are serialised by
+    a lock. Events and counts are facts for the caller (`take_facts`);
+    `enforce` returns its outcomes, which the check loop counts in
+    rebinds{reason="irq_affinity"}.
 
     Failures never stop a worker: a kernel-managed IRQ is skipped and
     reported once (bind_failures{target="irq",reason="managed"}); a read-only
