@@ -576,7 +576,8 @@ def parse_config(doc: Mapping[str, Any], file: str = "<config>") -> Config:
         devices=devices,
         cpu_ranks=top.integer("cpu_ranks", 1, 1, MAX_CPU_RANKS),
         visible_devices_env=top.text("visible_devices_env", None),
-        placement=_placement(top.table("placement")),
+        # The [irq] table's part in the plan: IRQs are planned only when bound.
+        placement=replace(_placement(top.table("placement")), irqs=irq.enabled, irq_nic=irq.nic),
         ready=_ready(top.table("ready")),
         restart=restart,
         stop_timeout_s=top.number("stop_timeout_s", 10.0, 0.0, strict=True),

@@ -143,7 +143,7 @@ class Daemon:
         # The devices' IRQs (supervisor.watch.irqs): applied while the ranks start, put
         # back after they stop. The check loop observes and enforces through it;
         # what the keeper saw or did is recorded here, on the loop.
-        self.irq_keeper = IrqKeeper(self.fs, topology, placement, config.irq)
+        self.irq_keeper = IrqKeeper(self.fs, placement, config.irq)
         self.recorder = Recorder(self.store)
         self.irq_task: asyncio.Task[None] | None = None
         self.runners: list[Runner] = []

@@ -2,38 +2,33 @@
 
 `plan_irqs()` says which IRQs each rank owns: its device's IRQs and, with
 `[irq] nic = true`, those of its paired NIC (`pair_nics`), each targeted at
-the rank's `irq` role CPUs. supervisor.watch.irqs.IrqKeeper keeps them there.
+the rank's `irq` role CPUs. `with_irqs()` is the planner's last step: it puts
+them on the Placement (`RankPlacement.irqs`), so a re-plan yields its IRQ plan
+the same way. supervisor.watch.irqs.IrqKeeper keeps exactly those there.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any
 
-from supervisor.plan.placement import DeviceRef, Placement, RankPlacement
+from supervisor.plan.placement import (
+    DeviceRef,
+    IrqAssignment,
+    IrqSource,
+    Placement,
+    PlanSettings,
+    RankPlacement,
+)
 from supervisor.state import ProcKey
 from supervisor.topology.model import Device, Nic, Topology
-
-IrqSource = Literal["device", "nic"]
 
 # Sort keys for "unknown": after every real SLIT distance (those are 10..255,
 # ACPI 6.5 section 5.2.17) and after every real PCI address difference.
 _UNKNOWN_DISTANCE = 256
 _FAR_PCI = (1 << 16, 1 << 8, 1 << 5, 1 << 3)
-
-
-@dataclass(frozen=True, slots=True)
-class IrqAssignment:
-    """One IRQ a rank owns and the CPUs it should be delivered to."""
-
-    irq: int
-    cpus: tuple[int, ...]  # the rank's `irq` role CPUs, sorted
-    source: IrqSource  # the rank's own device, or its paired NIC
-    owner: str  # "nvidia0", "pci0", or the NIC's name ("mlx5_0")
-    bdf: str | None
-    name: str = ""  # the /proc/interrupts action ("mlx5_comp3@pci:0000:18:00.0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,4 +211,18 @@ def plan_irqs(
                 claim(ranks[i * len(ranks) // len(f.irqs)], irq, "nic", f.name, f.bdf)
     return MappingProxyType(
         {rank_no: tuple(sorted(a, key=lambda x: x.irq)) for rank_no, a in out.items()}
+    )
+
+
+def with_irqs(topology: Topology, placement: Placement, settings: PlanSettings) -> Placement:
+    """`placement` with every rank's planned IRQs on it (`RankPlacement.irqs`; pure).
+
+    With IRQ binding off (`settings.irqs`, the config's `[irq] enabled`) the
+    plan holds no IRQs at all: nothing to write, nothing to check.
+    """
+    if not settings.irqs:
+        return replace(placement, ranks=tuple(replace(r, irqs=()) for r in placement.ranks))
+    planned = plan_irqs(topology, placement, nic=settings.irq_nic)
+    return replace(
+        placement, ranks=tuple(replace(r, irqs=planned[r.rank]) for r in placement.ranks)
     )

@@ -3,6 +3,8 @@
 `supervisor.plan.planner.plan()` produces a `Placement`; `to_doc()` renders the plan
 document of DESIGN 3.3 (the `plan --json` output and the base of
 `GET /placement`). `from_doc()` reads it back (the `status` command, tests).
+A rank's planned IRQs (`RankPlacement.irqs`, from supervisor.plan.irqs) are
+part of the plan; the document lists them as "irqs" only where there are some.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from supervisor.topology.model import DeviceKind
 
 PLAN_VERSION = 1
 Strategy = Literal["numa-affine", "global-slice", "mixed", "shared"]
+IrqSource = Literal["device", "nic"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +46,39 @@ class DeviceRef:
     def from_doc(cls, doc: Mapping[str, Any]) -> DeviceRef:
         return cls(
             doc["kind"], int(doc["index"]), doc.get("bus_id"), doc.get("numa_node"), doc.get("uuid")
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class IrqAssignment:
+    """One IRQ a rank owns and the CPUs it should be delivered to."""
+
+    irq: int
+    cpus: tuple[int, ...]  # the rank's `irq` role CPUs, sorted
+    source: IrqSource  # the rank's own device, or its paired NIC
+    owner: str  # "nvidia0", "pci0", or the NIC's name ("mlx5_0")
+    bdf: str | None
+    name: str = ""  # the /proc/interrupts action ("mlx5_comp3@pci:0000:18:00.0")
+
+    def to_doc(self) -> dict[str, Any]:
+        return {
+            "irq": self.irq,
+            "cpus": list(self.cpus),
+            "source": self.source,
+            "owner": self.owner,
+            "bdf": self.bdf,
+            "name": self.name,
+        }
+
+    @classmethod
+    def from_doc(cls, doc: Mapping[str, Any]) -> IrqAssignment:
+        return cls(
+            int(doc["irq"]),
+            tuple(doc["cpus"]),
+            doc["source"],
+            str(doc["owner"]),
+            doc.get("bdf"),
+            str(doc.get("name", "")),
         )
 
 
@@ -80,7 +116,12 @@ class Slot:
 
 @dataclass(frozen=True, slots=True)
 class RankPlacement:
-    """One worker rank: its device(s) and its slot."""
+    """One worker rank: its device(s), its slot and the IRQs it owns.
+
+    `irqs` is the IRQ plan of this rank (supervisor.plan.irqs.plan_irqs), by
+    IRQ number; empty when IRQ binding is off or its devices have none. The
+    IRQ keeper (supervisor.watch.irqs) writes and checks exactly these.
+    """
 
     rank: int
     device: DeviceRef
@@ -88,6 +129,7 @@ class RankPlacement:
     local_rank: int = 0
     devices: tuple[DeviceRef, ...] = ()  # every device of the rank when it drives several
     strategy: Strategy = "numa-affine"
+    irqs: tuple[IrqAssignment, ...] = ()
 
     @property
     def all_devices(self) -> tuple[DeviceRef, ...]:
@@ -100,6 +142,8 @@ class RankPlacement:
             doc["devices"] = [d.to_doc() for d in self.all_devices]
         doc.update(self.slot.to_doc())
         doc["strategy"] = self.strategy
+        if self.irqs:
+            doc["irqs"] = [a.to_doc() for a in self.irqs]
         return doc
 
     @classmethod
@@ -111,6 +155,7 @@ class RankPlacement:
             local_rank=int(doc.get("local_rank", 0)),
             devices=tuple(DeviceRef.from_doc(d) for d in doc.get("devices", ())),
             strategy=doc.get("strategy", "numa-affine"),
+            irqs=tuple(IrqAssignment.from_doc(a) for a in doc.get("irqs", ())),
         )
 
 
@@ -194,3 +239,7 @@ class PlanSettings:
     # None: "share" on a host without accelerators (the demo), else "error".
     on_shortage: Shortage | None = None
     devices_per_rank: int = 1
+    # The `[irq]` table's part in the plan: plan the devices' IRQs onto each
+    # rank's `irq` role (`enabled`), and those of its nearest NIC too (`nic`).
+    irqs: bool = True
+    irq_nic: bool = False

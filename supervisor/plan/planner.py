@@ -3,6 +3,7 @@
 Re-run on every cpuset change, so it is deterministic (same input, same plan,
 whatever order devices are listed in) and cheap (linear in CPUs and devices).
 CPUs are handed out in whole physical cores; SMT siblings never part.
+Its last step puts each rank's IRQs on the plan (supervisor.plan.irqs.with_irqs).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Literal
 
 from supervisor.cpulist import format_cpulist
 from supervisor.errors import PlanError
+from supervisor.plan.irqs import with_irqs
 from supervisor.plan.placement import (
     DeviceRef,
     Placement,
@@ -166,7 +168,7 @@ def plan(topology: Topology, settings: PlanSettings) -> Placement:
     shared = _shared_warning(ranks, engine, draft.warnings)
     used = {r.strategy for r in ranks}
     strategy: Strategy = used.pop() if len(used) == 1 else "mixed"
-    return Placement(
+    placement = Placement(
         strategy,
         engine,
         ranks,
@@ -174,6 +176,7 @@ def plan(topology: Topology, settings: PlanSettings) -> Placement:
         shared,
         engine_node=draft.engine_node if engine is not None else None,
     )
+    return with_irqs(topology, placement, settings)
 
 
 # -- the host view -----------------------------------------------------------

@@ -1,15 +1,15 @@
 """The IRQ keeper: keeps every rank's planned IRQs on its `irq` CPUs (does I/O:
 /proc/irq through IrqBinder, irqbalance's control socket).
 
-`IrqKeeper` writes the plan of supervisor.plan.irqs, reads it back, reports
-drift (irqbalance or an operator moving one), re-writes on request and puts
-the originals back when the daemon stops. Its methods block (file writes, a
-unix socket): the daemon calls them from its executor. It never writes the
+`IrqKeeper` writes the IRQ plan the Placement carries (`RankPlacement.irqs`,
+made by the planner through supervisor.plan.irqs; it plans nothing itself),
+reads it back with the one reader (`observe.read_irq_delivery`), reports drift
+by the one rule (`drift.irq_drifted`), re-writes on request and puts the
+originals back when the daemon stops. Its methods block (file writes, a unix
+socket): the daemon calls them from its executor. It never writes the
 StateStore: what is worth an event or a counter is kept as an `IrqFact` that
 the caller takes (`take_facts`) on the event loop and records
-(supervisor.events.Recorder.facts). Over 500 lines because apply, observe,
-enforce, re-plan, restore and the irqbalance ban share one lock and one
-status table; splitting them would spread that state across modules.
+(supervisor.events.Recorder.facts).
 """
 
 from __future__ import annotations
@@ -33,8 +33,7 @@ from supervisor.cpulist import format_cpulist
 from supervisor.errors import Denied, KernelError
 from supervisor.hostfs import HostFS
 from supervisor.logs import format_fields
-from supervisor.plan.irqs import IrqAssignment, plan_irqs
-from supervisor.plan.placement import Placement
+from supervisor.plan.placement import IrqAssignment, Placement
 from supervisor.state import EventKind, IrqObservation, ProcKey, key_label
 from supervisor.topology.model import Topology
 from supervisor.watch.drift import irq_drifted
@@ -62,6 +61,11 @@ class IrqFact:
     failure: str | None = None  # the bind failure reason, when this is one
 
 
+def _irq_plan(placement: Placement) -> Mapping[ProcKey, tuple[IrqAssignment, ...]]:
+    """The placement's IRQ plan by rank (every rank, possibly with none)."""
+    return MappingProxyType({r.rank: r.irqs for r in placement.ranks})
+
+
 # -- the keeper -----------------------------------------------------------------------
 
 
@@ -79,33 +83,27 @@ class IrqOutcome:
 class IrqKeeper:
     """Keeps every rank's planned IRQs on its `irq` CPUs for the daemon's lifetime.
 
-    Blocking: every public method reads or writes /proc/irq (and may talk to
-    irqbalance's socket), so the daemon calls them through
-    `loop.run_in_executor`. Calls are serialised by a lock. Events and counts
-    are facts for the caller (`take_facts`); `enforce` returns its outcomes,
-    which the check loop counts in rebinds{reason="irq_affinity"}.
+    The IRQs are the placement's (`RankPlacement.irqs`, given to the
+    constructor and to `replan`); `config` says only whether to write them
+    (`enabled`) and how to treat irqbalance. Blocking: every public method
+    reads or writes /proc/irq (and may talk to irqbalance's socket), so the
+    daemon calls them through `loop.run_in_executor`. Calls are serialised by
+    a lock. Events and counts are facts for the caller (`take_facts`);
+    `enforce` returns its outcomes, which the check loop counts in
+    rebinds{reason="irq_affinity"}.
 
     Failures never stop a worker: a kernel-managed IRQ is skipped and
     reported once (bind_failures{target="irq",reason="managed"}); a read-only
     /proc/irq (Denied) turns IRQ binding off for the run with one warning.
     """
 
-    def __init__(
-        self,
-        fs: HostFS,
-        topology: Topology,
-        placement: Placement,
-        config: IrqConfig,
-    ) -> None:
+    def __init__(self, fs: HostFS, placement: Placement, config: IrqConfig) -> None:
         self.fs = fs
-        self.topology = topology
         self.config = config
         self.binder = IrqBinder(fs)
         self._lock = threading.Lock()
         self._facts: list[IrqFact] = []
-        self._plan: Mapping[ProcKey, tuple[IrqAssignment, ...]] = plan_irqs(
-            topology, placement, nic=config.nic
-        )
+        self._plan = _irq_plan(placement)
         self._status: dict[int, IrqStatus] = {}
         self._reported: set[tuple[int, str]] = set()  # (irq, reason) failures already counted
         self._moved: dict[int, tuple[int, ...]] = {}  # IRQs seen off their CPUs, and where
@@ -129,17 +127,9 @@ class IrqKeeper:
     # -- queries (no I/O) ------------------------------------------------------
 
     @property
-    def plan(self) -> Mapping[ProcKey, tuple[IrqAssignment, ...]]:
-        return self._plan
-
-    @property
     def enabled(self) -> bool:
         """False when the config turns IRQ binding off or /proc/irq refused us."""
         return self.config.enabled and self._off_reason is None
-
-    @property
-    def off_reason(self) -> str | None:
-        return self._off_reason
 
     @property
     def irqbalance(self) -> IrqbalanceInfo | None:
@@ -150,9 +140,6 @@ class IrqKeeper:
     def banned(self) -> frozenset[int]:
         """The IRQs irqbalance was asked to leave alone."""
         return self._banned
-
-    def status(self, irq: int) -> IrqStatus:
-        return self._status.get(irq, "planned")
 
     def planned_irqs(self, key: ProcKey | None = None) -> dict[int, tuple[int, ...]]:
         """IRQ -> planned CPUs of the IRQs we keep (bound ones), of one rank or all."""
@@ -441,15 +428,15 @@ class IrqKeeper:
     # -- replan and restore -----------------------------------------------------------
 
     def replan(
-        self, placement: Placement, topology: Topology | None = None
+        self,
+        placement: Placement,
+        topology: Topology | None = None,  # IrqKeeperLike passes it; the plan holds the IRQs
     ) -> tuple[IrqOutcome, ...]:
-        """Re-target every IRQ after a new placement (a cpuset change) and apply it.
+        """Keep the IRQ plan of a new placement (a cpuset change's re-plan) and apply it.
 
         IRQs no longer planned get their original affinity back. Blocking.
         """
-        if topology is not None:
-            self.topology = topology
-        new_plan = plan_irqs(self.topology, placement, nic=self.config.nic)
+        new_plan = _irq_plan(placement)
         with self._lock:
             keep = {a.irq for assignments in new_plan.values() for a in assignments}
             for irq in sorted(self.binder.touched):

@@ -122,3 +122,17 @@ def check_placement(topology: Topology, placement: Placement) -> None:
         assert engine.mems == ((node,) if mems_ok else placement.ranks[0].slot.mems)
     else:
         assert node is None, "engine_node without an engine"
+
+    # The IRQ plan: each IRQ on one rank at most, delivered to that rank's irq CPUs.
+    owners: dict[int, int] = {}
+    for r in placement.ranks:
+        for irq in r.irqs:
+            assert irq.irq not in owners, (
+                f"irq {irq.irq} planned for ranks {owners[irq.irq]} and {r.rank}"
+            )
+            owners[irq.irq] = r.rank
+            assert irq.cpus == tuple(sorted(set(r.slot.role_cpus("irq")))), (
+                f"rank {r.rank}: irq {irq.irq} on CPUs {irq.cpus}, its irq role is "
+                f"{r.slot.role_cpus('irq')}"
+            )
+        assert [i.irq for i in r.irqs] == sorted(i.irq for i in r.irqs)

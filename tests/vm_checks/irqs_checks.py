@@ -67,7 +67,7 @@ def keeper_alone() -> None:
     placement = plan(topology, PlanSettings(engine=False, rank_roles={"irq": 1}))
     (rank,) = placement.ranks
     irq_cpus = set(rank.slot.role_cpus("irq"))
-    keeper = IrqKeeper(fs, topology, placement, IrqConfig())
+    keeper = IrqKeeper(fs, placement, IrqConfig())
     try:
         outcomes = keeper.apply()
         bound = [o.irq for o in outcomes if o.status == "bound"]

@@ -10,15 +10,17 @@ import asyncio
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from supervisor.config import IrqConfig
+from supervisor.cpulist import format_cpulist
 from supervisor.events import Recorder
 from supervisor.hostfs import HostFS
-from supervisor.plan.irqs import nic_functions, pair_nics, pci_proximity, plan_irqs
+from supervisor.plan.irqs import nic_functions, pair_nics, pci_proximity, plan_irqs, with_irqs
 from supervisor.plan.placement import DeviceRef, Placement, PlanSettings, RankPlacement, Slot
 from supervisor.plan.planner import plan
 from supervisor.state import Observation, Snapshot, StateStore
@@ -244,11 +246,16 @@ def _recorded(keeper: IrqKeeper, store: StateStore) -> StateStore:
     return store
 
 
-def _small_setup() -> tuple[Topology, Placement]:
+def _planned(topology: Topology, placement: Placement, *, nic: bool) -> Placement:
+    """`placement` with its IRQ plan, as the planner's last step makes it."""
+    return with_irqs(topology, placement, PlanSettings(irq_nic=nic))
+
+
+def _small_setup(*, nic: bool = True) -> tuple[Topology, Placement]:
     gpu = _gpu(0, "0000:10:00.0", 0, (40, 41))
     topology = _topo([gpu], [Nic("eth0", "net", "0000:12:00.0", 0, (42,))])
     rank = _rank(0, gpu, (0, 1, 2, 3), (1,))
-    return topology, Placement("numa-affine", None, (rank,))
+    return topology, _planned(topology, Placement("numa-affine", None, (rank,)), nic=nic)
 
 
 def _read(root: Path, irq: int) -> str:
@@ -266,7 +273,7 @@ def tree(tmp_path: Path) -> Path:
 def test_keeper_apply_observe_enforce_restore(tree: Path) -> None:
     topology, placement = _small_setup()
     store = _store(topology, placement)
-    keeper = IrqKeeper(HostFS(str(tree)), topology, placement, IrqConfig(nic=True))
+    keeper = IrqKeeper(HostFS(str(tree)), placement, IrqConfig(nic=True))
     outcomes = keeper.apply()
     assert [(o.irq, o.status, o.cpus) for o in outcomes] == [
         (40, "bound", (1,)),
@@ -308,8 +315,9 @@ def test_keeper_gone_irq_is_counted_once_and_not_observed_as_planned(tree: Path)
     gpu = _gpu(0, "0000:10:00.0", 0, (40, 77))  # 77 has no /proc/irq entry
     topology = _topo([gpu], [])
     placement = Placement("numa-affine", None, (_rank(0, gpu, (0, 1), (1,)),))
+    placement = _planned(topology, placement, nic=False)
     store = _store(topology, placement)
-    keeper = IrqKeeper(HostFS(str(tree)), topology, placement, IrqConfig())
+    keeper = IrqKeeper(HostFS(str(tree)), placement, IrqConfig())
     assert [(o.irq, o.status) for o in keeper.apply()] == [(40, "bound"), (77, "gone")]
     keeper.apply()
     assert _recorded(keeper, store).snapshot.counters.bind_failures == {("0", "irq", "gone"): 1}
@@ -319,13 +327,8 @@ def test_keeper_gone_irq_is_counted_once_and_not_observed_as_planned(tree: Path)
 
 
 def test_disabled_config_touches_nothing(tree: Path) -> None:
-    topology, placement = _small_setup()
-    keeper = IrqKeeper(
-        HostFS(str(tree)),
-        topology,
-        placement,
-        IrqConfig(enabled=False),
-    )
+    _, placement = _small_setup()
+    keeper = IrqKeeper(HostFS(str(tree)), placement, IrqConfig(enabled=False))
     assert keeper.apply() == ()
     assert keeper.observe() == {}
     assert _read(tree, 40) == "0-7"
@@ -360,7 +363,7 @@ def test_ban_mode_bans_ours_keeps_others_and_gives_the_list_back(
     tree, server = balanced_tree
     topology, placement = _small_setup()
     store = _store(topology, placement)
-    keeper = IrqKeeper(HostFS(str(tree)), topology, placement, IrqConfig(nic=True))
+    keeper = IrqKeeper(HostFS(str(tree)), placement, IrqConfig(nic=True))
     keeper.apply()
     assert keeper.irqbalance is not None and keeper.irqbalance.pid == 4321
     assert sorted(server.banned) == [40, 41, 42, 99]
@@ -381,7 +384,7 @@ def test_observe_mode_never_bans_and_names_irqbalance_on_a_move(
     topology, placement = _small_setup()
     store = _store(topology, placement)
     config = IrqConfig(irqbalance="observe")
-    keeper = IrqKeeper(HostFS(str(tree)), topology, placement, config)
+    keeper = IrqKeeper(HostFS(str(tree)), placement, config)
     keeper.apply()
     assert server.requests == []  # no ban, not even a query
     (tree / "proc/irq/40/smp_affinity_list").write_text("6\n")  # as irqbalance would
@@ -398,7 +401,7 @@ def test_unreachable_socket_falls_back_to_observing(tree: Path) -> None:
     (tree / "proc/555/comm").write_text("irqbalance\n")  # running, but no socket
     topology, placement = _small_setup()
     store = _store(topology, placement)
-    keeper = IrqKeeper(HostFS(str(tree)), topology, placement, IrqConfig())
+    keeper = IrqKeeper(HostFS(str(tree)), placement, IrqConfig())
     keeper.apply()
     assert keeper.banned == frozenset()
     (event,) = [e for e in _recorded(keeper, store).snapshot.events if e.kind == "irqbalance"]
@@ -422,7 +425,7 @@ def test_the_keeper_never_writes_the_store_its_facts_are_recorded_on_the_loop(
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
-        keeper = IrqKeeper(HostFS(str(tree)), topology, placement, IrqConfig(nic=True))
+        keeper = IrqKeeper(HostFS(str(tree)), placement, IrqConfig(nic=True))
         with ThreadPoolExecutor(1) as pool:
             await loop.run_in_executor(pool, keeper.apply)
             assert store.snapshot.events == ()  # the keeper holds no store
@@ -435,3 +438,43 @@ def test_the_keeper_never_writes_the_store_its_facts_are_recorded_on_the_loop(
     asyncio.run(main())
     assert writer_threads == {threading.get_ident()}  # only the loop's thread wrote
     assert [e.kind for e in store.snapshot.events] == ["irq", "irq_restored"]
+
+
+def test_the_keeper_writes_exactly_the_placement_s_irq_plan(tmp_path: Path) -> None:
+    # A DGX H100 with its HCAs: the plan's IRQs, less one, are all the keeper touches.
+    root = dgx_h100(tmp_path)
+    topology = read_topology(HostFS(str(root)))
+    full = plan(topology, PlanSettings(irq_nic=True))
+    every = {a.irq for r in full.ranks for a in r.irqs}
+    _irq_tree(root, dict.fromkeys(every, "0-223"))
+    (root / "proc/1").mkdir(exist_ok=True)
+    (root / "proc/1/comm").write_text("init\n")
+    rank = full.rank(3)
+    dropped = rank.irqs[1].irq
+    placement = replace(
+        full,
+        ranks=tuple(
+            replace(r, irqs=tuple(a for a in r.irqs if a.irq != dropped)) if r is rank else r
+            for r in full.ranks
+        ),
+    )
+    keeper = IrqKeeper(HostFS(str(root)), placement, IrqConfig(nic=True))
+    outcomes = keeper.apply()
+    assert sorted(o.irq for o in outcomes) == sorted(every - {dropped})
+    assert all(o.status == "bound" for o in outcomes)
+    for r in placement.ranks:
+        for a in r.irqs:
+            assert _read(root, a.irq) == format_cpulist(a.cpus)
+    assert _read(root, dropped) == "0-223"  # never written
+    assert dropped not in {o.irq for o in keeper.observe()[3]}
+    # Moved by someone else, it is no drift of ours and enforce leaves it.
+    (root / f"proc/irq/{dropped}/smp_affinity_list").write_text("7\n")
+    assert keeper.enforce(3) == ()
+    assert _read(root, dropped) == "7"
+    # A re-plan's placement is kept as it is: here the full plan, dropped IRQ included.
+    again = keeper.replan(full)
+    assert [o.irq for o in again if o.irq == dropped] == [dropped]
+    assert _read(root, dropped) == format_cpulist(rank.irqs[1].cpus)
+    keeper.restore()
+    assert {_read(root, i) for i in every - {dropped}} == {"0-223"}
+    assert _read(root, dropped) == "7"  # its original when the keeper first wrote it

@@ -80,7 +80,7 @@ def test_keeper_on_real_irqs(originals: dict[int, str]) -> None:
     irq_cpus = rank.slot.role_cpus("irq")
     device = next(d for d in topology.devices if d.bdf == DEVICE)
     assert device.irqs, "discovery found no IRQs for the device"
-    keeper = IrqKeeper(HostFS("/"), topology, placement, IrqConfig())
+    keeper = IrqKeeper(HostFS("/"), placement, IrqConfig())
     try:
         outcomes = keeper.apply()
         assert [(o.irq, o.status) for o in outcomes] == [(i, "bound") for i in device.irqs]
@@ -138,7 +138,7 @@ def test_managed_irq_is_skipped_and_counted_once(originals: dict[int, str]) -> N
         pytest.skip(f"no kernel-managed IRQ on {MANAGED_DEVICE} here")
     topology, placement = _setup(MANAGED_DEVICE)
     store = StateStore(Snapshot(placement, topology, {}))
-    keeper = IrqKeeper(HostFS("/"), topology, placement, IrqConfig())
+    keeper = IrqKeeper(HostFS("/"), placement, IrqConfig())
     try:
         outcomes = {o.irq: o.status for o in keeper.apply()}
         for irq in managed:
@@ -173,7 +173,7 @@ def test_read_only_proc_irq_turns_binding_off_once(need_root: None) -> None:
         from supervisor.state import Snapshot, StateStore
         topology, placement = _setup({DEVICE!r})
         store = StateStore(Snapshot(placement, topology, {{}}))
-        keeper = IrqKeeper(HostFS("/"), topology, placement, IrqConfig())
+        keeper = IrqKeeper(HostFS("/"), placement, IrqConfig())
         first = keeper.apply()
         second = keeper.apply()
         Recorder(store).facts(keeper.take_facts())
@@ -239,7 +239,7 @@ def test_keeper_bans_our_irqs_in_a_real_irqbalance_and_unbans_on_restore(
     topology, placement = _setup(DEVICE)
     device = next(d for d in topology.devices if d.bdf == DEVICE)
     store = StateStore(Snapshot(placement, topology, {}))
-    keeper = IrqKeeper(HostFS("/"), topology, placement, IrqConfig(irqbalance="ban"))
+    keeper = IrqKeeper(HostFS("/"), placement, IrqConfig(irqbalance="ban"))
     try:
         keeper.apply()
         assert keeper.irqbalance is not None and keeper.irqbalance.pid == real_irqbalance
