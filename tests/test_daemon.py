@@ -390,7 +390,8 @@ def test_http_probe_waits_for_a_2xx() -> None:
             probe = ReadyProbe(http=f"http://127.0.0.1:{port}/health", timeout_s=10)
             result = await wait_ready(probe, lambda: True, interval_s=0.01)
             assert result.ready and result.detail.startswith("http ")
-            never = ReadyProbe(http=f"http://127.0.0.1:{port}/missing", timeout_s=0.3)
+            # Long enough for one answer on a loaded machine: the probe retries the 404 till then.
+            never = ReadyProbe(http=f"http://127.0.0.1:{port}/missing", timeout_s=2)
             failed = await wait_ready(never, lambda: True, interval_s=0.01)
             assert not failed.ready and "HTTP 404" in failed.detail
         finally:
