@@ -17,9 +17,11 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from types import MappingProxyType
 from typing import Any, Protocol
 
@@ -46,7 +48,7 @@ from supervisor.run.keeper import TreeKeeper
 from supervisor.run.rank_source import parse_rank_source
 from supervisor.run.runner import Runner, Runtime, first_of
 from supervisor.run.sdnotify import Notifier, watchdog_interval_s
-from supervisor.run.spec import build_specs
+from supervisor.run.spec import ChildSpec, build_specs
 from supervisor.serve.routes import Actions
 from supervisor.serve.server import ApiServer
 from supervisor.state import ProcessStatus, ProcKey, Snapshot, StateStore, key_label
@@ -123,7 +125,7 @@ class Daemon:
         kind = placement.ranks[0].device.kind if placement.ranks else "cpu"
         # Who engines and workers run as, looked up once: a typo is exit 2.
         self.accounts = users.resolve_accounts(config)
-        specs = users.with_accounts(build_specs(config, placement, self.env), self.accounts)
+        specs = self.specs_for(placement, sys.executable)
         initial = Snapshot(
             placement=placement,
             topology=topology,
@@ -161,13 +163,23 @@ class Daemon:
         """
         self.placement = placement
         self.topology = topology
-        self.specs = users.with_accounts(
-            build_specs(self.config, placement, self.env, self.runtime.python), self.accounts
-        )
+        self.specs = self.specs_for(placement, self.runtime.python)
         by_key = {spec.key: spec for spec in self.specs}
         for r in self.runners:
             r.spec = by_key[r.key]
         self.store.update(placement=placement, topology=topology)
+
+    def specs_for(self, placement: Placement, python: str) -> list[ChildSpec]:
+        """The child specs of `placement`, each with its account (engine's, workers')
+        and that account's HOME/USER/LOGNAME in its environment."""
+        out: list[ChildSpec] = []
+        for spec in build_specs(self.config, placement, self.env, python):
+            account = self.accounts.get("engine" if spec.key == "engine" else "workers")
+            if account is None:
+                out.append(spec)
+            else:
+                out.append(replace(spec, account=account, env={**spec.env, **account.env()}))
+        return out
 
     def runner(self, key: ProcKey) -> Runner:
         for r in self.runners:
