@@ -65,6 +65,8 @@ class FactLike(Protocol):
     @property
     def level(self) -> int: ...
     @property
+    def log_fields(self) -> Mapping[str, Any] | None: ...
+    @property
     def failure(self) -> str | None: ...
 
 
@@ -307,8 +309,9 @@ class Recorder:
                 )  # fmt: skip
             else:
                 self.note(
-                    f.kind, f.key, f.message, log_message=f.log_message, level=f.level, **f.fields
-                )
+                    f.kind, f.key, f.message, log_message=f.log_message, level=f.level,
+                    log_fields=f.log_fields, **f.fields,
+                )  # fmt: skip
 
     # -- events that count nothing -------------------------------------------------
 
