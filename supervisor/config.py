@@ -3,6 +3,8 @@
 Every key is validated at load time; an unknown key or a bad value is one
 `ConfigError` that names the file and the key path ("restart.backoff_max_s").
 No environment is read here: visibility variables are resolved by the caller.
+Over 500 lines because it is the schema: each table's dataclass sits with its
+validator, so a key's type, default and check read in one place.
 """
 
 from __future__ import annotations

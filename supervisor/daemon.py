@@ -7,6 +7,8 @@ from its first instruction, each in its own process group, each restarted by
 the policy of `supervisor.run.restart`. Every state change is an Event in the
 `StateStore`, which the API and metrics read. SIGTERM/SIGINT only set a flag;
 the shutdown that follows stops workers first, then the engine.
+Over 500 lines because it is the root: it builds every collaborator and runs
+the ordered start and shutdown; each collaborator itself lives in its folder.
 """
 
 from __future__ import annotations

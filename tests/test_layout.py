@@ -246,3 +246,20 @@ def test_a_pure_parser_above_is_walked_through(tmp_path: Path) -> None:
     assert any(
         chain.endswith("supervisor.run.rank_source -> supervisor.run.runner") for chain in found
     )
+
+
+# -- module size -------------------------------------------------------------------------
+
+LINES_MAX = 500
+
+
+def test_a_module_over_500_lines_says_why_in_its_docstring() -> None:
+    unexplained = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text()
+        if text.count("\n") <= LINES_MAX:
+            continue
+        doc = ast.get_docstring(ast.parse(text)) or ""
+        if "Over 500 lines because" not in " ".join(doc.split()):
+            unexplained.append(f"{path.relative_to(ROOT)}: {text.count(chr(10))} lines")
+    assert unexplained == []

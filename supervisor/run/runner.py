@@ -4,6 +4,9 @@
 shim's bind report, restarts the child by the policy of `supervisor.run.restart`
 and stops it (TERM to its group, KILL after a timeout). `Runtime` is what the
 daemon's runners share; `bound_as_planned` reads a report (pure).
+Over 500 lines because `Runner` owns its child from spawn to reap (report,
+readiness, restart policy, stop): every path out of `run()` must stop and
+reap it, which one class keeps in view.
 """
 
 from __future__ import annotations
