@@ -382,7 +382,8 @@ def _ready(t: _Table) -> ReadyProbe | None:
         timeout_s=t.number("timeout_s", 120.0, 0.0, strict=True),
     )
     t.done()
-    given = [k for k in ("tcp", "http", "file") if getattr(probe, k) is not None]
+    kinds = {"tcp": probe.tcp, "http": probe.http, "file": probe.file}
+    given = [k for k, v in kinds.items() if v is not None]
     if len(given) != 1:
         raise t.fail("tcp", f"give exactly one of tcp, http, file (got {len(given)})")
     if probe.tcp is not None:

@@ -221,9 +221,9 @@ class Daemon:
         try:
             self.checker = self._check_loop(self.rt)
             await self._start_api(self.checker.stale_after_s)
-            self._start_trees()
+            self.runners, adopter = self._make_runners()
+            self._start_trees(adopter)
             self.irq_task = asyncio.create_task(self._apply_irqs(), name="irq_apply")
-            self.runners = self._make_runners()
             engine = next((r for r in self.runners if r.key == "engine"), None)
             for r in self.runners:
                 if engine is not None and r is not engine:
@@ -260,7 +260,7 @@ class Daemon:
             self.notifier.close()
         return 1 if self.failed else 0
 
-    def _start_trees(self) -> None:
+    def _start_trees(self, adopter: Adopter | None) -> None:
         """The guardian (first: it must outlive us), then the tree keeper."""
         assert self.rt is not None
         if self.want_guardian:
@@ -282,15 +282,19 @@ class Daemon:
             guardian=self.guardian,
             use_connector=os.geteuid() == 0 and self.env.get(PROC_EVENTS_ENV) != "0",
             subreaper=self.subreaper,
+            adopter=adopter,
+            on_refresh=None if adopter is None else adopter.note_pass,
         )
         self.rt.trees = self.trees
         self.trees.start()
 
-    def _make_runners(self) -> list[Runner]:
+    def _make_runners(self) -> tuple[list[Runner], Adopter | None]:
+        """One runner per process; with engine-spawned workers, the adopter that
+        names them for the tree keeper."""
         assert self.rt is not None
         workers = self.config.workers
         if workers.spawned_by != "engine":
-            return [Runner(self.rt, spec) for spec in self.specs]
+            return [Runner(self.rt, spec) for spec in self.specs], None
         nodes = [n.id for n in self.topology.nodes]
         self.adopt_executor = ThreadPoolExecutor(1, thread_name_prefix="ps-adopt")
         runners: list[Runner] = []
@@ -304,10 +308,7 @@ class Daemon:
         adopter = Adopter(
             self.rt, adopters, [parse_rank_source(s) for s in workers.rank_from], self.placement
         )
-        if self.trees is not None:
-            self.trees.adopter = adopter
-            self.trees.on_refresh = adopter.note_pass
-        return runners
+        return runners, adopter
 
     def _cgroup_dir(self, key: ProcKey) -> str | None:
         return None if self.cgroups is None else self.cgroups.cpuset_dir(key)
