@@ -3,6 +3,8 @@
 Every key is validated at load time; an unknown key or a bad value is one
 `ConfigError` that names the file and the key path ("restart.backoff_max_s").
 No environment is read here: visibility variables are resolved by the caller.
+Over 500 lines because it is the schema: each table's dataclass sits with its
+validator, so a key's type, default and check read in one place.
 """
 
 from __future__ import annotations
@@ -380,7 +382,8 @@ def _ready(t: _Table) -> ReadyProbe | None:
         timeout_s=t.number("timeout_s", 120.0, 0.0, strict=True),
     )
     t.done()
-    given = [k for k in ("tcp", "http", "file") if getattr(probe, k) is not None]
+    kinds = {"tcp": probe.tcp, "http": probe.http, "file": probe.file}
+    given = [k for k, v in kinds.items() if v is not None]
     if len(given) != 1:
         raise t.fail("tcp", f"give exactly one of tcp, http, file (got {len(given)})")
     if probe.tcp is not None:

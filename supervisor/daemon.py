@@ -7,6 +7,8 @@ from its first instruction, each in its own process group, each restarted by
 the policy of `supervisor.run.restart`. Every state change is an Event in the
 `StateStore`, which the API and metrics read. SIGTERM/SIGINT only set a flag;
 the shutdown that follows stops workers first, then the engine.
+Over 500 lines because it is the root: it builds every collaborator and runs
+the ordered start and shutdown; each collaborator itself lives in its folder.
 """
 
 from __future__ import annotations
@@ -14,18 +16,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hashlib
 import logging
 import os
-import re
 import signal
+import sys
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from types import MappingProxyType
 from typing import Any, Protocol
 
-from supervisor.bind.cgroup import CgroupManager, ProcessCgroup, detect_cgroup_setup
 from supervisor.config import (
     Config,
     check_listen,
@@ -33,22 +34,23 @@ from supervisor.config import (
     load_config,
     read_token_file,
 )
-from supervisor.errors import ConfigError, KernelError, SupervisorError
+from supervisor.errors import ConfigError, SupervisorError
 from supervisor.events import Recorder
 from supervisor.hostfs import HostFS
 from supervisor.logs import format_fields, setup_logging
-from supervisor.plan.placement import Placement, Slot
+from supervisor.plan.placement import Placement
 from supervisor.plan.planner import plan
 from supervisor.plan.render import render_plan_table
 from supervisor.run import users
 from supervisor.run.adopt import Adopter, AdoptRunner
-from supervisor.run.guardian import Guardian, sweep_leftovers
+from supervisor.run.cgroups import ManagedCgroups, cgroups_for, instance_suffix, remove_cgroups
+from supervisor.run.guardian import Guardian
 from supervisor.run.instance_lock import hold_instance_lock
 from supervisor.run.keeper import TreeKeeper
 from supervisor.run.rank_source import parse_rank_source
-from supervisor.run.runner import ProcessCgroups, Runner, Runtime, first_of
+from supervisor.run.runner import Runner, Runtime, first_of
 from supervisor.run.sdnotify import Notifier, watchdog_interval_s
-from supervisor.run.spec import build_specs
+from supervisor.run.spec import ChildSpec, build_specs
 from supervisor.serve.routes import Actions
 from supervisor.serve.server import ApiServer
 from supervisor.state import ProcessStatus, ProcKey, Snapshot, StateStore, key_label
@@ -67,7 +69,6 @@ except ImportError:  # tests/test_daemon.py runs this branch in a subprocess
 
 log = logging.getLogger("placement_supervisor.daemon")
 
-INSTANCE_ENV = "PLACEMENT_SUPERVISOR_INSTANCE"
 # "0": see new processes at each check only, not through the proc connector
 # (the benchmark's baseline; a host that forbids netlink sockets needs nothing).
 PROC_EVENTS_ENV = "PLACEMENT_SUPERVISOR_PROC_EVENTS"
@@ -98,7 +99,7 @@ class Daemon:
         listen: str | None = None,
         env: Mapping[str, str] | None = None,
         fs: HostFS | None = None,
-        cgroups: ProcessCgroups | None = None,
+        cgroups: ManagedCgroups | None = None,
         notifier: Notifier | None = None,
         check_loop: bool = False,
         api: bool = True,
@@ -126,7 +127,7 @@ class Daemon:
         kind = placement.ranks[0].device.kind if placement.ranks else "cpu"
         # Who engines and workers run as, looked up once: a typo is exit 2.
         self.accounts = users.resolve_accounts(config)
-        specs = users.with_accounts(build_specs(config, placement, self.env), self.accounts)
+        specs = self.specs_for(placement, sys.executable)
         initial = Snapshot(
             placement=placement,
             topology=topology,
@@ -144,7 +145,7 @@ class Daemon:
         # back after they stop. The check loop observes and enforces through it;
         # what the keeper saw or did is recorded here, on the loop.
         self.irq_keeper = IrqKeeper(self.fs, placement, config.irq)
-        self.recorder = Recorder(self.store)
+        self.recorder = Recorder(self.store, log)
         self.irq_task: asyncio.Task[None] | None = None
         self.runners: list[Runner] = []
         self.rt: Runtime | None = None
@@ -164,13 +165,23 @@ class Daemon:
         """
         self.placement = placement
         self.topology = topology
-        self.specs = users.with_accounts(
-            build_specs(self.config, placement, self.env, self.runtime.python), self.accounts
-        )
+        self.specs = self.specs_for(placement, self.runtime.python)
         by_key = {spec.key: spec for spec in self.specs}
         for r in self.runners:
             r.spec = by_key[r.key]
         self.store.update(placement=placement, topology=topology)
+
+    def specs_for(self, placement: Placement, python: str) -> list[ChildSpec]:
+        """The child specs of `placement`, each with its account (engine's, workers')
+        and that account's HOME/USER/LOGNAME in its environment."""
+        out: list[ChildSpec] = []
+        for spec in build_specs(self.config, placement, self.env, python):
+            account = self.accounts.get("engine" if spec.key == "engine" else "workers")
+            if account is None:
+                out.append(spec)
+            else:
+                out.append(replace(spec, account=account, env={**spec.env, **account.env()}))
+        return out
 
     def runner(self, key: ProcKey) -> Runner:
         for r in self.runners:
@@ -210,9 +221,9 @@ class Daemon:
         try:
             self.checker = self._check_loop(self.rt)
             await self._start_api(self.checker.stale_after_s)
-            self._start_trees()
+            self.runners, adopter = self._make_runners()
+            self._start_trees(adopter)
             self.irq_task = asyncio.create_task(self._apply_irqs(), name="irq_apply")
-            self.runners = self._make_runners()
             engine = next((r for r in self.runners if r.key == "engine"), None)
             for r in self.runners:
                 if engine is not None and r is not engine:
@@ -249,18 +260,19 @@ class Daemon:
             self.notifier.close()
         return 1 if self.failed else 0
 
-    def _start_trees(self) -> None:
+    def _start_trees(self, adopter: Adopter | None) -> None:
         """The guardian (first: it must outlive us), then the tree keeper."""
         assert self.rt is not None
         if self.want_guardian:
-            manager = getattr(self.cgroups, "manager", None)
-            instance = ""
-            if isinstance(manager, CgroupManager):
-                instance = self.fs.path(manager.instance_dirs[0])
-            self.guardian = Guardian.start(self.rt.python, instance)
-            if self.guardian is not None and isinstance(manager, CgroupManager):
-                for rel in manager.instance_dirs:
-                    self.guardian.cgroup(self.fs.path(rel))
+            dirs = (
+                []
+                if self.cgroups is None
+                else [self.fs.path(d) for d in self.cgroups.instance_dirs]
+            )
+            self.guardian = Guardian.start(self.rt.python, dirs[0] if dirs else "")
+            if self.guardian is not None:
+                for path in dirs:
+                    self.guardian.cgroup(path)
         self.trees = TreeKeeper(
             self.fs,
             self.store,
@@ -270,15 +282,19 @@ class Daemon:
             guardian=self.guardian,
             use_connector=os.geteuid() == 0 and self.env.get(PROC_EVENTS_ENV) != "0",
             subreaper=self.subreaper,
+            adopter=adopter,
+            on_refresh=None if adopter is None else adopter.note_pass,
         )
         self.rt.trees = self.trees
         self.trees.start()
 
-    def _make_runners(self) -> list[Runner]:
+    def _make_runners(self) -> tuple[list[Runner], Adopter | None]:
+        """One runner per process; with engine-spawned workers, the adopter that
+        names them for the tree keeper."""
         assert self.rt is not None
         workers = self.config.workers
         if workers.spawned_by != "engine":
-            return [Runner(self.rt, spec) for spec in self.specs]
+            return [Runner(self.rt, spec) for spec in self.specs], None
         nodes = [n.id for n in self.topology.nodes]
         self.adopt_executor = ThreadPoolExecutor(1, thread_name_prefix="ps-adopt")
         runners: list[Runner] = []
@@ -292,15 +308,10 @@ class Daemon:
         adopter = Adopter(
             self.rt, adopters, [parse_rank_source(s) for s in workers.rank_from], self.placement
         )
-        if self.trees is not None:
-            self.trees.adopter = adopter
-            self.trees.on_refresh = adopter.note_pass
-        return runners
+        return runners, adopter
 
     def _cgroup_dir(self, key: ProcKey) -> str | None:
-        made = getattr(self.cgroups, "made", None)
-        pc = made.get(key) if isinstance(made, dict) else None
-        return pc.cpuset_dir if isinstance(pc, ProcessCgroup) else None
+        return None if self.cgroups is None else self.cgroups.cpuset_dir(key)
 
     def _direct_children(self) -> list[int]:
         pids = [r.child.pid for r in self.runners if r.child is not None]
@@ -351,8 +362,11 @@ class Daemon:
                     # log it and stop everything rather than run unsupervised.
                     if task.cancelled() or task.exception() is not None:
                         exc = None if task.cancelled() else task.exception()
-                        log.error("runner died error=%r action=shutdown", exc)
-                        self.store.emit("error", None, f"supervision task died: {exc!r}")
+                        self.recorder.note(
+                            "error", None, f"supervision task died: {exc!r}",
+                            log_message="runner died", level=logging.ERROR,
+                            error=repr(exc), action="shutdown",
+                        )  # fmt: skip
                         self.failed = True  # exit 1: systemd's Restart=on-failure applies
                         self.rt.stopping.set()
         finally:
@@ -402,8 +416,10 @@ class Daemon:
         self._last_status = status
         self._was_ready = self.store.snapshot.ready
         self.notifier.ready(status)
-        self.store.emit("ready", None, f"supervisor started: {status}")
-        log.info("supervisor started %s", format_fields(status=status, pid=os.getpid()))
+        self.recorder.note(
+            "ready", None, f"supervisor started: {status}", log_message="supervisor started",
+            status=status, pid=os.getpid(),
+        )  # fmt: skip
 
     async def _watchdog_loop(self, interval_s: float) -> None:
         """WATCHDOG=1 every interval while the loop runs and every runner is alive."""
@@ -426,7 +442,7 @@ class Daemon:
             supervised=lambda: [(r.key, r.status, r.spec.slot) for r in self.runners],
             stopping=rt.stopping,
             irqs=self.irq_keeper,
-            cgroups=self.cgroups if isinstance(self.cgroups, ManagedCgroups) else None,
+            cgroups=self.cgroups,
             replanner=Replanner(
                 lambda old: reread_cpus(fs, old), self.config.placement, self.replace_placement
             ),
@@ -474,8 +490,10 @@ class Daemon:
         self.rt.stopping.set()
         self.store.update(stopping=True)
         self.notifier.stopping("stopping: workers first, then the engine")
-        self.store.emit("stopping", None, "supervisor stopping")
-        log.info("stopping %s", format_fields(processes=len(self.runners), action="stop workers"))
+        self.recorder.note(
+            "stopping", None, "supervisor stopping", log_message="stopping",
+            processes=len(self.runners), action="stop workers",
+        )  # fmt: skip
         if self.check_task is not None:
             self.check_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -493,7 +511,7 @@ class Daemon:
         await self._restore_irqs()
         if self.cgroups is not None:
             await asyncio.get_running_loop().run_in_executor(
-                self.runtime.executor, _remove_cgroups, self.cgroups, [r.key for r in self.runners]
+                self.runtime.executor, remove_cgroups, self.cgroups, [r.key for r in self.runners]
             )
         if self.guardian is not None:
             self.guardian.close()  # a clean stop: it exits without killing
@@ -509,7 +527,10 @@ class Daemon:
         runner = self.runner(key)
         old = runner.status
         runner.request_restart()
-        self.store.emit("restart_requested", key, f"{key_label(key)}: restart requested")
+        self.recorder.note(
+            "restart_requested", key, f"{key_label(key)}: restart requested",
+            log_message="restart requested", previous_state=old.state, action="restart",
+        )  # fmt: skip
         return {"rank": key_label(key), "previous_state": old.state, "previous_pid": old.pid}
 
 
@@ -533,94 +554,6 @@ class DaemonActions:
 
 
 # -- the command -------------------------------------------------------------------
-
-
-class ManagedCgroups:
-    """`ProcessCgroups` over `supervisor.bind.cgroup.CgroupManager`: one cgroup per
-    process key ("engine", "rank0", ...), made at its first start, reused after."""
-
-    def __init__(self, manager: CgroupManager) -> None:
-        self.manager = manager
-        self.made: dict[ProcKey, ProcessCgroup] = {}
-
-    @staticmethod
-    def name(key: ProcKey) -> str:
-        return "engine" if key == "engine" else f"rank{key}"
-
-    def create(self, key: ProcKey, slot: Slot) -> tuple[str, ...]:
-        pc = self.made.get(key)
-        if pc is None:
-            pc = self.manager.create(self.name(key), slot.cpus, slot.mems)
-            self.made[key] = pc
-        else:
-            self.manager.update(pc, slot.cpus, slot.mems)
-        return pc.dirs
-
-    def remove(self, key: ProcKey) -> None:
-        pc = self.made.pop(key, None)
-        if pc is not None:
-            self.manager.remove(pc)
-
-    def close(self) -> None:
-        self.manager.close()
-
-
-def instance_suffix(config: Config, env: Mapping[str, str]) -> str:
-    """The per-instance cgroup dir suffix (pure).
-
-    INSTANCE_ENV when set; else the config file's name plus a hash of its
-    absolute path, so that two supervisors on one host (two single-GPU
-    services, each with its own config) never write each other's cgroups on
-    a shared v1 hierarchy, while a restarted supervisor finds its own again.
-    """
-    explicit = env.get(INSTANCE_ENV)
-    if explicit is not None or config.path is None:
-        return explicit or ""
-    path = os.path.abspath(config.path)
-    stem = re.sub(r"[^A-Za-z0-9_.-]", "_", os.path.splitext(os.path.basename(path))[0])
-    return f"{stem}-{hashlib.sha256(path.encode()).hexdigest()[:8]}"
-
-
-def cgroups_for(config: Config, fs: HostFS, env: Mapping[str, str]) -> ManagedCgroups | None:
-    """Per-process cgroups when `cgroup = "auto"` and a writable subtree exists,
-    in a dir of this instance's own (`instance_suffix`)."""
-    if config.cgroup == "off":
-        return None
-    setup = detect_cgroup_setup(fs)
-    if setup is None:
-        log.info(
-            "cgroups none %s", format_fields(reason="no writable cgroup subtree", action="skip")
-        )
-        return None
-    suffix = instance_suffix(config, env)
-    try:
-        manager = CgroupManager(fs, setup, suffix=suffix)
-    except ValueError as err:
-        raise ConfigError(f"{INSTANCE_ENV}={suffix!r}: {err}") from None
-    try:
-        # Once, here, before any runner spawns: preparing lazily from the
-        # executor's threads raced, and a failure was redone at every spawn.
-        manager.prepare()
-    except KernelError as err:
-        log.warning("cgroups none %s", format_fields(error=str(err), action="skip cgroups"))
-        return None
-    # What an earlier instance of this config left (it died with its guardian) ends first.
-    sweep_leftovers(manager)
-    log.info(
-        "cgroups %s",
-        format_fields(version=setup.version, parent=setup.cpuset_parent, instance=manager.instance),
-    )
-    return ManagedCgroups(manager)
-
-
-def _remove_cgroups(cgroups: ProcessCgroups, keys: Sequence[ProcKey]) -> None:
-    for key in keys:
-        try:
-            cgroups.remove(key)
-        except (KernelError, OSError) as err:
-            log.warning("cgroup remove failed %s", format_fields(rank=key_label(key), error=err))
-    with contextlib.suppress(KernelError, OSError):
-        cgroups.close()
 
 
 def prepare(config: Config, env: Mapping[str, str], fs: HostFS) -> tuple[Topology, Placement]:

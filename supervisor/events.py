@@ -24,6 +24,7 @@ from supervisor.state import (
     DriftKind,
     EventKind,
     Finding,
+    ProcessState,
     ProcKey,
     RebindReason,
     StateStore,
@@ -63,6 +64,8 @@ class FactLike(Protocol):
     def log_message(self) -> str | None: ...
     @property
     def level(self) -> int: ...
+    @property
+    def log_fields(self) -> Mapping[str, Any] | None: ...
     @property
     def failure(self) -> str | None: ...
 
@@ -306,31 +309,95 @@ class Recorder:
                 )  # fmt: skip
             else:
                 self.note(
-                    f.kind, f.key, f.message, log_message=f.log_message, level=f.level, **f.fields
-                )
+                    f.kind, f.key, f.message, log_message=f.log_message, level=f.level,
+                    log_fields=f.log_fields, **f.fields,
+                )  # fmt: skip
 
     # -- events that count nothing -------------------------------------------------
 
     def note(
         self,
-        kind: EventKind,
+        kind: EventKind | ProcessState,
         key: ProcKey | None,
         message: str,
         *,
         log_message: str | None = None,
         level: int = logging.INFO,
+        log_fields: Mapping[str, Any] | None = None,
         **fields: Any,
     ) -> None:
-        """An event; with `log_message`, its log line too (fields as key=value)."""
+        """An event; with `log_message`, its log line too: `log_message rank=... k=v ...`.
+
+        The line carries the event's fields (an `action` field last), or
+        `log_fields` where the two read differently (a cpulist, not a list).
+        Without `log_message` the event is the whole record: a runner's state
+        change, which the fact that caused it (spawn, exit, ...) logs.
+        """
         self.store.emit(kind, key, message, **fields)
-        if log_message is not None:
-            shown = {"rank": None if key is None else key_label(key), **fields}
-            self.log.log(
-                level,
-                "%s %s",
-                log_message,
-                format_fields(**{k: v for k, v in shown.items() if v is not None}),
-            )
+        if log_message is None:
+            return
+        shown = dict(fields if log_fields is None else log_fields)
+        action = shown.pop("action", None)
+        line = {"rank": None if key is None else key_label(key), **shown, "action": action}
+        self.log.log(
+            level,
+            "%s %s",
+            log_message,
+            format_fields(**{k: v for k, v in line.items() if v is not None}),
+        )
+
+    # -- processes: counted facts ------------------------------------------------------
+
+    def restart_scheduled(self, key: ProcKey, reason: str, delay_s: float, restarts: int) -> None:
+        """restarts{rank} += 1; WARNING: a restart nobody asked for."""
+        label = key_label(key)
+        self.store.count("restarts", label)
+        self.note(
+            "restart",
+            key,
+            f"{label}: {reason}; restart in {delay_s:g}s",
+            log_message="restart scheduled",
+            level=logging.WARNING,
+            delay_s=delay_s,
+            reason=reason,
+            restarts=restarts,
+            action="backoff",
+        )
+
+    def adopted(
+        self,
+        key: ProcKey,
+        *,
+        pid: int,
+        ppid: int | None,
+        cpus: Sequence[int],
+        cgroup: str | None,
+        moved: int,
+        bound: bool,
+    ) -> None:
+        """adoptions{rank} += 1: an engine-spawned worker bound to its rank's slot."""
+        label = key_label(key)
+        self.store.count("adoptions", label)
+        self.note(
+            "adopt",
+            key,
+            f"{label}: adopted pid {pid} (ppid {ppid}) cpus={format_cpulist(cpus)}",
+            log_message="adopt",
+            log_fields={
+                "pid": pid,
+                "ppid": ppid,
+                "cpus": format_cpulist(cpus),
+                "cgroup": cgroup,
+                "bound": str(bound).lower(),
+                "action": "bound to the rank's slot",
+            },
+            pid=pid,
+            ppid=ppid,
+            cpus=list(cpus),
+            cgroup=cgroup,
+            moved=moved,
+            bound=bound,
+        )
 
     def cpuset_changed(
         self, old_cpus: frozenset[int], old_mems: frozenset[int], new_cpus: frozenset[int],

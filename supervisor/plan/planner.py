@@ -4,6 +4,9 @@ Re-run on every cpuset change, so it is deterministic (same input, same plan,
 whatever order devices are listed in) and cheap (linear in CPUs and devices).
 CPUs are handed out in whole physical cores; SMT siblings never part.
 Its last step puts each rank's IRQs on the plan (supervisor.plan.irqs.with_irqs).
+Over 500 lines because every step (device groups, pools, the engine's carve,
+slots) works on one private draft (`_View`, `_Draft`); splitting it would
+export that draft's internals to every piece.
 """
 
 from __future__ import annotations

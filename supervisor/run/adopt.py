@@ -24,10 +24,9 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, replace
 
 from supervisor.bind.binder import Binder
-from supervisor.cpulist import format_cpulist
 from supervisor.errors import Gone, KernelError, translate_oserror
+from supervisor.events import Recorder
 from supervisor.hostfs import HostFS
-from supervisor.logs import format_fields
 from supervisor.plan.placement import Placement
 from supervisor.run.procs import read_proc_stat
 from supervisor.run.rank_source import (
@@ -193,6 +192,7 @@ class AdoptRunner(Runner):
         self.cgroup_dirs: tuple[str, ...] = ()
         self.all_nodes = tuple(all_nodes)
         self.binder = Binder(rt.fs)
+        self.recorder = Recorder(rt.store, log)  # its lines under this module's logger
 
     def offer(self, candidate: Candidate) -> None:
         """A process the sources named this rank. Queued even while the rank
@@ -283,30 +283,14 @@ class AdoptRunner(Runner):
         )
         self.ready.set()
         self.settled.set()
-        self.rt.store.count("adoptions", self.label)
-        self.rt.store.emit(
-            "adopt",
+        self.recorder.adopted(
             self.key,
-            f"{self.label}: adopted pid {candidate.pid} (ppid {candidate.ppid}) "
-            f"cpus={format_cpulist(result.cpus)}",
             pid=candidate.pid,
             ppid=candidate.ppid,
-            cpus=list(result.cpus),
+            cpus=result.cpus,
             cgroup=result.cgroup,
             moved=result.moved,
             bound=bound,
-        )
-        log.info(
-            "adopt %s",
-            format_fields(
-                rank=self.label,
-                pid=candidate.pid,
-                ppid=candidate.ppid,
-                cpus=format_cpulist(result.cpus),
-                cgroup=result.cgroup,
-                bound=str(bound).lower(),
-                action="bound to the rank's slot",
-            ),
         )
         return True
 
@@ -340,15 +324,13 @@ class AdoptRunner(Runner):
         trees = self.rt.trees
         if trees is not None:
             trees.clear_root(self.key)
-        self.rt.store.emit(
+        self.recorder.note(
             "exit",
             self.key,
             f"{self.label}: adopted pid {candidate.pid} exited; waiting for the next",
+            log_message="adopted exit",
             pid=candidate.pid,
-        )
-        log.info(
-            "adopted exit %s",
-            format_fields(rank=self.label, pid=candidate.pid, action="wait for the engine's next"),
+            action="wait for the engine's next",
         )
 
     async def shutdown(self) -> None:

@@ -83,6 +83,8 @@ class TreeKeeper:
         guardian: Guardian | None = None,
         use_connector: bool = True,
         subreaper: bool = True,
+        adopter: Adopter | None = None,
+        on_refresh: Callable[[Mapping[int, Member]], None] | None = None,
     ) -> None:
         self.fs = fs
         self.store = store
@@ -100,8 +102,8 @@ class TreeKeeper:
         self.roots: dict[ProcKey, Root] = {}
         self.adopted: set[ProcKey] = set()  # roots that are engine-spawned workers
         self.members: dict[int, Member] = {}
-        self.adopter: Adopter | None = None
-        self.on_refresh: Callable[[Mapping[int, Member]], None] | None = None
+        self.adopter = adopter  # names the engine's processes ([workers] spawned_by = "engine")
+        self.on_refresh = on_refresh  # after each pass, with every tree's members
         self.events: ProcEvents | None = None
         self.task: asyncio.Task[None] | None = None
         self.me = os.getpid()

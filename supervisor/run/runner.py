@@ -4,6 +4,9 @@
 shim's bind report, restarts the child by the policy of `supervisor.run.restart`
 and stops it (TERM to its group, KILL after a timeout). `Runtime` is what the
 daemon's runners share; `bound_as_planned` reads a report (pure).
+Over 500 lines because `Runner` owns its child from spawn to reap (report,
+readiness, restart policy, stop): every path out of `run()` must stop and
+reap it, which one class keeps in view.
 """
 
 from __future__ import annotations
@@ -126,6 +129,7 @@ class Runner:
         self.gate: Runner | None = None  # workers wait for the engine's first readiness
         self.task: asyncio.Task[None] | None = None
         self.report: ShimReport | None = None
+        self.recorder = Recorder(rt.store, log)
 
     # -- state -----------------------------------------------------------
 
@@ -138,7 +142,7 @@ class Runner:
         new = replace(old, **changes)
         self.rt.store.set_process(new)
         if new.state != old.state:
-            self.rt.store.emit(
+            self.recorder.note(
                 "state",
                 self.key,
                 f"{self.label}: {old.state} -> {new.state}",
@@ -197,11 +201,10 @@ class Runner:
     def _runner_failed(self, err: Exception) -> None:
         reason = f"supervision error: {type(err).__name__}: {err}"
         self.set_status(state="failed", pid=None, backoff_s=0.0, next_start_at=None)
-        self.rt.store.emit("failed", self.key, f"{self.label}: {reason}", reason=reason)
-        log.error(
-            "process down %s",
-            format_fields(rank=self.label, state="failed", reason=reason, action="hold"),
-        )
+        self.recorder.note(
+            "failed", self.key, f"{self.label}: {reason}", log_message="process down",
+            level=logging.ERROR, state="failed", reason=reason, action="hold",
+        )  # fmt: skip
         log.debug("supervision error traceback rank=%s", self.label, exc_info=err)
 
     async def _hold_down(self) -> bool:
@@ -228,15 +231,14 @@ class Runner:
             if engine_state in ("failed", "stopped") and not announced:
                 announced = True
                 self.set_status(state="stopped")
-                self.rt.store.emit(
+                self.recorder.note(
                     "not_started",
                     self.key,
                     f"{self.label}: not started: the engine is {engine_state}",
+                    log_message="not started",
+                    level=logging.WARNING,
                     engine=engine_state,
-                )
-                log.warning(
-                    "not started %s",
-                    format_fields(rank=self.label, engine=engine_state, action="wait for engine"),
+                    action="wait for engine",
                 )
             await first_of(gate.next_change(), self.rt.stopping.wait())
         self.restart_requested = False  # a restart asked for while waiting: this is the start
@@ -263,37 +265,19 @@ class Runner:
                     restarts=restarts,
                     pid=None,
                 )
-                self.rt.store.count("restarts", self.label)
-                self.rt.store.emit(
-                    "restart",
-                    self.key,
-                    f"{self.label}: {decision.reason}; restart in {decision.delay_s:g}s",
-                    delay_s=decision.delay_s,
-                    reason=decision.reason,
-                    restarts=restarts,
-                )
-                log.warning(
-                    "restart scheduled %s",
-                    format_fields(
-                        rank=self.label,
-                        reason=decision.reason,
-                        delay_s=f"{decision.delay_s:g}",
-                        restarts=restarts,
-                        action="backoff",
-                    ),
+                self.recorder.restart_scheduled(
+                    self.key, decision.reason, decision.delay_s, restarts
                 )
                 if await self._wait_interrupt(decision.delay_s) and self.restart_requested:
                     self._manual_restart()
                 continue
             state: ProcessState = "failed" if decision.action == "fail" else "stopped"
             self.set_status(state=state, pid=None, backoff_s=0.0, next_start_at=None)
-            self.rt.store.emit(
-                state, self.key, f"{self.label}: {decision.reason}", reason=decision.reason
-            )
-            (log.error if state == "failed" else log.info)(
-                "process down %s",
-                format_fields(rank=self.label, state=state, reason=decision.reason, action="hold"),
-            )
+            self.recorder.note(
+                state, self.key, f"{self.label}: {decision.reason}", log_message="process down",
+                level=logging.ERROR if state == "failed" else logging.INFO,
+                state=state, reason=decision.reason, action="hold",
+            )  # fmt: skip
             if not await self._hold_down():
                 return
             self._manual_restart()
@@ -343,21 +327,17 @@ class Runner:
         ended = time.monotonic()
         self.child = None
         self.set_status(exit_code=code)
-        self.rt.store.emit(
+        # An exit nobody asked for is worth an operator's attention.
+        expected = self.stopping or self.restart_requested
+        self.recorder.note(
             "exit",
             self.key,
             f"{self.label}: pid {child.pid} exited ({code})",
+            log_message="exit",
+            level=logging.INFO if expected else logging.WARNING,
             pid=child.pid,
             exit_code=code,
             ran_s=round(ended - started, 3),
-        )
-        # An exit nobody asked for is worth an operator's attention.
-        expected = self.stopping or self.restart_requested
-        (log.info if expected else log.warning)(
-            "exit %s",
-            format_fields(
-                rank=self.label, pid=child.pid, code=code, ran_s=f"{ended - started:.1f}"
-            ),
         )
         return RunOutcome(code if exec_ok else None, ended - started, ended, not_ready=not_ready)
 
@@ -425,33 +405,27 @@ class Runner:
             return True  # exited, or interrupted: the caller's wait handles it
         result = probe_task.result()
         if result.ready:
-            self.rt.store.emit(
+            self.recorder.note(
                 "ready",
                 self.key,
                 f"{self.label}: ready ({result.detail}) after {result.waited_s:.1f}s",
+                log_message="ready",
+                probe=result.detail,
                 waited_s=round(result.waited_s, 3),
-            )
-            log.info(
-                "ready %s",
-                format_fields(
-                    rank=self.label, probe=result.detail, waited_s=f"{result.waited_s:.1f}"
-                ),
             )
             self.mark_running(child)
             return True
         if exit_future.done():
             return True
-        self.rt.store.emit(
+        self.recorder.note(
             "ready_failed",
             self.key,
             f"{self.label}: readiness probe {describe_probe(probe)} failed: {result.detail}",
+            log_message="ready probe failed",
+            level=logging.ERROR,
+            probe=describe_probe(probe),
             detail=result.detail,
-        )
-        log.error(
-            "ready probe failed %s",
-            format_fields(
-                rank=self.label, probe=describe_probe(probe), detail=result.detail, action="stop"
-            ),
+            action="stop",
         )
         return False
 
@@ -527,16 +501,13 @@ class Runner:
         return child
 
     def _spawn_failed(self, message: str, pid: int | None) -> None:
-        self.rt.store.emit("spawn_failed", self.key, f"{self.label}: {message}", pid=pid)
-        log.error(
-            "spawn failed %s",
-            format_fields(rank=self.label, pid=pid, error=message, action="restart policy"),
-        )
+        self.recorder.note(
+            "spawn_failed", self.key, f"{self.label}: {message}", log_message="spawn failed",
+            level=logging.ERROR, pid=pid, error=message, action="restart policy",
+        )  # fmt: skip
 
     def record_bind_failure(self, target: BindTarget, reason: str, message: str) -> None:
-        Recorder(self.rt.store, log).bind_failed(
-            self.key, target, reason, message, action="degrade"
-        )
+        self.recorder.bind_failed(self.key, target, reason, message, action="degrade")
 
     def _record_bind(self, child: ChildProcess, report: ShimReport) -> None:
         slot = self.spec.slot
@@ -559,10 +530,20 @@ class Runner:
         )
         cpus = format_cpulist(report.cpus)
         mems = format_cpulist(report.mems)
-        self.rt.store.emit(
+        self.recorder.note(
             "spawn",
             self.key,
             f"{self.label}: pid {child.pid} cpus={cpus} mems={mems} mempolicy={report.mempolicy}",
+            log_message="spawn",
+            log_fields={
+                "pid": child.pid,
+                "cpus": cpus,
+                "mems": mems,
+                "mempolicy": report.mempolicy,
+                "reason": report.reason,
+                "cgroup": ",".join(report.cgroups) or None,
+                "bound": str(bound).lower(),
+            },
             pid=child.pid,
             cpus=list(report.cpus),
             mems=list(report.mems),
@@ -571,19 +552,6 @@ class Runner:
             cgroups=list(report.cgroups),
             bound=bound,
         )
-        log.info(
-            "spawn %s",
-            format_fields(
-                rank=self.label,
-                pid=child.pid,
-                cpus=cpus,
-                mems=mems,
-                mempolicy=report.mempolicy,
-                reason=report.reason,
-                cgroup=",".join(report.cgroups) or None,
-                bound=str(bound).lower(),
-            ),
-        )
 
     async def _reap_on_exit(self) -> None:
         child, self.child = self.child, None
@@ -591,9 +559,10 @@ class Runner:
             # Cancelled or stopping mid-run: the child never outlives its runner.
             code = await asyncio.shield(self._stop_child(child, "shutdown"))
             await asyncio.shield(self._end_tree())
-            self.rt.store.emit(
-                "exit", self.key, f"{self.label}: pid {child.pid} stopped ({code})", exit_code=code
-            )
+            self.recorder.note(
+                "exit", self.key, f"{self.label}: pid {child.pid} stopped ({code})",
+                log_message="exit", pid=child.pid, exit_code=code,
+            )  # fmt: skip
         if self.stopping:
             self.set_status(state="stopped", pid=None, backoff_s=0.0, next_start_at=None)
 

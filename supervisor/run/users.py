@@ -2,8 +2,8 @@
 
 `resolve_account` turns `[engine] user`/`group` into numeric ids once, at
 start-up, so that a typo is a config error (exit 2) rather than a crash loop;
-`with_accounts` puts them on the child specs; the exec shim then drops to
-them after binding, before exec.
+the daemon puts them on the child specs (`Daemon.specs_for`); the exec shim
+then drops to them after binding, before exec.
 """
 
 from __future__ import annotations
@@ -11,12 +11,10 @@ from __future__ import annotations
 import grp
 import os
 import pwd
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from supervisor.config import Config
 from supervisor.errors import ConfigError
-from supervisor.run.spec import ChildSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,17 +62,4 @@ def resolve_accounts(config: Config) -> dict[str, Account]:
     for where, proc in (("engine", config.engine), ("workers", config.workers)):
         if proc is not None and proc.user is not None:
             out[where] = resolve_account(proc.user, proc.group, f"{config.path}: {where}")
-    return out
-
-
-def with_accounts(specs: Sequence[ChildSpec], accounts: Mapping[str, Account]) -> list[ChildSpec]:
-    """`specs` with the engine's and the workers' accounts, and each account's
-    HOME/USER/LOGNAME in its environment (pure)."""
-    out: list[ChildSpec] = []
-    for spec in specs:
-        account = accounts.get("engine" if spec.key == "engine" else "workers")
-        if account is None:
-            out.append(spec)
-        else:
-            out.append(replace(spec, account=account, env={**spec.env, **account.env()}))
     return out

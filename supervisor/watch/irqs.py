@@ -49,7 +49,8 @@ class IrqFact:
     """Something the keeper did or saw that is worth an event (and a log line).
 
     `failure`: a refused bind, as (reason, errno name): counted in
-    bind_failures{target="irq"}. `log_message`: the STYLE log line's text.
+    bind_failures{target="irq"}. `log_message`: the STYLE log line's text, its
+    key=values `fields` or `log_fields` where they read differently (cpulists).
     """
 
     kind: EventKind
@@ -58,6 +59,7 @@ class IrqFact:
     fields: Mapping[str, Any] = field(default_factory=dict)
     log_message: str | None = None
     level: int = logging.INFO
+    log_fields: Mapping[str, Any] | None = None
     failure: str | None = None  # the bind failure reason, when this is one
 
 
@@ -118,8 +120,22 @@ class IrqKeeper:
             facts, self._facts = self._facts, []
         return facts
 
-    def _fact(self, kind: EventKind, key: ProcKey | None, message: str, **fields: Any) -> None:
-        self._facts.append(IrqFact(kind, key, message, MappingProxyType(fields)))
+    def _fact(
+        self,
+        kind: EventKind,
+        key: ProcKey | None,
+        message: str,
+        *,
+        log_message: str | None = None,
+        level: int = logging.INFO,
+        log_fields: Mapping[str, Any] | None = None,
+        **fields: Any,
+    ) -> None:
+        """A fact for the loop's recorder (which logs it then: never log it here too)."""
+        shown = None if log_fields is None else MappingProxyType(dict(log_fields))
+        self._facts.append(
+            IrqFact(kind, key, message, MappingProxyType(fields), log_message, level, shown)
+        )
 
     def __repr__(self) -> str:
         return f"IrqKeeper({self.fs!r}, irqs={len(self.planned_irqs())}, off={self._off_reason!r})"
@@ -179,25 +195,25 @@ class IrqKeeper:
             label = key_label(key)
             cpus = format_cpulist(assignments[0].cpus)
             irqs = format_cpulist(o.irq for o in bound)
-            log.info(
-                "irq bound %s",
-                format_fields(
-                    rank=label,
-                    irqs=irqs or None,
-                    cpus=cpus,
-                    owners=",".join(sorted({a.owner for a in assignments})),
-                    skipped=len(done) - len(bound),
-                ),
-            )
+            shown = {
+                "irqs": irqs or None,
+                "cpus": cpus,
+                "owners": ",".join(sorted({a.owner for a in assignments})),
+                "skipped": len(done) - len(bound),
+            }
             if bound:
                 self._fact(
                     "irq",
                     key,
                     f"{label}: IRQs {irqs} on CPUs {cpus}",
+                    log_message="irq bound",
+                    log_fields=shown,
                     irqs=[o.irq for o in bound],
                     cpus=list(assignments[0].cpus),
                     owners=sorted({a.owner for a in assignments}),
                 )
+            else:  # nothing bound: no event, the line says why not (skipped)
+                log.info("irq bound %s", format_fields(rank=label, **shown))
         return tuple(outcomes)
 
     def _bind_one(self, key: ProcKey, a: IrqAssignment) -> IrqOutcome:
@@ -308,32 +324,30 @@ class IrqKeeper:
             before = read_banned_irqs(info)
         if before is None or not ban_irqs(info, before | ours):
             self._banned = frozenset()
-            log.warning(
-                "irqbalance socket unreachable %s",
-                format_fields(
-                    pid=info.pid, socket=info.socket_path or "@abstract",
-                    action="observe: report each move as drift",
-                ),
-            )  # fmt: skip
             self._fact(
                 "irqbalance",
                 None,
                 f"irqbalance (pid {info.pid}) is running and its socket does not answer: "
                 "it may move our IRQs; each move is reported as drift",
+                log_message="irqbalance socket unreachable",
+                level=logging.WARNING,
+                log_fields={
+                    "pid": info.pid,
+                    "socket": info.socket_path or "@abstract",
+                    "action": "observe: report each move as drift",
+                },
                 pid=info.pid,
                 banned=False,
             )
             return
         self._banned_before = before
         self._banned = ours
-        log.info(
-            "irqbalance ban %s",
-            format_fields(pid=info.pid, irqs=format_cpulist(ours), action="ban via socket"),
-        )
         self._fact(
             "irqbalance",
             None,
             f"irqbalance (pid {info.pid}) asked to leave IRQs {format_cpulist(ours)} alone",
+            log_message="irqbalance ban",
+            log_fields={"pid": info.pid, "irqs": format_cpulist(ours), "action": "ban via socket"},
             pid=info.pid,
             banned=True,
             irqs=sorted(ours),
@@ -484,15 +498,13 @@ class IrqKeeper:
                     )
             if results:
                 restored = [irq for irq, err in results if err is None]
-                log.info(
-                    "irq restored %s",
-                    format_fields(irqs=format_cpulist(restored) or None, failed=failed),
-                )
                 self._fact(
                     "irq_restored",
                     None,
                     f"IRQs {format_cpulist(restored) or '-'} back on their original CPUs"
                     + (f"; {failed} failed" if failed else ""),
+                    log_message="irq restored",
+                    log_fields={"irqs": format_cpulist(restored) or None, "failed": failed},
                     irqs=restored,
                     failed=failed,
                 )

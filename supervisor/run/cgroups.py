@@ -1,0 +1,128 @@
+"""The supervised processes' cgroups: one per process key, in this instance's own dir
+(does I/O through `supervisor.bind.cgroup`).
+
+`cgroups_for` finds a writable subtree and prepares it once, before any spawn;
+`ManagedCgroups` makes each process's cgroup at its first start and reuses it
+after; `instance_suffix` names the instance's dir (pure).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import re
+from collections.abc import Mapping, Sequence
+
+from supervisor.bind.cgroup import CgroupManager, ProcessCgroup, detect_cgroup_setup
+from supervisor.config import Config
+from supervisor.errors import ConfigError, KernelError
+from supervisor.hostfs import HostFS
+from supervisor.logs import format_fields
+from supervisor.plan.placement import Slot
+from supervisor.run.guardian import sweep_leftovers
+from supervisor.state import ProcKey, key_label
+
+log = logging.getLogger("placement_supervisor.daemon")
+
+INSTANCE_ENV = "PLACEMENT_SUPERVISOR_INSTANCE"
+
+
+class ManagedCgroups:
+    """`ProcessCgroups` (supervisor.run.runner) over a `CgroupManager`: one cgroup per
+    process key ("engine", "rank0", ...), made at its first start, reused after."""
+
+    def __init__(self, manager: CgroupManager) -> None:
+        self.manager = manager
+        self.made: dict[ProcKey, ProcessCgroup] = {}
+
+    @staticmethod
+    def name(key: ProcKey) -> str:
+        return "engine" if key == "engine" else f"rank{key}"
+
+    @property
+    def instance_dirs(self) -> tuple[str, ...]:
+        """This instance's dirs (one per hierarchy), relative to the HostFS root."""
+        return self.manager.instance_dirs
+
+    def cpuset_dir(self, key: ProcKey) -> str | None:
+        """The cpuset dir of `key`'s cgroup; None before its first start."""
+        pc = self.made.get(key)
+        return None if pc is None else pc.cpuset_dir
+
+    def create(self, key: ProcKey, slot: Slot) -> tuple[str, ...]:
+        pc = self.made.get(key)
+        if pc is None:
+            pc = self.manager.create(self.name(key), slot.cpus, slot.mems)
+            self.made[key] = pc
+        else:
+            self.manager.update(pc, slot.cpus, slot.mems)
+        return pc.dirs
+
+    def remove(self, key: ProcKey) -> None:
+        pc = self.made.pop(key, None)
+        if pc is not None:
+            self.manager.remove(pc)
+
+    def close(self) -> None:
+        self.manager.close()
+
+
+def instance_suffix(config: Config, env: Mapping[str, str]) -> str:
+    """The per-instance cgroup dir suffix (pure).
+
+    INSTANCE_ENV when set; else the config file's name plus a hash of its
+    absolute path, so that two supervisors on one host (two single-GPU
+    services, each with its own config) never write each other's cgroups on
+    a shared v1 hierarchy, while a restarted supervisor finds its own again.
+    """
+    explicit = env.get(INSTANCE_ENV)
+    if explicit is not None or config.path is None:
+        return explicit or ""
+    path = os.path.abspath(config.path)
+    stem = re.sub(r"[^A-Za-z0-9_.-]", "_", os.path.splitext(os.path.basename(path))[0])
+    return f"{stem}-{hashlib.sha256(path.encode()).hexdigest()[:8]}"
+
+
+def cgroups_for(config: Config, fs: HostFS, env: Mapping[str, str]) -> ManagedCgroups | None:
+    """Per-process cgroups when `cgroup = "auto"` and a writable subtree exists,
+    in a dir of this instance's own (`instance_suffix`)."""
+    if config.cgroup == "off":
+        return None
+    setup = detect_cgroup_setup(fs)
+    if setup is None:
+        log.info(
+            "cgroups none %s", format_fields(reason="no writable cgroup subtree", action="skip")
+        )
+        return None
+    suffix = instance_suffix(config, env)
+    try:
+        manager = CgroupManager(fs, setup, suffix=suffix)
+    except ValueError as err:
+        raise ConfigError(f"{INSTANCE_ENV}={suffix!r}: {err}") from None
+    try:
+        # Once, here, before any runner spawns: preparing lazily from the
+        # executor's threads raced, and a failure was redone at every spawn.
+        manager.prepare()
+    except KernelError as err:
+        log.warning("cgroups none %s", format_fields(error=str(err), action="skip cgroups"))
+        return None
+    # What an earlier instance of this config left (it died with its guardian) ends first.
+    sweep_leftovers(manager)
+    log.info(
+        "cgroups %s",
+        format_fields(version=setup.version, parent=setup.cpuset_parent, instance=manager.instance),
+    )
+    return ManagedCgroups(manager)
+
+
+def remove_cgroups(cgroups: ManagedCgroups, keys: Sequence[ProcKey]) -> None:
+    """Each process's cgroup, then the instance's dirs (best effort; blocking)."""
+    for key in keys:
+        try:
+            cgroups.remove(key)
+        except (KernelError, OSError) as err:
+            log.warning("cgroup remove failed %s", format_fields(rank=key_label(key), error=err))
+    with contextlib.suppress(KernelError, OSError):
+        cgroups.close()

@@ -1,0 +1,265 @@
+"""The package's import layout (DESIGN section 2): no import cycle, and the pure
+layers import nothing of the I/O layers above them (reads supervisor/**/*.py).
+
+Every `import` statement counts, wherever it stands: at module level, inside a
+function (a lazy import still runs) and under `if TYPE_CHECKING:` (a cycle
+there is still a layering one). Importing `supervisor.a.b` runs
+`supervisor/a/__init__.py` too, so it counts as an import of `supervisor.a`.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "supervisor"
+
+# The layers below the process-running ones: topology (host -> Topology), the
+# plan (Topology -> Placement) and the check loop's pure decision.
+PURE = ("supervisor.topology", "supervisor.plan", "supervisor.watch.decide")
+# What they must never reach: kernel writes, processes, the API, the root.
+ABOVE = ("supervisor.bind", "supervisor.run", "supervisor.serve", "supervisor.daemon")
+# Pure parsers that live beside their users above and that `supervisor.config`
+# validates with at load time (so the pure layers reach them through config),
+# and the docstring-only package files they run. The walk goes on through
+# them: whatever they import is checked like the rest.
+PURE_ABOVE = frozenset(
+    {"supervisor.run", "supervisor.run.rank_source", "supervisor.serve", "supervisor.serve.listen"}
+)
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _within(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def _imported(node: ast.Import | ast.ImportFrom, me: str, is_package: bool) -> list[str]:
+    """The module names one import statement names (a `from` of a submodule names it)."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    base = node.module or ""
+    if node.level:  # relative: resolved against this module's package
+        package = me.split(".") if is_package else me.split(".")[:-1]
+        package = package[: len(package) - node.level + 1]
+        base = ".".join([*package, *([base] if base else [])])
+    return [base, *(f"{base}.{alias.name}" for alias in node.names)]
+
+
+def import_graph(root: Path, package: str = "supervisor") -> dict[str, set[str]]:
+    """{module: the package's modules it imports}, from the source alone (no import runs)."""
+    files = {module_name(p, root): p for p in (root / package).rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for me, path in files.items():
+        edges: set[str] = set()
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Import | ast.ImportFrom):
+                continue
+            for name in _imported(node, me, path.name == "__init__.py"):
+                parts = name.split(".")
+                # The module itself and every package above it run.
+                for i in range(1, len(parts) + 1):
+                    target = ".".join(parts[:i])
+                    if target in files and target != me:
+                        edges.add(target)
+        graph[me] = edges
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as [a, b, ..., a], or None (iterative DFS, sorted for a stable answer)."""
+    done: set[str] = set()
+    for start in sorted(graph):
+        if start in done:
+            continue
+        path: list[str] = []
+        on_path: set[str] = set()
+        stack: list[tuple[str, list[str]]] = [(start, sorted(graph[start]))]
+        path.append(start)
+        on_path.add(start)
+        while stack:
+            node, todo = stack[-1]
+            if not todo:
+                stack.pop()
+                path.pop()
+                on_path.discard(node)
+                done.add(node)
+                continue
+            nxt = todo.pop(0)
+            if nxt in on_path:
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in done:
+                stack.append((nxt, sorted(graph.get(nxt, ()))))
+                path.append(nxt)
+                on_path.add(nxt)
+    return None
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> dict[str, str]:
+    """{module: the module that imports it on one path from `start`}."""
+    via: dict[str, str] = {}
+    todo = [start]
+    while todo:
+        node = todo.pop()
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in via and nxt != start:
+                via[nxt] = node
+                todo.append(nxt)
+    return via
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Each pure module that reaches an ABOVE module (not PURE_ABOVE), directly or
+    through others, with the chain."""
+    found = []
+    for me in sorted(graph):
+        if not _within(me, PURE):
+            continue
+        via = reachable(graph, me)
+        for target in sorted(via):
+            if _within(target, ABOVE) and target not in PURE_ABOVE:
+                chain = [target]
+                while chain[-1] != me:
+                    chain.append(via[chain[-1]])
+                found.append(" -> ".join(reversed(chain)))
+    return found
+
+
+# -- the package ------------------------------------------------------------------------
+
+
+def test_the_package_has_no_import_cycle() -> None:
+    graph = import_graph(ROOT)
+    assert len(graph) > 50  # the whole package was read
+    assert find_cycle(graph) is None, find_cycle(graph)
+
+
+def test_topology_plan_and_decide_import_nothing_of_bind_run_serve_or_the_daemon() -> None:
+    graph = import_graph(ROOT)
+    assert any(_within(m, ("supervisor.topology",)) for m in graph)
+    assert "supervisor.watch.decide" in graph
+    assert layer_violations(graph) == []
+
+
+# -- the checks themselves fail when they should ----------------------------------------
+
+
+def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        path = tmp_path / "supervisor" / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return tmp_path
+
+
+BASE = {
+    "__init__.py": "",
+    "state.py": "X = 1\n",
+    "plan/__init__.py": "",
+    "plan/planner.py": "from supervisor.state import X\n",
+    "run/__init__.py": "",
+    "run/runner.py": "from supervisor.plan import planner\n",
+    "daemon.py": "import supervisor.run.runner\n",
+    "watch/__init__.py": "",
+    "watch/decide.py": "from supervisor import state\n",
+}
+
+
+def test_a_clean_tree_passes(tmp_path: Path) -> None:
+    graph = import_graph(_tree(tmp_path, BASE))
+    assert graph["supervisor.run.runner"] == {
+        "supervisor",
+        "supervisor.plan",
+        "supervisor.plan.planner",
+    }
+    assert find_cycle(graph) is None
+    assert layer_violations(graph) == []
+
+
+@pytest.mark.parametrize(
+    "where",
+    [
+        "import supervisor.daemon\n",  # module level
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from supervisor.daemon import D\n",
+        "def f():\n    from supervisor import daemon\n",  # a lazy import
+    ],
+)
+def test_a_cycle_is_found_wherever_its_import_stands(tmp_path: Path, where: str) -> None:
+    files = {**BASE, "plan/planner.py": BASE["plan/planner.py"] + where}
+    graph = import_graph(_tree(tmp_path, files))
+    cycle = find_cycle(graph)
+    assert cycle is not None and cycle[0] == cycle[-1]
+    assert "supervisor.daemon" in cycle and "supervisor.plan.planner" in cycle
+
+
+@pytest.mark.parametrize(
+    ("module", "line", "target"),
+    [
+        ("plan/planner.py", "from supervisor.bind.syscalls import bind\n", "supervisor.bind"),
+        ("watch/decide.py", "from ..serve import server\n", "supervisor.serve.server"),
+        ("topology/cpus.py", "from supervisor.run import runner\n", "supervisor.run.runner"),
+        ("plan/planner.py", "import supervisor.daemon\n", "supervisor.daemon"),
+    ],
+)
+def test_a_pure_module_reaching_up_is_found(
+    tmp_path: Path, module: str, line: str, target: str
+) -> None:
+    files = {
+        **BASE,
+        "bind/__init__.py": "",
+        "bind/syscalls.py": "",
+        "serve/__init__.py": "",
+        "serve/server.py": "",
+        "topology/__init__.py": "",
+        "topology/cpus.py": "",
+        module: line,
+    }
+    found = layer_violations(import_graph(_tree(tmp_path, files)))
+    assert any(chain.endswith(target) for chain in found), found
+
+
+def test_a_pure_module_reaching_up_through_another_is_found(tmp_path: Path) -> None:
+    files = {**BASE, "state.py": "import supervisor.daemon\n"}
+    found = layer_violations(import_graph(_tree(tmp_path, files)))
+    assert "supervisor.plan.planner -> supervisor.state -> supervisor.daemon" in found
+
+
+def test_a_pure_parser_above_is_walked_through(tmp_path: Path) -> None:
+    files = {
+        **BASE,
+        "run/rank_source.py": "",
+        "state.py": "from supervisor.run import rank_source\n",
+    }
+    assert layer_violations(import_graph(_tree(tmp_path, files))) == []
+    files["run/rank_source.py"] = "from supervisor.run.runner import R\n"
+    found = layer_violations(import_graph(_tree(tmp_path, files)))
+    assert any(
+        chain.endswith("supervisor.run.rank_source -> supervisor.run.runner") for chain in found
+    )
+
+
+# -- module size -------------------------------------------------------------------------
+
+LINES_MAX = 500
+
+
+def test_a_module_over_500_lines_says_why_in_its_docstring() -> None:
+    unexplained = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text()
+        if text.count("\n") <= LINES_MAX:
+            continue
+        doc = ast.get_docstring(ast.parse(text)) or ""
+        if "Over 500 lines because" not in " ".join(doc.split()):
+            unexplained.append(f"{path.relative_to(ROOT)}: {text.count(chr(10))} lines")
+    assert unexplained == []
