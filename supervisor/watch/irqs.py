@@ -9,7 +9,9 @@ originals back when the daemon stops. Its methods block (file writes, a unix
 socket): the daemon calls them from its executor. It never writes the
 StateStore: what is worth an event or a counter is kept as an `IrqFact` that
 the caller takes (`take_facts`) on the event loop and records
-(supervisor.events.Recorder.facts).
+(supervisor.events.Recorder.facts). Over 500 lines because apply, observe,
+enforce, re-plan, restore and the irqbalance ban share one lock and one
+status table; splitting them would spread that state across modules.
 """
 
 from __future__ import annotations
