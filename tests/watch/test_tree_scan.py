@@ -219,7 +219,15 @@ def test_a_spawn_child_s_pool_thread_is_checked_with_the_engine(
 
             def finding() -> dict[str, Any] | None:
                 engine = (d.placement() or doc)["engine"]
-                return next((f for f in engine["drift"] if f["target"] == f"tid {tid}"), None)
+                # Never bound under observe: drift from its start (0-1), then on 0.
+                return next(
+                    (
+                        f
+                        for f in engine["drift"]
+                        if f["target"] == f"tid {tid}" and f["actual"] == "0"
+                    ),
+                    None,
+                )
 
             found = poll(finding, timeout_s=20, what=d.tail())
             assert found == {
