@@ -93,6 +93,7 @@ class TreeMember:
     ppid: int
     cmdline: str
     cpus: tuple[int, ...]
+    start_time: int | None = None  # stat field 22: the check loop scans it while it is this one
 
     def to_doc(self) -> dict[str, Any]:
         return {
@@ -110,6 +111,7 @@ class ThreadObservation:
     role: str
     cpus: tuple[int, ...]
     start_time: int | None = None  # stat field 22: a write checks the tid still names it
+    pid: int | None = None  # the tree member it runs in; None: the supervised process itself
 
 
 @dataclass(frozen=True, slots=True)

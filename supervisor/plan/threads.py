@@ -7,16 +7,22 @@ thread the workload pinned itself to a strict subset of its role's CPUs is
 respected unless `enforce_pinned` says otherwise (vllm-ascend's binder
 re-bound such threads and undid the workload's own placement). The re-binds
 themselves are decided in one place, supervisor.watch.decide.
+
+Which roles apply where (DESIGN 3.7, `process` covers the named process and
+its whole tree): `role_kinds` chooses the kinds per supervised process, and
+`with_engine_roles` gives an adopted worker's tree the engine's role CPUs
+where its cpuset lets it use them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass, field, replace
 from fnmatch import fnmatchcase
 from typing import Literal
 
 from supervisor.config import ThreadRole
+from supervisor.plan.placement import Slot
 
 ProcessKind = Literal["engine", "workers"]
 ThreadVerdict = Literal["ok", "pinned", "drift"]
@@ -53,26 +59,78 @@ def role_for_thread(name: str, process: ProcessKind, roles: Sequence[ThreadRole]
     return DEFAULT_ROLE
 
 
-class RoleMatcher:
-    """`role_for_thread` for one process kind, memoised by name.
+def role_kinds(key: object, adopted: bool) -> tuple[ProcessKind, ...]:
+    """The `process` kinds whose roles apply to a supervised process and its tree.
 
-    A process has hundreds of threads but few distinct names, so a check
-    cycle matches each name once. The memo is bounded: a workload that names
-    threads uniquely ("req-18231") cannot grow it without limit.
+    The engine's tree: "engine". A worker the supervisor spawned: "workers".
+    An adopted worker is a rank's and also of the engine's tree (SGLang
+    compiles grammars in each scheduler): "workers" and "engine".
+    """
+    if key == "engine":
+        return ("engine",)
+    return ("workers", "engine") if adopted else ("workers",)
+
+
+def with_engine_roles(
+    slot: Slot,
+    engine: Slot | None,
+    roles: Sequence[ThreadRole],
+    cpuset: Collection[int],
+) -> Slot:
+    """An adopted worker's slot with the CPUs of the engine's roles its threads may carry.
+
+    A `process = "engine"` role named in a worker (the hook's `so_compiler-N`
+    in an SGLang scheduler) belongs on the engine slot's CPUs for that role
+    only where those lie inside the worker's `cpuset` (its rank cgroup's
+    CPUs, or the supervisor's allowed CPUs when it has no cgroup of its own),
+    as the hook decides (`bind_target`); otherwise the rank's slot answers,
+    which is the worker's `main` unless the rank plans that role itself. A
+    name that a `process = "workers"` role also uses keeps the rank's meaning.
+    """
+    if engine is None:
+        return slot
+    rank_names = {r.role for r in roles if r.process == "workers"}
+    allowed = set(cpuset)
+    extra: dict[str, tuple[int, ...]] = {}
+    for name in _names(r.role for r in roles if r.process == "engine"):
+        if name in slot.roles or name in rank_names:
+            continue
+        want = engine.role_cpus(name)
+        if want and set(want) <= allowed:
+            extra[name] = want
+    return replace(slot, roles={**slot.roles, **extra}) if extra else slot
+
+
+def _names(names: Iterable[str]) -> list[str]:
+    return list(dict.fromkeys(names))
+
+
+class RoleMatcher:
+    """`role_for_thread` for one or more process kinds, memoised by name.
+
+    With several kinds (an adopted worker: "workers" and "engine") the first
+    role of any of them that matches wins, in the config's order. A process
+    has hundreds of threads but few distinct names, so a check cycle matches
+    each name once. The memo is bounded: a workload that names threads
+    uniquely ("req-18231") cannot grow it without limit.
     """
 
-    __slots__ = ("_memo", "_roles", "process")
+    __slots__ = ("_memo", "_roles", "kinds", "process")
     MEMO_MAX = 4096
 
-    def __init__(self, process: ProcessKind, roles: Sequence[ThreadRole]) -> None:
-        self.process: ProcessKind = process
-        self._roles = tuple(r for r in roles if r.process == process)
+    def __init__(
+        self, process: ProcessKind | tuple[ProcessKind, ...], roles: Sequence[ThreadRole]
+    ) -> None:
+        self.kinds: tuple[ProcessKind, ...] = (process,) if isinstance(process, str) else process
+        self.process: ProcessKind = self.kinds[0]
+        self._roles = tuple(r for r in roles if r.process in self.kinds)
         self._memo: dict[str, str] = {}
 
     def role(self, name: str) -> str:
         role = self._memo.get(name)
         if role is None:
-            role = role_for_thread(name, self.process, self._roles)
+            comm = name[:COMM_MAX_CHARS]
+            role = next((r.role for r in self._roles if fnmatchcase(comm, r.pattern)), DEFAULT_ROLE)
             if len(self._memo) >= self.MEMO_MAX:
                 self._memo.clear()
             self._memo[name] = role

@@ -153,7 +153,10 @@ def build_specs(
             config.engine.env,
             {SLOT_ENV: slot_env_value("engine", slot.to_doc())},
         )
-        env.update(hook_env(env, hook_roles(config.threads, ("engine",)), sup_pid))
+        # Adopted workers inherit the engine's environment: its hook carries
+        # their roles too (the hook names pools; the daemon matches per process).
+        kinds = ("engine", "workers") if config.workers.spawned_by == "engine" else ("engine",)
+        env.update(hook_env(env, hook_roles(config.threads, kinds), sup_pid))
         specs.append(ChildSpec("engine", resolve_python(config.engine.command, python), env, slot))
     world_size = len(placement.ranks)
     worker_hook = hook_roles(config.threads, ("workers",))

@@ -149,4 +149,4 @@ def read_member_info(fs: HostFS, member: Member) -> TreeMember | None:
         cpus = tuple(sorted(os.sched_getaffinity(member.pid)))
     except OSError:
         return None
-    return TreeMember(member.pid, member.ppid, cmdline[:CMDLINE_MAX_CHARS], cpus)
+    return TreeMember(member.pid, member.ppid, cmdline[:CMDLINE_MAX_CHARS], cpus, member.start_time)

@@ -128,8 +128,11 @@ def observation_doc(obs: Observation | None) -> dict[str, Any]:
     """The `observed` object of a process (empty lists until the first check)."""
     obs = obs or Observation()
     return {
+        # A tree member's threads are listed with its owner's, with their "pid".
         "threads": [
             {"tid": t.tid, "name": t.name, "role": t.role, "cpus": list(t.cpus)}
+            if t.pid is None
+            else {"tid": t.tid, "name": t.name, "role": t.role, "cpus": list(t.cpus), "pid": t.pid}
             for t in obs.threads
         ],
         # JSON object keys are strings: node 1 is "1".

@@ -5,7 +5,9 @@ re-write of a pass, each failure isolated to its thread, process or IRQ set,
 and returns one `settle.Outcomes` per decision. It touches a tid only while
 it is still the thread the scan saw: before and after each write it checks
 the tid's Tgid and start time (a tid handed to an unrelated process is never
-written; issue 11), and a pid by its start time before its pages move.
+written; issue 11): the Tgid is the tree member the thread runs in where the
+bind names one, else the decision's process. A pid is checked by its start
+time before its pages move.
 `update_cgroups` sets the instance dir and the moved processes' cgroups to a
 new plan. Nothing here writes the StateStore.
 """
@@ -82,7 +84,9 @@ class Applier:
                 gone = Outcome(gone=True)
                 out.append(Outcomes(dict.fromkeys((b.tid for b in d.binds), gone)))
                 continue
-            threads = {b.tid: self.bind_thread(d.pid, b) for b in d.binds}
+            threads = {
+                b.tid: self.bind_thread(d.pid if b.pid is None else b.pid, b) for b in d.binds
+            }
             moves = tuple(self.migrate(d.pid, starts.get(d.key), m) for m in d.moves)
             irq = self.enforce_irqs(d.key) if d.irq_reason is not None else None
             out.append(Outcomes(threads, moves, irq))

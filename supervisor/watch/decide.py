@@ -3,7 +3,10 @@
 `decide(slot, seen, state, policy, now)` turns what one pass saw of one
 process into a `Decision`: thread binds, memory migrations, an IRQ re-write,
 the findings (and which are new, to count once), notes, and the next
-`RepairState` (supervisor.watch.settle folds what the binds did into it). The
+`RepairState` (supervisor.watch.settle folds what the binds did into it).
+One process here is a supervised process with its whole tree: the threads of
+its tree's members come in the same observation, each with its `pid`, and
+are decided as its own (tids are unique host-wide while they live). The
 migration policy lives here: the start threshold, repair to
 `REPAIR_TARGET_RATIO` once started, the no-gain backoff and the tug-of-war
 backoff. Nothing here imports bind/, run/, serve/ or the daemon.
@@ -158,6 +161,7 @@ class ThreadBind:
     cpus: tuple[int, ...]
     reason: RebindReason
     start_time: int | None = None  # the thread the scan saw (a reused tid is not it)
+    pid: int | None = None  # the tree member it runs in; None: the decision's process
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,7 +254,9 @@ def decide(
                 )
                 cpus = tuple(sorted(set(slot.role_cpus(thread.role))))
                 binds.append(
-                    ThreadBind(tid, thread.name, thread.role, cpus, reason, thread.start_time)
+                    ThreadBind(
+                        tid, thread.name, thread.role, cpus, reason, thread.start_time, thread.pid
+                    )
                 )
             continue
         if policy.cause == "cpuset_changed":

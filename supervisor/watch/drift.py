@@ -10,14 +10,14 @@ process_gone);
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Literal
 
 from supervisor.cpulist import format_cpulist
 from supervisor.plan.placement import Slot
 from supervisor.plan.threads import thread_verdict
-from supervisor.state import Finding, Observation
+from supervisor.state import Finding, Observation, ThreadObservation
 
 PolicyAction = Literal["observe", "enforce"]
 
@@ -98,19 +98,35 @@ def irq_drifted(delivered: Iterable[int], planned: Iterable[int]) -> bool:
 def _self_rebind(slot: Slot, obs: Observation, findings: list[Finding]) -> list[Finding]:
     """thread_affinity findings that are one process moving itself out of its slot.
 
-    When every thread sits on the same CPUs and they are not inside the slot,
+    Judged per process of the tree (threads grouped by their `pid`). When
+    every thread of one process sits on the same CPUs and they are not inside the slot,
     the process bound itself as a whole (vLLM --numa-bind, SGLang's numactl
     wrapper, torchrun --numa-binding, a sched_setaffinity before its threads
     started): `self_rebind`, fixed or left by its own policy. A single thread
     off its role stays thread_affinity; narrowing inside the slot is "pinned"
     and never a finding (pinned_ok). Who made the change the kernel does not say.
     """
-    if not obs.threads or len(findings) != len(obs.threads):
+    if not findings:
         return findings
-    cpus = {t.cpus for t in obs.threads}
-    if len(cpus) != 1 or set(next(iter(cpus))) <= set(slot.cpus):
+    if all(t.pid is None for t in obs.threads):  # no tree members: one process
+        groups: list[Sequence[ThreadObservation]] = [obs.threads]
+    else:
+        by_pid: dict[int | None, list[ThreadObservation]] = {}
+        for t in obs.threads:
+            by_pid.setdefault(t.pid, []).append(t)
+        groups = list(by_pid.values())
+    targets = {f.target for f in findings}
+    moved: set[str] = set()
+    for threads in groups:
+        names = [f"tid {t.tid}" for t in threads]
+        if not all(n in targets for n in names):
+            continue
+        cpus = {t.cpus for t in threads}
+        if len(cpus) == 1 and not set(next(iter(cpus))) <= set(slot.cpus):
+            moved.update(names)
+    if not moved:
         return findings
-    return [replace(f, kind="self_rebind") for f in findings]
+    return [replace(f, kind="self_rebind") if f.target in moved else f for f in findings]
 
 
 def apply_policy(

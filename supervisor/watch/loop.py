@@ -34,8 +34,14 @@ from supervisor.plan.replan import (
     allowed_of,
     mems_changed,
 )
-from supervisor.plan.threads import DEFAULT_THREAD_ROLES, ProcessKind, RoleMatcher
-from supervisor.state import Finding, Observation, ProcKey, StateStore, key_label
+from supervisor.plan.threads import (
+    DEFAULT_THREAD_ROLES,
+    ProcessKind,
+    RoleMatcher,
+    role_kinds,
+    with_engine_roles,
+)
+from supervisor.state import Finding, Observation, ProcessStatus, ProcKey, StateStore, key_label
 from supervisor.watch.apply import Applier, CgroupsLike
 from supervisor.watch.cpuset import Moved, Replanner, Replanning
 from supervisor.watch.decide import Cause, Decision, Policy, Seen, after_replan, decide
@@ -106,10 +112,10 @@ class CheckLoop:
                 record=self.record,
             )
         )
-        all_roles = (*roles, *DEFAULT_THREAD_ROLES)
-        self.matchers: dict[ProcessKind, RoleMatcher] = {
-            "engine": RoleMatcher("engine", all_roles),
-            "workers": RoleMatcher("workers", all_roles),
+        self.roles = all_roles = (*roles, *DEFAULT_THREAD_ROLES)
+        self.matchers: dict[tuple[ProcessKind, ...], RoleMatcher] = {
+            kinds: RoleMatcher(kinds, all_roles)
+            for kinds in (role_kinds("engine", False), role_kinds(0, False), role_kinds(0, True))
         }
         self.tracked: dict[ProcKey, Tracked] = {}
         self.down_reported: set[ProcKey] = set()
@@ -279,6 +285,8 @@ class CheckLoop:
             if t.key in result.errors:
                 self._fail_once(t.key, tracked, f"pid {t.pid}", result.errors[t.key])
                 continue
+            for pid, message in result.member_errors.get(t.key, ()):
+                self._fail_once(t.key, tracked, f"pid {pid}", message)
             seen = result.seen.get(t.key)
             if seen is None:
                 continue  # exited since the listing: its runner reports that
@@ -320,12 +328,22 @@ class CheckLoop:
             self.fs,
             self.tracked,
             self.matchers,
-            self.supervised(),
+            [(k, st, self._tree_slot(k, st, slot)) for k, st, slot in self.supervised()],
             made,
             only=only,
             numa_maps_interval_s=self.drift.numa_maps_interval_s,
             now=time.monotonic(),
+            trees=self.store.snapshot.trees,
         )
+
+    def _tree_slot(self, key: ProcKey, status: ProcessStatus, slot: Slot) -> Slot:
+        """The slot the threads of `key`'s tree are checked against: an adopted
+        worker's also holds the engine's roles its cpuset lets it use (see
+        plan.threads.with_engine_roles; the hook decides alike)."""
+        if "engine" not in role_kinds(key, status.adopted) or key == "engine":
+            return slot
+        cpuset = slot.cpus if status.cgroup is not None else self.allowed.cpus
+        return with_engine_roles(slot, self.store.snapshot.placement.engine, self.roles, cpuset)
 
     # -- publication (on the loop) ----------------------------------------------------
 
@@ -406,8 +424,20 @@ class CheckLoop:
                 node_ids=node_ids,
             )
             tracked.state = after_replan(tracked.state)
+        slots = {
+            key: self._tree_slot(key, self.store.snapshot.processes[key], moved.slot(key))
+            for key in policies
+        }
         targets = [
-            ScanTarget(key, self.tracked[key].pid, moved.slot(key), self.tracked[key], None, False)
+            ScanTarget(
+                key,
+                self.tracked[key].pid,
+                slots[key],
+                self.tracked[key],
+                None,
+                False,
+                tuple(self.tracked[key].members.values()),
+            )
             for key in policies
         ]
         result = await self._scan(targets, host=False)
@@ -423,7 +453,11 @@ class CheckLoop:
         for d, out in zip(decisions, outcomes, strict=True):
             s = settle(d, out, policies[d.key], now, can_migrate_other=self.can_migrate_other)
             self.tracked[d.key].state = s.state
+            status = self.store.snapshot.processes[d.key]
             by_plan = moved_by_plan(
-                moved.slot(d.key, old=True), moved.slot(d.key), d.observation, d.binds
+                self._tree_slot(d.key, status, moved.slot(d.key, old=True)),
+                slots[d.key],
+                d.observation,
+                d.binds,
             )
             record_settled(self.record, d, s, out, moved=True, by_plan=by_plan)

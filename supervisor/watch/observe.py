@@ -148,7 +148,8 @@ class ThreadScanner:
     not change keeps its `LiveThread` (and `ThreadObservation`) object, which
     is what keeps a 4800-thread check near the syscall floor. On a fixture
     tree it falls back to `read_threads`. Keep one per process; make a new
-    one when the process is restarted.
+    one when the process is restarted. With `member` its observations carry
+    the pid (a tree member's threads, listed with its owner's).
     """
 
     __slots__ = (
@@ -156,6 +157,7 @@ class ThreadScanner:
         "_nlink",
         "_scan",
         "fs",
+        "member",
         "pid",
         "relist_every",
         "rename_every",
@@ -170,6 +172,7 @@ class ThreadScanner:
         relist_every: int = 10,
         rename_every: int = 60,
         young_scans: int = 3,
+        member: bool = False,
     ) -> None:
         if min(relist_every, rename_every, young_scans) < 1:
             raise ValueError("relist_every, rename_every and young_scans must be >= 1")
@@ -178,6 +181,7 @@ class ThreadScanner:
         self.relist_every = relist_every
         self.rename_every = rename_every
         self.young_scans = young_scans
+        self.member = member
         self._known: dict[int, _Known] = {}
         self._nlink = -1
         self._scan = 0
@@ -190,9 +194,11 @@ class ThreadScanner:
 
     def observe(self, matcher: RoleMatcher) -> tuple[ThreadObservation, ...]:
         """`scan()` as `ThreadObservation`s with roles from `matcher`."""
+        pid = self.pid if self.member else None
         if not self.fs.is_live:
             return tuple(
-                ThreadObservation(t.tid, t.name, matcher.role(t.name), t.cpus) for t in self.scan()
+                ThreadObservation(t.tid, t.name, matcher.role(t.name), t.cpus, pid=pid)
+                for t in self.scan()
             )
         out: list[ThreadObservation] = []
         for entry in self._scan_entries():
@@ -204,7 +210,7 @@ class ThreadScanner:
             if live is None:
                 continue
             observed = ThreadObservation(
-                live.tid, live.name, matcher.role(live.name), live.cpus, live.start_time
+                live.tid, live.name, matcher.role(live.name), live.cpus, live.start_time, pid
             )
             entry.observed = observed
             entry.matcher = matcher

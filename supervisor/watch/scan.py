@@ -1,8 +1,11 @@
 """One check pass's reads (blocking: run in the daemon's executor; I/O through HostFS).
 
 `track(...)` says which processes to read (and keeps one `Tracked` per
-process); `scan(...)` reads, for each `ScanTarget`, the process's threads (through its
-`observe.ThreadScanner`), its resident memory per node (its cgroup's
+process, with one scanner per member of its tree as the tree keeper
+published it in `Snapshot.trees`: no /proc walk here); `scan(...)` reads,
+for each `ScanTarget`, the threads of the process and of every member of its
+tree (through their `observe.ThreadScanner`s; a member's threads carry its
+pid and join its owner's observation, DESIGN 3.7), its resident memory per node (its cgroup's
 memory.numa_stat when it has one, else numa_maps when due), its planned IRQs
 (through the IRQ keeper), and the supervisor's own allowed CPUs and nodes
 with the online CPUs. It returns an immutable `ScanResult`; the loop decides
@@ -22,10 +25,18 @@ from supervisor.events import FactLike
 from supervisor.hostfs import HostFS
 from supervisor.plan.placement import Placement, Slot
 from supervisor.plan.replan import AllowedSet, normalize_allowed
-from supervisor.plan.threads import ProcessKind, RoleMatcher
-from supervisor.state import IrqObservation, Observation, ProcessStatus, ProcKey
+from supervisor.plan.threads import ProcessKind, RoleMatcher, role_kinds
+from supervisor.state import (
+    IrqObservation,
+    Observation,
+    ProcessStatus,
+    ProcKey,
+    ThreadObservation,
+    TreeMember,
+)
 from supervisor.topology.model import Topology
 from supervisor.watch.decide import RepairState, Seen
+from supervisor.watch.identity import read_thread_start
 from supervisor.watch.observe import (
     ThreadScanner,
     observe_process,
@@ -61,6 +72,15 @@ Supervised = tuple[ProcKey, ProcessStatus, Slot]
 """A planned process as its runner has it: key, status, slot."""
 
 
+@dataclass(frozen=True, slots=True)
+class MemberScan:
+    """One member of a tree (pid + start time) and the scanner kept for it."""
+
+    pid: int
+    start_time: int | None
+    scanner: ThreadScanner
+
+
 @dataclass(slots=True)
 class Tracked:
     """What the loop keeps of one process between passes (loop-owned; one per pid)."""
@@ -70,6 +90,7 @@ class Tracked:
     scanner: ThreadScanner
     matcher: RoleMatcher
     kind: ProcessKind
+    members: dict[int, MemberScan] = field(default_factory=dict)  # the rest of its tree
     previous: Observation | None = None  # memory carried over when none is read
     maps_at: float = float("-inf")  # monotonic time of the last memory read
     state: RepairState = field(default_factory=RepairState)
@@ -85,22 +106,42 @@ class ScanTarget:
     tracked: Tracked
     cgroup: ProcessCgroup | None  # read its memory.numa_stat
     read_maps: bool  # else: numa_maps is due
+    members: tuple[MemberScan, ...] = ()  # the rest of its tree: threads only
+
+
+def sync_members(
+    fs: HostFS, members: dict[int, MemberScan], tree: Iterable[TreeMember]
+) -> tuple[MemberScan, ...]:
+    """Keep one scanner per member of `tree` (no I/O): a new pid, or the same pid
+    with another start time (reused), gets a new one; members gone are dropped."""
+    live: dict[int, MemberScan] = {}
+    for m in tree:
+        known = members.get(m.pid)
+        if known is None or known.start_time != m.start_time:
+            known = MemberScan(m.pid, m.start_time, ThreadScanner(fs, m.pid, member=True))
+        live[m.pid] = known
+    if live.keys() != members.keys() or any(members[p] is not v for p, v in live.items()):
+        members.clear()
+        members.update(live)
+    return tuple(live.values())
 
 
 def track(
     fs: HostFS,
     tracked: dict[ProcKey, Tracked],
-    matchers: Mapping[ProcessKind, RoleMatcher],
+    matchers: Mapping[tuple[ProcessKind, ...], RoleMatcher],
     supervised: Iterable[Supervised],
     made: Mapping[ProcKey, ProcessCgroup],
     *,
     only: ProcKey | None,
     numa_maps_interval_s: float,
     now: float,
+    trees: Mapping[ProcKey, Sequence[TreeMember]] | None = None,
 ) -> list[ScanTarget]:
     """The running processes to scan (no I/O). Starts tracking a process anew
     when its pid or start time changed (a restart, or a reused pid), and
-    forgets the ones no longer running."""
+    forgets the ones no longer running. `matchers` by `role_kinds`; `trees`:
+    the members of each process's tree (`Snapshot.trees`)."""
     targets: list[ScanTarget] = []
     live: set[ProcKey] = set()
     for key, status, slot in supervised:
@@ -108,17 +149,18 @@ def track(
             continue
         live.add(key)
         t = tracked.get(key)
+        matcher = matchers[role_kinds(key, status.adopted)]
         if t is None or t.pid != status.pid or t.start_time != status.start_time:
             kind: ProcessKind = "engine" if key == "engine" else "workers"
-            t = Tracked(
-                status.pid, status.start_time, ThreadScanner(fs, status.pid), matchers[kind], kind
-            )
+            t = Tracked(status.pid, status.start_time, ThreadScanner(fs, status.pid), matcher, kind)
             tracked[key] = t
+        t.matcher = matcher
+        members = sync_members(fs, t.members, (trees or {}).get(key, ()))
         pc = made.get(key) if status.cgroup is not None else None
         if pc is not None and pc.memory_dir is None:
             pc = None
         due = t.state.memory_stale or now - t.maps_at >= numa_maps_interval_s
-        targets.append(ScanTarget(key, status.pid, slot, t, pc, pc is None and due))
+        targets.append(ScanTarget(key, status.pid, slot, t, pc, pc is None and due, members))
     if only is None:
         for key in list(tracked):
             if key not in live:
@@ -133,6 +175,7 @@ class ScanResult:
     seen: Mapping[ProcKey, Seen | None]  # None: the process is gone
     errors: Mapping[ProcKey, str]
     irq_error: str | None
+    member_errors: Mapping[ProcKey, tuple[tuple[int, str], ...]] = field(default_factory=dict)
 
 
 def read_allowed(fs: HostFS, node_ids: Iterable[int]) -> AllowedSet:
@@ -171,6 +214,7 @@ def scan(
             irq_error = f"{type(err).__name__}: {err}"
     seen: dict[ProcKey, Seen | None] = {}
     errors: dict[ProcKey, str] = {}
+    member_errors: dict[ProcKey, tuple[tuple[int, str], ...]] = {}
     for t in targets:
         numa_stat: dict[int, int] | None = None
         if t.cgroup is not None and cgroups is not None:
@@ -196,7 +240,35 @@ def scan(
         except KernelError as err:
             errors[t.key] = str(err)
             continue
+        if t.members:
+            extra, failed = scan_members(fs, t.members, t.tracked.matcher)
+            if extra:
+                observation = replace(observation, threads=observation.threads + extra)
+            if failed:
+                member_errors[t.key] = failed
         if t.key in irq_obs:
             observation = replace(observation, irqs=irq_obs[t.key])
         seen[t.key] = Seen(t.key, t.pid, observation, t.read_maps or t.cgroup is not None)
-    return ScanResult(allowed, host_error, seen, errors, irq_error)
+    return ScanResult(allowed, host_error, seen, errors, irq_error, member_errors)
+
+
+def scan_members(
+    fs: HostFS, members: Sequence[MemberScan], matcher: RoleMatcher
+) -> tuple[tuple[ThreadObservation, ...], tuple[tuple[int, str], ...]]:
+    """The threads of a tree's members (each labelled with its pid), and the
+    members that could not be read (pid, error). A member is read only while
+    its pid is the process the tree keeper saw (its start time: one small read
+    of its main thread's stat); one that exited or whose pid was reused since
+    is skipped: the keeper drops it at its next pass."""
+    threads: list[ThreadObservation] = []
+    failed: list[tuple[int, str]] = []
+    for m in members:
+        try:
+            if m.start_time is not None and read_thread_start(fs, m.pid, m.pid) != m.start_time:
+                continue
+            threads.extend(m.scanner.observe(matcher))
+        except Gone:
+            continue
+        except KernelError as err:
+            failed.append((m.pid, str(err)))
+    return tuple(threads), tuple(failed)

@@ -204,6 +204,25 @@ def test_build_specs_hooks_the_engine_tree_by_its_roles_and_workers_by_theirs() 
     assert HOOK_ENV not in plain.env and "PYTHONPATH" not in plain.env
 
 
+def test_an_engine_that_spawns_the_workers_carries_their_hook_roles_too() -> None:
+    """Adopted workers inherit the engine's environment (SGLang's schedulers)."""
+    config = parse_config(
+        {
+            "engine": {"command": ["engine"]},
+            "workers": {"spawned_by": "engine", "rank_from": ["env:LOCAL_RANK"]},
+            "threads": {
+                "so_compiler": {"process": "engine", "executors": ["sglang.srt.constrained"]},
+                "sampler": {"process": "workers", "executors": ["sglang.srt.sampling"]},
+            },
+        }
+    )
+    slot = Slot((0, 1), (0,), {"main": (0,), "so_compiler": (1,)})
+    (engine,) = build_specs(config, Placement("numa-affine", slot, ()), {}, supervisor_pid=7)
+    assert engine.env[HOOK_ENV] == (
+        "pid=7;so_compiler=sglang.srt.constrained;sampler=sglang.srt.sampling"
+    )
+
+
 # -- the hook in real interpreters -------------------------------------------------------------
 
 

@@ -152,6 +152,31 @@ THREAD_ROWS: list[tuple[Any, ...]] = [
         0,
     ),
     ("all placed", (MAIN_OK, thread(101, "comm", (2,))), PLACED, policy(), [], 0),
+    # A thread of a tree member (a spawn child): decided as the owner's own.
+    (
+        "tree member drift",
+        (MAIN_OK, replace(COMM_WRONG, pid=5151)),
+        PLACED,
+        policy(),
+        [(101, (2,), "thread_affinity")],
+        1,
+    ),
+    (
+        "tree member new",
+        (MAIN_OK, replace(COMM_WRONG, pid=5151)),
+        None,
+        policy(),
+        [(101, (2,), "thread_role")],
+        0,
+    ),
+    (
+        "tree member observe",
+        (MAIN_OK, replace(COMM_WRONG, pid=5151)),
+        PLACED,
+        policy(OBSERVE_ALL),
+        [],
+        1,
+    ),
 ]
 
 
@@ -160,9 +185,20 @@ def test_thread_rows(row: tuple[Any, ...]) -> None:
     name, threads, state, pol, binds, counted = row
     d = run(observation(threads), state, pol)
     assert [(b.tid, b.cpus, b.reason) for b in d.binds] == binds, name
+    assert [b.pid for b in d.binds] == [t.pid for t in threads if t.tid in {b.tid for b in d.binds}]
     assert len([f for f in d.new_drift if f.kind == "thread_affinity"]) == counted, name
     for b in d.binds:  # the bind names the thread the scan saw, by start time
         assert b.start_time == b.tid * 10
+
+
+def test_a_tree_member_s_thread_is_bound_in_its_own_process() -> None:
+    """The bind names the member's pid: the applier checks the tid's Tgid against it."""
+    member = replace(COMM_WRONG, pid=5151)
+    d = run(observation((MAIN_OK, member)), PLACED)
+    assert [(b.tid, b.pid) for b in d.binds] == [(101, 5151)]
+    assert [(b.tid, b.pid) for b in run(observation((COMM_WRONG,)), PLACED).binds] == [(101, None)]
+    s = settle(d, Outcomes({101: Outcome(kept=(2,))}), policy(), NOW)
+    assert s.state.placed[101] == "comm" and s.remaining == ()
 
 
 def test_a_thread_narrowed_by_our_own_bind_is_not_a_workload_pin() -> None:

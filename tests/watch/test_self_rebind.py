@@ -59,6 +59,30 @@ def test_other_moves_stay_thread_affinity(threads: tuple[Any, ...]) -> None:
     assert findings and {f.kind for f in findings} == {"thread_affinity"}
 
 
+def test_self_rebind_is_judged_per_process_of_the_tree() -> None:
+    """A tree member (pid 77) that bound itself outside the slot is self_rebind
+    while its owner's threads stay where they are; a member's single thread
+    off its role stays thread_affinity."""
+
+    def member(tid: int, role: str, cpus: tuple[int, ...], pid: int | None) -> ThreadObservation:
+        return ThreadObservation(tid, "t", role, cpus, pid=pid)
+
+    tree = Observation(
+        (
+            member(10, "main", (2, 3, 4), None),
+            member(20, "main", (0, 1), 77),
+            member(21, "acl", (0, 1), 77),
+            member(30, "main", (2, 3, 4), 88),
+            member(31, "acl", (0,), 88),
+        )
+    )
+    assert diff(SLOT, tree, threshold=0.9) == (
+        Finding("self_rebind", "tid 20", "2-4", "0-1"),
+        Finding("self_rebind", "tid 21", "5", "0-1"),
+        Finding("thread_affinity", "tid 31", "5", "0"),
+    )
+
+
 def test_narrowing_inside_the_slot_is_left_alone() -> None:
     assert diff(SLOT, obs((10, "main", (3,)), (11, "acl", (5,))), threshold=0.9) == ()
 
