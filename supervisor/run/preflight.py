@@ -108,7 +108,12 @@ def check_config(
     for name, proc in (("engine", config.engine), ("workers", config.workers)):
         if proc is None:
             continue
-        problem = check_command(f"{file}: {name}.command", proc.command, env, python)
+        # Workers the engine spawns (spawned_by = "engine") have no command of ours.
+        problem = (
+            check_command(f"{file}: {name}.command", proc.command, env, python)
+            if proc.command
+            else None
+        )
         if problem is not None:
             problems.append(problem)
         if proc.user is not None:

@@ -67,6 +67,14 @@ def test_a_config_that_would_run_passes(tmp_path: Path) -> None:
     assert (code, errors) == (0, [])
 
 
+def test_workers_the_engine_spawns_have_no_command_to_check(tmp_path: Path) -> None:
+    # spawned_by = "engine": [workers] has no command; only the engine's is checked.
+    doc = good_config(tmp_path)
+    doc["workers"] = {"spawned_by": "engine", "rank_from": ["env:LOCAL_RANK"]}
+    code, errors, _ = plan(tmp_path, doc)
+    assert (code, errors) == (0, [])
+
+
 def test_every_problem_is_one_message_and_exit_2(tmp_path: Path, taken_port: int) -> None:
     doc = good_config(
         tmp_path,
