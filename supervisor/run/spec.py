@@ -53,7 +53,7 @@ class ChildSpec:
     argv: tuple[str, ...]
     env: Mapping[str, str]
     slot: Slot
-    account: Account | None = None  # run as this user (supervisor.run.users.with_accounts)
+    account: Account | None = None  # run as this user (Daemon.specs_for)
 
 
 def visible_devices_var(kind: DeviceKind, override: str | None) -> str | None:

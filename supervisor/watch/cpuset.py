@@ -123,9 +123,7 @@ class Replanning:
         )
         if self.irqs is not None:
             try:
-                await loop.run_in_executor(
-                    self.executor, self.irqs.replan, result.placement, result.topology
-                )
+                await loop.run_in_executor(self.executor, self.irqs.replan, result.placement)
             except Exception as irq_err:  # IRQs degrade alone
                 text = f"IRQ re-plan failed: {irq_err}"
                 self.record.bind_failed(None, "irq", "error", text, action="degrade")

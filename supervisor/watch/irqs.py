@@ -37,7 +37,6 @@ from supervisor.hostfs import HostFS
 from supervisor.logs import format_fields
 from supervisor.plan.placement import IrqAssignment, Placement
 from supervisor.state import EventKind, IrqObservation, ProcKey, key_label
-from supervisor.topology.model import Topology
 from supervisor.watch.drift import irq_drifted
 from supervisor.watch.observe import read_irq_delivery
 
@@ -443,11 +442,7 @@ class IrqKeeper:
 
     # -- replan and restore -----------------------------------------------------------
 
-    def replan(
-        self,
-        placement: Placement,
-        topology: Topology | None = None,  # IrqKeeperLike passes it; the plan holds the IRQs
-    ) -> tuple[IrqOutcome, ...]:
+    def replan(self, placement: Placement) -> tuple[IrqOutcome, ...]:
         """Keep the IRQ plan of a new placement (a cpuset change's re-plan) and apply it.
 
         IRQs no longer planned get their original affinity back. Blocking.

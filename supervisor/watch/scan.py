@@ -34,7 +34,6 @@ from supervisor.state import (
     ThreadObservation,
     TreeMember,
 )
-from supervisor.topology.model import Topology
 from supervisor.watch.decide import RepairState, Seen
 from supervisor.watch.identity import read_thread_start
 from supervisor.watch.observe import (
@@ -63,7 +62,7 @@ class IrqKeeperLike(Protocol):
 
     def enforce(self, key: ProcKey) -> Sequence[IrqOutcomeLike]: ...
 
-    def replan(self, placement: Placement, topology: Topology | None = None) -> object: ...
+    def replan(self, placement: Placement) -> object: ...
 
     def take_facts(self) -> Sequence[FactLike]: ...
 
