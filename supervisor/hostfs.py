@@ -8,11 +8,12 @@ file, directory listing and link it read, which is what `snapshot` copies.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from dataclasses import dataclass, field
 
-from supervisor.errors import TopologyError
+from supervisor.errors import TopologyError, translate_oserror
 
 _CHUNK = 1 << 16
 # Caps per file kind. A sysfs attribute is one page (PAGE_SIZE, 64 KiB at
@@ -129,6 +130,25 @@ class HostFS:
         if self.log is not None:
             self.log.files.add(rel)
         return data.decode("utf-8", errors="replace")
+
+    def read_live(self, rel: str, max_bytes: int, what: str) -> bytes | None:
+        """One read of a small /proc file of a process or thread (`comm`, `stat`);
+        None when that process or thread is gone (ENOENT, ESRCH), any other
+        failure as a KernelError naming `what` ("tid 4242").
+
+        os.open/os.read rather than read_text: this runs for every thread on
+        every check, and half the cost of a text-mode open() is Python's I/O stack.
+        """
+        try:
+            fd = os.open(self.path(rel), os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                return os.read(fd, max_bytes)
+            finally:
+                os.close(fd)
+        except OSError as err:
+            if err.errno in (errno.ENOENT, errno.ESRCH):
+                return None
+            raise translate_oserror(what, err) from None
 
     def read_optional(self, rel: str) -> str | None:
         """The whole file, or None when it does not exist or cannot be read."""

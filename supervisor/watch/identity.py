@@ -9,13 +9,7 @@ start time before and after every write.
 
 from __future__ import annotations
 
-import errno
-import os
-
-from supervisor.errors import translate_oserror
 from supervisor.hostfs import HostFS
-
-_GONE = (errno.ESRCH, errno.ENOENT)
 
 
 def parse_stat_start_time(text: str) -> int | None:
@@ -44,17 +38,8 @@ def read_thread_start(fs: HostFS, pid: int, tid: int) -> int | None:
     """The start time of thread `tid` of process `pid`; None when `tid` is no
     thread of `pid` (any more): /proc/<pid>/task/<tid> exists only for the
     threads of `pid`'s thread group (fs/proc/base.c proc_task_lookup)."""
-    try:
-        fd = os.open(fs.path(f"proc/{pid}/task/{tid}/stat"), os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            raw = os.read(fd, 1024)
-        finally:
-            os.close(fd)
-    except OSError as err:
-        if err.errno in _GONE:
-            return None
-        raise translate_oserror(f"tid {tid}", err) from None
-    return parse_stat_start_time(raw.decode("utf-8", "replace"))
+    raw = fs.read_live(f"proc/{pid}/task/{tid}/stat", 1024, f"tid {tid}")
+    return None if raw is None else parse_stat_start_time(raw.decode("utf-8", "replace"))
 
 
 def is_thread_of(fs: HostFS, pid: int, tid: int, start_time: int | None) -> bool:

@@ -59,19 +59,8 @@ def _tids(fs: HostFS, pid: int) -> list[int]:
 
 
 def _read_comm(fs: HostFS, pid: int, tid: int) -> str | None:
-    # os.open/os.read rather than fs.read_text: this runs for every new thread
-    # and half the cost of a text-mode open() is Python's I/O stack.
-    try:
-        fd = os.open(fs.path(f"proc/{pid}/task/{tid}/comm"), os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            raw = os.read(fd, 64)
-        finally:
-            os.close(fd)
-    except OSError as err:
-        if err.errno in _GONE:
-            return None
-        raise translate_oserror(f"tid {tid}", err) from None
-    return raw.decode("utf-8", "replace").rstrip("\n")
+    raw = fs.read_live(f"proc/{pid}/task/{tid}/comm", 64, f"tid {tid}")
+    return None if raw is None else raw.decode("utf-8", "replace").rstrip("\n")
 
 
 def _affinity(tid: int) -> tuple[int, ...] | None:
