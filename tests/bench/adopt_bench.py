@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.hostfs import HostFS
-from supervisor.run.procs import read_proc_stat
+from supervisor.run.procs import parse_proc_stat, read_proc_stat
 from tests.support.daemon_support import (
     INSTANCE_ENV,
     DaemonProcess,
@@ -81,10 +81,55 @@ time.sleep(3600)
 """
 
 
+WRAPPER = r"""
+# Runs the daemon in this process with each thread's OS name set to its Python
+# name (prctl PR_SET_NAME; Python 3.11 leaves them all "python"), so that
+# /proc/<pid>/task/<tid>/stat tells them apart; with OUT, also a cProfile per
+# thread, dumped to OUT/<thread>.prof at exit.
+import ctypes, os, runpy, sys, threading
+sys.path.insert(0, os.getcwd())  # this repository's supervisor (the daemon runs in it)
+out = sys.argv[1]
+sys.argv = ["supervisor", *sys.argv[5:]]  # drop: this script, OUT, python, -m supervisor
+libc = ctypes.CDLL(None)
+def name(text):
+    libc.prctl(15, ctypes.c_char_p(text.encode()[:15]), 0, 0, 0)  # PR_SET_NAME
+profiles = {}
+def start(frame, event, arg):
+    thread = threading.current_thread().name
+    name(thread)
+    if out:
+        import cProfile
+        p = profiles[thread] = cProfile.Profile()
+        p.enable()  # replaces this hook for the thread
+    else:
+        sys.setprofile(None)
+threading.setprofile(start)
+name("ps-loop")
+if out:
+    import cProfile
+    profiles["main"] = cProfile.Profile()
+    profiles["main"].enable()
+try:
+    runpy.run_module("supervisor", run_name="__main__", alter_sys=True)
+finally:
+    for thread, p in profiles.items():
+        p.dump_stats(f"{out}/{thread}.prof")
+"""
+
+
 class Bench:
     """A daemon with a launcher engine, driven over a unix datagram socket."""
 
-    def __init__(self, tmp: Path, ranks: int, connector: bool, name: str) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        ranks: int,
+        connector: bool,
+        name: str,
+        *,
+        thread_names: bool = False,
+        profile: Path | None = None,
+    ) -> None:
         self.tmp = tmp / name
         self.tmp.mkdir()
         launcher, worker = self.tmp / "launcher.py", self.tmp / "worker.py"
@@ -118,7 +163,15 @@ class Bench:
         env = daemon_env(**{INSTANCE_ENV: f"adopt-bench-{name}-{os.getpid()}"})
         if not connector:
             env["PLACEMENT_SUPERVISOR_PROC_EVENTS"] = "0"
-        self.daemon = DaemonProcess(config, self.tmp / "daemon.log", env=env)
+        prefix: list[str] = []
+        if thread_names or profile is not None:
+            (self.tmp / "wrapper.py").write_text(WRAPPER)
+            out = ""
+            if profile is not None:
+                (profile / name).mkdir(parents=True, exist_ok=True)
+                out = str(profile / name)
+            prefix = [sys.executable, str(self.tmp / "wrapper.py"), out]
+        self.daemon = DaemonProcess(config, self.tmp / "daemon.log", env=env, prefix=prefix)
         self.ctl = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         doc_ = wait_until(self._engine_running, 60)
         if not doc_:
@@ -179,6 +232,22 @@ def cpu_seconds(pid: int) -> float:
     return 0.0 if stat is None else (stat.utime_ticks + stat.stime_ticks) / CLK_TCK
 
 
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds per thread name of `pid` (threads of one name summed: ps-proc_0, _1...)."""
+    out: dict[str, float] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        text = FS.read_optional(f"proc/{pid}/task/{tid}/stat")  # the thread's own times
+        stat = parse_proc_stat(text) if text else None
+        if stat is not None:
+            name = stat.comm.rstrip("0123456789").rstrip("_") or stat.comm
+            out[name] = out.get(name, 0.0) + (stat.utime_ticks + stat.stime_ticks) / CLK_TCK
+    return out
+
+
 def cpu_window(bench: Bench, window_s: float) -> float:
     pids = []
     for rank in sorted(bench.planned):
@@ -187,8 +256,18 @@ def cpu_window(bench: Bench, window_s: float) -> float:
     wait_until(lambda: all(bench.rank_state(r) == "running" for r in bench.planned), 60, 0.1)
     time.sleep(3)  # the first binds of 800 threads are start-up, not steady state
     before = cpu_seconds(bench.daemon.pid)
+    threads_before = thread_cpu(bench.daemon.pid)
     time.sleep(window_s)
     used = cpu_seconds(bench.daemon.pid) - before
+    threads_after = thread_cpu(bench.daemon.pid)
+    per_thread = {
+        name: 100.0 * (spent - threads_before.get(name, 0.0)) / window_s
+        for name, spent in threads_after.items()
+    }
+    print(
+        "  per thread (% of a core): "
+        + "  ".join(f"{n}={v:.2f}" for n, v in sorted(per_thread.items(), key=lambda i: -i[1]))
+    )
     for pid in pids:
         bench.send(op="kill", pid=pid)
     return 100.0 * used / window_s
@@ -204,7 +283,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--polling-rounds", type=int, default=12)
     parser.add_argument("--cpu-window-s", type=float, default=20.0)
+    parser.add_argument("--cpu-only", action="store_true", help="skip the latency rounds")
+    parser.add_argument(
+        "--thread-names", action="store_true", help="name the daemon's OS threads (per-thread CPU)"
+    )
+    parser.add_argument(
+        "--profile", type=Path, help="write a cProfile per daemon thread of the CPU runs here"
+    )
     args = parser.parse_args()
+    print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if os.geteuid() != 0:
         print("note: not root: no proc connector, no cgroups; both runs poll", file=sys.stderr)
     results: dict[str, Any] = {}
@@ -213,6 +300,8 @@ def main() -> None:
             ("connector", True, args.rounds),
             ("polling", False, args.polling_rounds),
         ):
+            if args.cpu_only:
+                break
             bench = Bench(Path(tmp), 2, connector, f"lat-{name}")
             try:
                 ms = [s * 1000 for s in latency_rounds(bench, rounds)]
@@ -224,15 +313,23 @@ def main() -> None:
                 f"p50 {pct(ms, 0.5):.1f} ms  p99 {pct(ms, 0.99):.1f} ms  "
                 f"mean {statistics.fmean(ms):.1f} ms  n={len(ms)}"
             )
-        c, p = results["connector"], results["polling"]
-        print(
-            f"polling / connector: p50 x{p['p50_ms'] / c['p50_ms']:.1f}, "
-            f"p99 x{p['p99_ms'] / c['p99_ms']:.1f}; "
-            f"connector p99 {c['p99_ms']:.1f} ms vs target 50 ms "
-            f"({'met' if c['p99_ms'] <= 50 else 'missed'})"
-        )
+        c, p = results.get("connector"), results.get("polling")
+        if c and p:
+            print(
+                f"polling / connector: p50 x{p['p50_ms'] / c['p50_ms']:.1f}, "
+                f"p99 x{p['p99_ms'] / c['p99_ms']:.1f}; "
+                f"connector p99 {c['p99_ms']:.1f} ms vs target 50 ms "
+                f"({'met' if c['p99_ms'] <= 50 else 'missed'})"
+            )
         for name, connector in (("connector", True), ("polling", False)):
-            bench = Bench(Path(tmp), 8, connector, f"cpu-{name}")
+            bench = Bench(
+                Path(tmp),
+                8,
+                connector,
+                f"cpu-{name}",
+                thread_names=args.thread_names,
+                profile=args.profile,
+            )
             try:
                 used = cpu_window(bench, args.cpu_window_s)
             finally:
@@ -242,6 +339,7 @@ def main() -> None:
                 f"daemon CPU, 8 adopted ranks x 100 threads + 500 threads/s, 1 s checks "
                 f"[{name}]: {used:.2f}% of a core (target < 1%)"
             )
+        print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
         ratio = results["cpu_connector_pct"] / max(results["cpu_polling_pct"], 1e-9)
         print(f"connector / polling daemon CPU: x{ratio:.2f}")
     print(json.dumps(results))
