@@ -37,6 +37,7 @@ from supervisor.run.tree import (
     assign_owners,
     read_cgroup_procs,
     read_member_info,
+    scan_pids,
     scan_procs,
 )
 from supervisor.state import ProcKey, StateStore, TreeMember, key_label
@@ -48,6 +49,10 @@ END_POLL_S = 0.02
 # Forks whose parent is in no tree yet are kept this long (and pruned past this many).
 UNOWNED_FORKS_S = 5.0
 UNOWNED_FORKS_KEPT = 4096  # how often an ending tree is looked at (a deadline-bounded poll)
+# While every root sits in its own cgroup, a pass reads only those cgroups'
+# members (a child is born in its parent's cgroup); every this many passes it
+# walks all of /proc anyway, for a process someone moved out of our cgroups.
+FULL_PASS_EVERY = 10
 
 
 def set_child_subreaper() -> bool:
@@ -111,6 +116,8 @@ class TreeKeeper:
         self.unowned_forks: dict[int, tuple[int, float]] = {}
         self.subreaper = subreaper
         self._wake = asyncio.Event()
+        self.passes = 0  # tree passes so far (ps-tree thread)
+        self.full_passes = 0  # those that walked all of /proc
 
     # -- roots ---------------------------------------------------------------
 
@@ -239,12 +246,26 @@ class TreeKeeper:
         return result
 
     def _scan(self, roots: Sequence[Root], known: Mapping[int, Member]) -> RefreshResult:
-        # Zombies are done: they leave the trees (and are reaped as `exited`).
-        table = {pid: s for pid, s in scan_procs(self.fs).items() if s.state != "Z"}
         cgroup_members: dict[ProcKey, list[int]] = {}
         for root in roots:
             if root.cgroup_dir is not None:
                 cgroup_members[root.key] = read_cgroup_procs(self.fs, root.cgroup_dir)
+        # Scoped when every root is in its cgroup: then every descendant is in
+        # one of them too (fork(2) puts a child in its parent's cgroup,
+        # cgroups(7)), and a pass is a few dozen reads instead of the host's
+        # whole /proc, whatever else runs there.
+        scoped = self.passes % FULL_PASS_EVERY != 0 and all(
+            r.pid in cgroup_members.get(r.key, ()) for r in roots
+        )
+        self.passes += 1
+        if scoped:
+            pids = {r.pid for r in roots}.union(known, *cgroup_members.values())
+            stats = scan_pids(self.fs, pids)
+        else:
+            self.full_passes += 1
+            stats = scan_procs(self.fs)
+        # Zombies are done: they leave the trees (and are reaped as `exited`).
+        table = {pid: s for pid, s in stats.items() if s.state != "Z"}
         exclude = {self.me, *(self.direct_children())}
         exclude -= {r.pid for r in roots}
         members = assign_owners(table, roots, known, cgroup_members, exclude=exclude)
