@@ -34,6 +34,7 @@ from supervisor.hostfs import HostFS
 from supervisor.run.procs import parse_proc_stat, read_proc_stat
 from tests.support.daemon_support import (
     INSTANCE_ENV,
+    REPO,
     DaemonProcess,
     daemon_env,
     to_toml,
@@ -85,11 +86,11 @@ WRAPPER = r"""
 # Runs the daemon in this process with each thread's OS name set to its Python
 # name (prctl PR_SET_NAME; Python 3.11 leaves them all "python"), so that
 # /proc/<pid>/task/<tid>/stat tells them apart; with OUT, also a cProfile per
-# thread, dumped to OUT/<thread>.prof at exit.
+# thread, dumped to OUT/<thread>.prof at exit. The daemon's code comes from CODE.
 import ctypes, os, runpy, sys, threading
-sys.path.insert(0, os.getcwd())  # this repository's supervisor (the daemon runs in it)
-out = sys.argv[1]
-sys.argv = ["supervisor", *sys.argv[5:]]  # drop: this script, OUT, python, -m supervisor
+out, code = sys.argv[1:3]
+sys.path.insert(0, code)  # the supervisor package to run (this repository's, or --base's)
+sys.argv = ["supervisor", *sys.argv[6:]]  # drop: this script, OUT, CODE, python, -m supervisor
 libc = ctypes.CDLL(None)
 def name(text):
     libc.prctl(15, ctypes.c_char_p(text.encode()[:15]), 0, 0, 0)  # PR_SET_NAME
@@ -129,6 +130,7 @@ class Bench:
         *,
         thread_names: bool = False,
         profile: Path | None = None,
+        code: Path | None = None,
     ) -> None:
         self.tmp = tmp / name
         self.tmp.mkdir()
@@ -164,13 +166,14 @@ class Bench:
         if not connector:
             env["PLACEMENT_SUPERVISOR_PROC_EVENTS"] = "0"
         prefix: list[str] = []
-        if thread_names or profile is not None:
+        if thread_names or profile is not None or code is not None:
             (self.tmp / "wrapper.py").write_text(WRAPPER)
             out = ""
             if profile is not None:
                 (profile / name).mkdir(parents=True, exist_ok=True)
                 out = str(profile / name)
-            prefix = [sys.executable, str(self.tmp / "wrapper.py"), out]
+            where = str(code or REPO)
+            prefix = [sys.executable, str(self.tmp / "wrapper.py"), out, where]
         self.daemon = DaemonProcess(config, self.tmp / "daemon.log", env=env, prefix=prefix)
         self.ctl = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         doc_ = wait_until(self._engine_running, 60)
@@ -283,7 +286,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--polling-rounds", type=int, default=12)
     parser.add_argument("--cpu-window-s", type=float, default=20.0)
+    parser.add_argument("--repeats", type=int, default=1, help="CPU windows per daemon and mode")
     parser.add_argument("--cpu-only", action="store_true", help="skip the latency rounds")
+    parser.add_argument(
+        "--base",
+        type=Path,
+        help="a checkout of an earlier commit: its daemon runs alternately with this one's",
+    )
     parser.add_argument(
         "--thread-names", action="store_true", help="name the daemon's OS threads (per-thread CPU)"
     )
@@ -294,25 +303,28 @@ def main() -> None:
     print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if os.geteuid() != 0:
         print("note: not root: no proc connector, no cgroups; both runs poll", file=sys.stderr)
+    codes: list[tuple[str, Path | None]] = [("this", None)]
+    if args.base is not None:
+        codes.append(("base", args.base.resolve()))
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, connector, rounds in (
-            ("connector", True, args.rounds),
-            ("polling", False, args.polling_rounds),
-        ):
-            if args.cpu_only:
-                break
-            bench = Bench(Path(tmp), 2, connector, f"lat-{name}")
-            try:
-                ms = [s * 1000 for s in latency_rounds(bench, rounds)]
-            finally:
-                bench.close()
-            results[name] = {"p50_ms": pct(ms, 0.5), "p99_ms": pct(ms, 0.99), "n": len(ms)}
-            print(
-                f"fork/exec -> all threads on rank CPUs [{name}]: "
-                f"p50 {pct(ms, 0.5):.1f} ms  p99 {pct(ms, 0.99):.1f} ms  "
-                f"mean {statistics.fmean(ms):.1f} ms  n={len(ms)}"
-            )
+        for label, code in codes if not args.cpu_only else ():
+            for name, connector, rounds in (
+                ("connector", True, args.rounds),
+                ("polling", False, args.polling_rounds),
+            ):
+                bench = Bench(Path(tmp), 2, connector, f"lat-{label}-{name}", code=code)
+                try:
+                    ms = [s * 1000 for s in latency_rounds(bench, rounds)]
+                finally:
+                    bench.close()
+                key = name if label == "this" else f"{label}_{name}"
+                results[key] = {"p50_ms": pct(ms, 0.5), "p99_ms": pct(ms, 0.99), "n": len(ms)}
+                print(
+                    f"fork/exec -> all threads on rank CPUs [{label} {name}]: "
+                    f"p50 {pct(ms, 0.5):.1f} ms  p99 {pct(ms, 0.99):.1f} ms  "
+                    f"mean {statistics.fmean(ms):.1f} ms  n={len(ms)}"
+                )
         c, p = results.get("connector"), results.get("polling")
         if c and p:
             print(
@@ -321,27 +333,41 @@ def main() -> None:
                 f"connector p99 {c['p99_ms']:.1f} ms vs target 50 ms "
                 f"({'met' if c['p99_ms'] <= 50 else 'missed'})"
             )
-        for name, connector in (("connector", True), ("polling", False)):
-            bench = Bench(
-                Path(tmp),
-                8,
-                connector,
-                f"cpu-{name}",
-                thread_names=args.thread_names,
-                profile=args.profile,
-            )
-            try:
-                used = cpu_window(bench, args.cpu_window_s)
-            finally:
-                bench.close()
-            results[f"cpu_{name}_pct"] = used
-            print(
-                f"daemon CPU, 8 adopted ranks x 100 threads + 500 threads/s, 1 s checks "
-                f"[{name}]: {used:.2f}% of a core (target < 1%)"
-            )
+        cpu: dict[str, list[float]] = {}
+        for i in range(args.repeats):
+            for label, code in codes:
+                for name, connector in (("connector", True), ("polling", False)):
+                    bench = Bench(
+                        Path(tmp),
+                        8,
+                        connector,
+                        f"cpu-{label}-{name}-{i}",
+                        thread_names=args.thread_names,
+                        profile=args.profile,
+                        code=code,
+                    )
+                    try:
+                        used = cpu_window(bench, args.cpu_window_s)
+                    finally:
+                        bench.close()
+                    key = f"cpu_{name}_pct" if label == "this" else f"cpu_{label}_{name}_pct"
+                    cpu.setdefault(key, []).append(used)
+                    print(
+                        f"daemon CPU, 8 adopted ranks x 100 threads + 500 threads/s, 1 s checks "
+                        f"[{label} {name}]: {used:.2f}% of a core (target < 1%)  "
+                        f"load {os.getloadavg()[0]:.2f}"
+                    )
+        results.update({key: statistics.median(values) for key, values in cpu.items()})
         print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
         ratio = results["cpu_connector_pct"] / max(results["cpu_polling_pct"], 1e-9)
         print(f"connector / polling daemon CPU: x{ratio:.2f}")
+        if args.base is not None:
+            for name in ("connector", "polling"):
+                this, base = results[f"cpu_{name}_pct"], results[f"cpu_base_{name}_pct"]
+                print(
+                    f"daemon CPU [{name}], median of {args.repeats}: this {this:.2f}% "
+                    f"base {base:.2f}%  this / base x{this / max(base, 1e-9):.2f}"
+                )
     print(json.dumps(results))
 
 
