@@ -1,6 +1,7 @@
 """The tree keeper's pass on fixture /proc and cgroup trees: scoped to the trees'
 cgroups while every root is in its own, all of /proc every FULL_PASS_EVERY passes
-or whenever a root is not (supervisor.run.keeper).
+or whenever a root is not (supervisor.run.keeper); and the proc connector's
+watch list on a real socket, with real forks and execs.
 
 A fixture tree because the pass must be shown *not* to read a process that a
 full walk would find; the real-process behaviour (setsid grandchildren,
@@ -10,11 +11,18 @@ orphans, connector) is in test_trees.py.
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
+
+import pytest
 
 from supervisor.hostfs import HostFS
 from supervisor.plan.placement import Placement
 from supervisor.run.keeper import FULL_PASS_EVERY, TreeKeeper
+from supervisor.run.proc_events import ProcEvent, ProcEvents, open_proc_events, parse_proc_events
 from supervisor.state import ProcKey, Snapshot, StateStore
 from supervisor.topology.discover import read_topology
 
@@ -105,3 +113,52 @@ def test_every_pass_is_full_while_a_root_is_outside_its_cgroup(tmp_path: Path) -
         await trees.stop()
 
     asyncio.run(body())
+
+
+# -- the kernel's watch list (a real proc connector) --------------------------------------
+
+WAITS_THEN_SPAWNS = (
+    "import subprocess, sys; sys.stdin.readline(); subprocess.run([sys.executable, '-c', ''])"
+)
+
+
+def collect(events: ProcEvents, until: float) -> list[ProcEvent]:
+    out: list[ProcEvent] = []
+    events.sock.settimeout(0.1)
+    while time.monotonic() < until:
+        try:
+            out += parse_proc_events(events.sock.recv(65536))
+        except TimeoutError:
+            continue
+    return out
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the proc connector needs root")
+def test_the_watch_list_keeps_only_the_listed_processes_forks_and_execs() -> None:
+    events, why = open_proc_events()
+    assert events is not None, why
+    me = os.getpid()
+    try:
+        assert events.watch({me})
+        child = subprocess.Popen([sys.executable, "-c", WAITS_THEN_SPAWNS], stdin=subprocess.PIPE)
+        first = collect(events, time.monotonic() + 0.5)
+        # Its fork (the parent is listed), not its exec (it is not listed yet).
+        assert [(e.kind, e.pid) for e in first if e.pid == child.pid] == [("fork", child.pid)]
+        assert events.watch({me, child.pid})
+        assert child.stdin is not None
+        child.stdin.write(b"go\n")
+        child.stdin.close()
+        child.wait(10)
+        second = collect(events, time.monotonic() + 0.5)
+        forks = [e for e in second if e.kind == "fork" and e.parent_tgid == child.pid]
+        assert len(forks) == 1  # the grandchild's fork; its own exec is not listed
+        grandchild = forks[0].pid
+        assert not [e for e in second if e.kind == "exec" and e.pid == grandchild]
+        # Nothing of the host's other processes came through.
+        for e in first + second:
+            listed = {me, child.pid}
+            assert (e.parent_tgid if e.kind == "fork" else e.pid) in listed, e
+        assert events.watch(None)  # back to every process's events
+        assert events.watched is None
+    finally:
+        events.close()
