@@ -2,6 +2,14 @@
 the daemon's CPU with adopted ranks and a thread-creating pool.
 
     .venv/bin/python -m tests.bench.adopt_bench [--rounds 30] [--cpu-window-s 20]
+        [--repeats 3] [--base CHECKOUT] [--cpu-only] [--thread-names] [--profile DIR]
+
+`--base` runs an earlier commit's daemon (a `git worktree add --detach`
+checkout) alternately with this one's, in the same run, and prints this/base;
+`--thread-names` sets each daemon thread's OS name in a bench-only wrapper
+(Python 3.11 leaves them all "python") and prints CPU per thread over the
+window (ps-loop, ps-tree, ps-proc, ps-adopt); `--profile` adds a cProfile per
+thread. The daemon itself has no switch for any of this.
 
 1. Latency. A real daemon runs a launcher as its engine (`[workers]
    spawned_by = "engine"`, `rank_from = ["env:LOCAL_RANK"]`, checks every
