@@ -303,9 +303,11 @@ class AdoptRunner(Runner):
             loop.add_reader(fd, _set_done, exited)
         try:
             while not exited.done() and not self.stopping:
-                await first_of(
-                    exited, self.rt.stopping.wait(), self.interrupt.wait(), asyncio.sleep(1.0)
-                )
+                # Its pidfd wakes us when it exits; without one (Linux < 5.3) look
+                # each second. Not a 1 s timer per rank either way: eight ranks
+                # made 24 tasks a second on the loop for nothing.
+                poll = () if fd is not None else (asyncio.sleep(1.0),)
+                await first_of(exited, self.rt.stopping.wait(), self.interrupt.wait(), *poll)
                 if self.restart_requested:
                     # The engine restarts its workers: ending this one is the restart.
                     self.restart_requested = False

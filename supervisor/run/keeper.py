@@ -3,8 +3,10 @@
 The daemon makes one `TreeKeeper`. Runners tell it their roots
 (`set_root`); it learns members from the proc connector within
 milliseconds (fork/exec/comm/exit, `supervisor.run.proc_events`) where
-the daemon may open it, and from a /proc + cgroup.procs pass
-(`supervisor.run.tree.assign_owners`) every `interval_s` in any case. It
+the daemon may open it (while the trees are in cgroups, the kernel passes
+only the events of the processes it lists), and from a /proc + cgroup.procs
+pass (`supervisor.run.tree.assign_owners`) every `interval_s` in any case:
+read from the trees' cgroups alone while every root is in its own. It
 publishes each tree into the snapshot (`/placement` "children"), reaps
 orphans reparented to the daemon (a child subreaper: no zombies), tells
 the guardian what to end if the daemon dies, hands engine-owned processes
@@ -37,6 +39,7 @@ from supervisor.run.tree import (
     assign_owners,
     read_cgroup_procs,
     read_member_info,
+    scan_pids,
     scan_procs,
 )
 from supervisor.state import ProcKey, StateStore, TreeMember, key_label
@@ -48,6 +51,10 @@ END_POLL_S = 0.02
 # Forks whose parent is in no tree yet are kept this long (and pruned past this many).
 UNOWNED_FORKS_S = 5.0
 UNOWNED_FORKS_KEPT = 4096  # how often an ending tree is looked at (a deadline-bounded poll)
+# While every root sits in its own cgroup, a pass reads only those cgroups'
+# members (a child is born in its parent's cgroup); every this many passes it
+# walks all of /proc anyway, for a process someone moved out of our cgroups.
+FULL_PASS_EVERY = 10
 
 
 def set_child_subreaper() -> bool:
@@ -113,6 +120,9 @@ class TreeKeeper:
         self.unowned_forks: dict[int, tuple[int, float]] = {}
         self.subreaper = subreaper
         self._wake = asyncio.Event()
+        self.passes = 0  # tree passes so far (ps-tree thread)
+        self.full_passes = 0  # those that walked all of /proc
+        self.in_cgroups = False  # at the last pass, every root was in its cgroup
 
     # -- roots ---------------------------------------------------------------
 
@@ -121,7 +131,7 @@ class TreeKeeper:
     ) -> None:
         self.roots[key] = Root(key, pid, start_time, self.cgroup_dir(key))
         self.members.pop(pid, None)
-        self._replay_forks(key, pid)
+        replayed = self._replay_forks(key, pid)
         if adopted:
             self.adopted.add(key)
             # Its descendants are the rank's now, not the engine's.
@@ -130,6 +140,8 @@ class TreeKeeper:
                 self.members[child] = Member(m.pid, m.start_time, m.ppid, key)
         if self.guardian is not None and start_time is not None:
             self.guardian.process(pid, start_time)
+        self._watch()
+        self._offer(replayed)
         self._wake.set()
 
     def clear_root(self, key: ProcKey) -> None:
@@ -137,6 +149,7 @@ class TreeKeeper:
         self.adopted.discard(key)
         if root is not None and self.guardian is not None:
             self.guardian.forget(root.pid)
+        self._watch()
 
     def descendants(self, pid: int) -> list[int]:
         """Known members below `pid` by their parent links."""
@@ -222,6 +235,9 @@ class TreeKeeper:
         self.members = merged
         # Events up to this pass are applied: their short-lived parents are done.
         self.lineage.clear()
+        cutoff = time.monotonic() - UNOWNED_FORKS_S
+        self.unowned_forks = {c: (p, t) for c, (p, t) in self.unowned_forks.items() if t >= cutoff}
+        self._watch()
         for pid in gone:
             self.exited[pid] = known[pid].start_time
         if self.guardian is not None:
@@ -241,12 +257,25 @@ class TreeKeeper:
         return result
 
     def _scan(self, roots: Sequence[Root], known: Mapping[int, Member]) -> RefreshResult:
-        # Zombies are done: they leave the trees (and are reaped as `exited`).
-        table = {pid: s for pid, s in scan_procs(self.fs).items() if s.state != "Z"}
         cgroup_members: dict[ProcKey, list[int]] = {}
         for root in roots:
             if root.cgroup_dir is not None:
                 cgroup_members[root.key] = read_cgroup_procs(self.fs, root.cgroup_dir)
+        # Scoped when every root is in its cgroup: then every descendant is in
+        # one of them too (fork(2) puts a child in its parent's cgroup,
+        # cgroups(7)), and a pass is a few dozen reads instead of the host's
+        # whole /proc, whatever else runs there.
+        self.in_cgroups = all(r.pid in cgroup_members.get(r.key, ()) for r in roots)
+        scoped = self.in_cgroups and self.passes % FULL_PASS_EVERY != 0
+        self.passes += 1
+        if scoped:
+            pids = {r.pid for r in roots}.union(known, *cgroup_members.values())
+            stats = scan_pids(self.fs, pids)
+        else:
+            self.full_passes += 1
+            stats = scan_procs(self.fs)
+        # Zombies are done: they leave the trees (and are reaped as `exited`).
+        table = {pid: s for pid, s in stats.items() if s.state != "Z"}
         exclude = {self.me, *(self.direct_children())}
         exclude -= {r.pid for r in roots}
         members = assign_owners(table, roots, known, cgroup_members, exclude=exclude)
@@ -262,6 +291,8 @@ class TreeKeeper:
     def _on_events(self, batch: list[ProcEvent]) -> None:
         root_pids = {r.pid: r.key for r in self.roots.values()}
         exited = False
+        added: list[Member] = []
+        forked = False
         for ev in batch:
             if not ev.is_process:
                 continue  # a thread: it inherited its creator's binding
@@ -276,12 +307,15 @@ class TreeKeeper:
                     owner = self.lineage.get(ev.parent_tgid)
                 if ev.pid in self.members:
                     continue
+                forked = True
                 if owner is None:
                     # Maybe a tree whose root is not known yet (its runner is
                     # still reading the shim's report): kept a while for it.
                     self._remember_fork(ev.parent_tgid, ev.pid)
                     continue
-                self._add_member(ev.pid, ev.parent_tgid, owner)
+                member = self._add_member(ev.pid, ev.parent_tgid, owner)
+                if member is not None:
+                    added.append(member)
             elif ev.kind in ("exec", "comm"):
                 known = self.members.get(ev.pid)
                 if known is not None and known.owner == "engine" and self.adopter is not None:
@@ -293,21 +327,47 @@ class TreeKeeper:
                     self.exited[ev.pid] = gone.start_time
                     if self.guardian is not None:
                         self.guardian.forget(ev.pid)
+        if forked:
+            self._watch()
+        self._offer(added)
         if exited:
             # The exit event comes before the process is a zombie: reap a moment later.
             asyncio.get_running_loop().call_later(0.05, self.reap)
 
-    def _add_member(self, pid: int, ppid: int, owner: ProcKey) -> None:
+    def _add_member(self, pid: int, ppid: int, owner: ProcKey) -> Member | None:
         self.lineage[pid] = owner
         stat = read_proc_stat(self.fs, pid)
         if stat is None:
-            return  # gone already; its children still find their owner (lineage)
+            return None  # gone already; its children still find their owner (lineage)
         member = Member(pid, stat.start_time, ppid, owner)
         self.members[pid] = member
         if self.guardian is not None:
             self.guardian.process(member.pid, member.start_time)
-        if owner == "engine" and self.adopter is not None:
-            self.adopter(member)
+        return member
+
+    def _offer(self, members: Iterable[Member]) -> None:
+        """New engine members to the adopter. After `_watch`: a process that
+        execs before the filter lists it is named from /proc here, after it."""
+        if self.adopter is None:
+            return
+        for member in members:
+            if member.owner == "engine":
+                self.adopter(member)
+
+    def watched_pids(self) -> set[int]:
+        """The processes whose forks (and exec/comm) the keeper acts on: the
+        daemon, its children, the roots, the members, forks waiting for a root."""
+        pids = {self.me, *self.direct_children(), *self.members, *self.unowned_forks}
+        pids.update(r.pid for r in self.roots.values())
+        return pids
+
+    def _watch(self) -> None:
+        """Have the kernel drop the events of the host's other processes, while
+        the trees are in cgroups. Without them a double fork's orphan is found
+        only through the fork event of its short-lived parent, which the
+        kernel may send before the parent is listed: then all events are kept."""
+        if self.events is not None:
+            self.events.watch(self.watched_pids() if self.in_cgroups else None)
 
     def _remember_fork(self, parent: int, child: int) -> None:
         now = time.monotonic()
@@ -318,10 +378,11 @@ class TreeKeeper:
                 c: (p, t) for c, (p, t) in self.unowned_forks.items() if t >= cutoff
             }
 
-    def _replay_forks(self, key: ProcKey, pid: int) -> None:
+    def _replay_forks(self, key: ProcKey, pid: int) -> list[Member]:
         """Forks seen before `pid` became a root: its descendants join its tree."""
+        added: list[Member] = []
         if not self.unowned_forks:
-            return
+            return added
         below: dict[int, list[int]] = {}
         for child, (parent, _) in self.unowned_forks.items():
             below.setdefault(parent, []).append(child)
@@ -330,8 +391,11 @@ class TreeKeeper:
             child, parent = queue.pop()
             self.unowned_forks.pop(child, None)
             if child not in self.members:
-                self._add_member(child, parent, key)
+                member = self._add_member(child, parent, key)
+                if member is not None:
+                    added.append(member)
             queue.extend((c, child) for c in below.get(child, ()))
+        return added
 
     # -- reaping -----------------------------------------------------------------
 

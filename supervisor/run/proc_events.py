@@ -17,7 +17,7 @@ import ctypes
 import os
 import socket
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -112,6 +112,23 @@ class ProcEvents:
         self.batch_window_s = batch_window_s
         self.overruns = 0  # ENOBUFS: events were lost; the next check catches up
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.watched: frozenset[int] | None = None  # None: every process's events
+
+    def watch(self, pids: Iterable[int] | None) -> bool:
+        """Keep only the forks of `pids` and their exec/comm events (the socket's
+        filter is replaced atomically, SO_ATTACH_FILTER); every process's events
+        with None or more than WATCH_MAX_PIDS. False when the kernel refused it
+        (the filter in place stays)."""
+        wanted = None if pids is None else frozenset(pids)
+        target = wanted if wanted is not None and len(wanted) <= WATCH_MAX_PIDS else None
+        if target == self.watched:
+            return True
+        try:
+            _attach_filter(self.sock, target)
+        except OSError:
+            return False
+        self.watched = target
+        return True
 
     def attach(self, on_events: Callable[[list[ProcEvent]], None]) -> None:
         """Deliver events on the loop in batches.
@@ -163,11 +180,17 @@ class ProcEvents:
 # Documentation/networking/filter.rst) keeps, in the kernel, only the events the
 # keeper acts on: fork, exec and comm of processes (pid == tgid). Exits are
 # dropped too: each tree pass finds them, and an adopted worker's exit comes
-# through its pidfd.
+# through its pidfd. Once the trees are in cgroups the keeper narrows it to a
+# watch list of its own processes (`ProcEvents.watch`): the host's other forks
+# and execs never wake the daemon.
 SO_ATTACH_FILTER = 26
 _EVENT_AT = _NLMSGHDR.size + _CN_MSG.size  # `what` of struct proc_event
 _BODY_AT = _EVENT_AT + _EVENT_HEAD.size
-_LD_ABS, _JEQ_K, _JEQ_X, _TAX, _RET = 0x20, 0x15, 0x1D, 0x07, 0x06
+_LD_ABS, _JEQ_K, _JEQ_X, _TAX, _RET, _JA = 0x20, 0x15, 0x1D, 0x07, 0x06, 0x05
+_ACCEPT, _DROP = (_RET, 0, 0, 0xFFFF), (_RET, 0, 0, 0)
+# A watch list costs 2 instructions a pid; a cBPF program holds at most 4096
+# (BPF_MAXINSNS, include/uapi/linux/bpf_common.h). Past this, all process events.
+WATCH_MAX_PIDS = 1500
 
 
 def _be(value: int) -> int:
@@ -196,8 +219,52 @@ def process_event_filter() -> list[tuple[int, int, int, int]]:
     ]
 
 
-def _attach_filter(sock: socket.socket) -> None:
-    program = process_event_filter()
+def watched_event_filter(pids: Iterable[int]) -> list[tuple[int, int, int, int]]:
+    """The cBPF program that keeps, of processes only, the forks whose parent is
+    in `pids` and the exec/comm events of `pids` (pure).
+
+    The host's other processes fork and exec all the time (tens a second on a
+    busy build box); each event read on the loop cost ~80 us, so the daemon
+    lists its own processes and the kernel drops the rest. Each pid is a
+    compare and an accept (`JEQ pid` falls through to RET accept, else skips
+    it), so no conditional jump is longer than one instruction; the long
+    jumps to the sections are JA, whose offset is 32 bits."""
+    match: list[tuple[int, int, int, int]] = []
+    for pid in sorted(set(pids)):
+        match += [(_JEQ_K, 0, 1, _be(pid)), _ACCEPT]
+    fork = [
+        (_LD_ABS, 0, 0, _BODY_AT + 8),  # A = child pid
+        (_TAX, 0, 0, 0),
+        (_LD_ABS, 0, 0, _BODY_AT + 12),  # A = child tgid
+        (_JEQ_X, 1, 0, 0),  # a process: skip the drop
+        _DROP,  # a thread
+        (_LD_ABS, 0, 0, _BODY_AT + 4),  # A = parent tgid
+        *match,
+        _DROP,
+    ]
+    head = [
+        (_LD_ABS, 0, 0, _EVENT_AT),  # 0: A = what
+        (_JEQ_K, 0, 1, _be(PROC_EVENT_FORK)),  # 1: fork -> 2, else 3
+        (_JA, 0, 0, 4),  # 2: -> 7, the fork section
+        (_JEQ_K, 1, 0, _be(PROC_EVENT_EXEC)),  # 3: exec -> 5
+        (_JEQ_K, 0, 1, _be(PROC_EVENT_COMM)),  # 4: comm -> 5, else 6
+        (_JA, 0, 0, len(fork) + 1),  # 5: -> the exec/comm section
+        _DROP,  # 6
+    ]
+    exec_comm = [
+        (_LD_ABS, 0, 0, _BODY_AT),  # A = pid
+        (_TAX, 0, 0, 0),
+        (_LD_ABS, 0, 0, _BODY_AT + 4),  # A = tgid
+        (_JEQ_X, 1, 0, 0),  # the main thread: skip the drop
+        _DROP,
+        *match,
+        _DROP,
+    ]
+    return head + fork + exec_comm
+
+
+def _attach_filter(sock: socket.socket, pids: Iterable[int] | None = None) -> None:
+    program = process_event_filter() if pids is None else watched_event_filter(pids)
     raw = b"".join(struct.pack("=HBBI", *insn) for insn in program)
     buf = ctypes.create_string_buffer(raw, len(raw))
     fprog = struct.pack("@HP", len(program), ctypes.addressof(buf))

@@ -8,7 +8,7 @@ parent, so torchrun's workers stay under torchrun; an orphan reparented to
 the daemon (a child subreaper, prctl(2) PR_SET_CHILD_SUBREAPER) is no
 longer under its owner by PPid, so a member, once seen, stays its owner's
 until it exits. Processes are always pid + start time (/proc/PID/stat field 22).
-`assign_owners` is pure; `scan_procs` and `read_member_info` read /proc.
+`assign_owners` is pure; `scan_procs`, `scan_pids` and `read_member_info` read /proc.
 """
 
 from __future__ import annotations
@@ -51,6 +51,22 @@ def scan_procs(fs: HostFS) -> dict[int, ProcStat]:
         if not name.isdigit():
             continue
         text = fs.read_optional(f"proc/{name}/stat")
+        if text is None:
+            continue
+        try:
+            stat = parse_proc_stat(text)
+        except ValueError:
+            continue
+        table[stat.pid] = stat
+    return table
+
+
+def scan_pids(fs: HostFS, pids: Iterable[int]) -> dict[int, ProcStat]:
+    """/proc/<pid>/stat of `pids` alone (those still there): a tree pass scoped
+    to the trees' cgroups reads a few dozen files, not every process of the host."""
+    table: dict[int, ProcStat] = {}
+    for pid in pids:
+        text = fs.read_optional(f"proc/{pid}/stat")
         if text is None:
             continue
         try:

@@ -2,6 +2,14 @@
 the daemon's CPU with adopted ranks and a thread-creating pool.
 
     .venv/bin/python -m tests.bench.adopt_bench [--rounds 30] [--cpu-window-s 20]
+        [--repeats 3] [--base CHECKOUT] [--cpu-only] [--thread-names] [--profile DIR]
+
+`--base` runs an earlier commit's daemon (a `git worktree add --detach`
+checkout) alternately with this one's, in the same run, and prints this/base;
+`--thread-names` sets each daemon thread's OS name in a bench-only wrapper
+(Python 3.11 leaves them all "python") and prints CPU per thread over the
+window (ps-loop, ps-tree, ps-proc, ps-adopt); `--profile` adds a cProfile per
+thread. The daemon itself has no switch for any of this.
 
 1. Latency. A real daemon runs a launcher as its engine (`[workers]
    spawned_by = "engine"`, `rank_from = ["env:LOCAL_RANK"]`, checks every
@@ -31,9 +39,10 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.hostfs import HostFS
-from supervisor.run.procs import read_proc_stat
+from supervisor.run.procs import parse_proc_stat, read_proc_stat
 from tests.support.daemon_support import (
     INSTANCE_ENV,
+    REPO,
     DaemonProcess,
     daemon_env,
     to_toml,
@@ -81,10 +90,56 @@ time.sleep(3600)
 """
 
 
+WRAPPER = r"""
+# Runs the daemon in this process with each thread's OS name set to its Python
+# name (prctl PR_SET_NAME; Python 3.11 leaves them all "python"), so that
+# /proc/<pid>/task/<tid>/stat tells them apart; with OUT, also a cProfile per
+# thread, dumped to OUT/<thread>.prof at exit. The daemon's code comes from CODE.
+import ctypes, os, runpy, sys, threading
+out, code = sys.argv[1:3]
+sys.path.insert(0, code)  # the supervisor package to run (this repository's, or --base's)
+sys.argv = ["supervisor", *sys.argv[6:]]  # drop: this script, OUT, CODE, python, -m supervisor
+libc = ctypes.CDLL(None)
+def name(text):
+    libc.prctl(15, ctypes.c_char_p(text.encode()[:15]), 0, 0, 0)  # PR_SET_NAME
+profiles = {}
+def start(frame, event, arg):
+    thread = threading.current_thread().name
+    name(thread)
+    if out:
+        import cProfile
+        p = profiles[thread] = cProfile.Profile()
+        p.enable()  # replaces this hook for the thread
+    else:
+        sys.setprofile(None)
+threading.setprofile(start)
+name("ps-loop")
+if out:
+    import cProfile
+    profiles["main"] = cProfile.Profile()
+    profiles["main"].enable()
+try:
+    runpy.run_module("supervisor", run_name="__main__", alter_sys=True)
+finally:
+    for thread, p in profiles.items():
+        p.dump_stats(f"{out}/{thread}.prof")
+"""
+
+
 class Bench:
     """A daemon with a launcher engine, driven over a unix datagram socket."""
 
-    def __init__(self, tmp: Path, ranks: int, connector: bool, name: str) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        ranks: int,
+        connector: bool,
+        name: str,
+        *,
+        thread_names: bool = False,
+        profile: Path | None = None,
+        code: Path | None = None,
+    ) -> None:
         self.tmp = tmp / name
         self.tmp.mkdir()
         launcher, worker = self.tmp / "launcher.py", self.tmp / "worker.py"
@@ -118,7 +173,16 @@ class Bench:
         env = daemon_env(**{INSTANCE_ENV: f"adopt-bench-{name}-{os.getpid()}"})
         if not connector:
             env["PLACEMENT_SUPERVISOR_PROC_EVENTS"] = "0"
-        self.daemon = DaemonProcess(config, self.tmp / "daemon.log", env=env)
+        prefix: list[str] = []
+        if thread_names or profile is not None or code is not None:
+            (self.tmp / "wrapper.py").write_text(WRAPPER)
+            out = ""
+            if profile is not None:
+                (profile / name).mkdir(parents=True, exist_ok=True)
+                out = str(profile / name)
+            where = str(code or REPO)
+            prefix = [sys.executable, str(self.tmp / "wrapper.py"), out, where]
+        self.daemon = DaemonProcess(config, self.tmp / "daemon.log", env=env, prefix=prefix)
         self.ctl = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         doc_ = wait_until(self._engine_running, 60)
         if not doc_:
@@ -179,6 +243,22 @@ def cpu_seconds(pid: int) -> float:
     return 0.0 if stat is None else (stat.utime_ticks + stat.stime_ticks) / CLK_TCK
 
 
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds per thread name of `pid` (threads of one name summed: ps-proc_0, _1...)."""
+    out: dict[str, float] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        text = FS.read_optional(f"proc/{pid}/task/{tid}/stat")  # the thread's own times
+        stat = parse_proc_stat(text) if text else None
+        if stat is not None:
+            name = stat.comm.rstrip("0123456789").rstrip("_") or stat.comm
+            out[name] = out.get(name, 0.0) + (stat.utime_ticks + stat.stime_ticks) / CLK_TCK
+    return out
+
+
 def cpu_window(bench: Bench, window_s: float) -> float:
     pids = []
     for rank in sorted(bench.planned):
@@ -187,8 +267,18 @@ def cpu_window(bench: Bench, window_s: float) -> float:
     wait_until(lambda: all(bench.rank_state(r) == "running" for r in bench.planned), 60, 0.1)
     time.sleep(3)  # the first binds of 800 threads are start-up, not steady state
     before = cpu_seconds(bench.daemon.pid)
+    threads_before = thread_cpu(bench.daemon.pid)
     time.sleep(window_s)
     used = cpu_seconds(bench.daemon.pid) - before
+    threads_after = thread_cpu(bench.daemon.pid)
+    per_thread = {
+        name: 100.0 * (spent - threads_before.get(name, 0.0)) / window_s
+        for name, spent in threads_after.items()
+    }
+    print(
+        "  per thread (% of a core): "
+        + "  ".join(f"{n}={v:.2f}" for n, v in sorted(per_thread.items(), key=lambda i: -i[1]))
+    )
     for pid in pids:
         bench.send(op="kill", pid=pid)
     return 100.0 * used / window_s
@@ -204,46 +294,88 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--polling-rounds", type=int, default=12)
     parser.add_argument("--cpu-window-s", type=float, default=20.0)
+    parser.add_argument("--repeats", type=int, default=1, help="CPU windows per daemon and mode")
+    parser.add_argument("--cpu-only", action="store_true", help="skip the latency rounds")
+    parser.add_argument(
+        "--base",
+        type=Path,
+        help="a checkout of an earlier commit: its daemon runs alternately with this one's",
+    )
+    parser.add_argument(
+        "--thread-names", action="store_true", help="name the daemon's OS threads (per-thread CPU)"
+    )
+    parser.add_argument(
+        "--profile", type=Path, help="write a cProfile per daemon thread of the CPU runs here"
+    )
     args = parser.parse_args()
+    print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if os.geteuid() != 0:
         print("note: not root: no proc connector, no cgroups; both runs poll", file=sys.stderr)
+    codes: list[tuple[str, Path | None]] = [("this", None)]
+    if args.base is not None:
+        codes.append(("base", args.base.resolve()))
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, connector, rounds in (
-            ("connector", True, args.rounds),
-            ("polling", False, args.polling_rounds),
-        ):
-            bench = Bench(Path(tmp), 2, connector, f"lat-{name}")
-            try:
-                ms = [s * 1000 for s in latency_rounds(bench, rounds)]
-            finally:
-                bench.close()
-            results[name] = {"p50_ms": pct(ms, 0.5), "p99_ms": pct(ms, 0.99), "n": len(ms)}
+        for label, code in codes if not args.cpu_only else ():
+            for name, connector, rounds in (
+                ("connector", True, args.rounds),
+                ("polling", False, args.polling_rounds),
+            ):
+                bench = Bench(Path(tmp), 2, connector, f"lat-{label}-{name}", code=code)
+                try:
+                    ms = [s * 1000 for s in latency_rounds(bench, rounds)]
+                finally:
+                    bench.close()
+                key = name if label == "this" else f"{label}_{name}"
+                results[key] = {"p50_ms": pct(ms, 0.5), "p99_ms": pct(ms, 0.99), "n": len(ms)}
+                print(
+                    f"fork/exec -> all threads on rank CPUs [{label} {name}]: "
+                    f"p50 {pct(ms, 0.5):.1f} ms  p99 {pct(ms, 0.99):.1f} ms  "
+                    f"mean {statistics.fmean(ms):.1f} ms  n={len(ms)}"
+                )
+        c, p = results.get("connector"), results.get("polling")
+        if c and p:
             print(
-                f"fork/exec -> all threads on rank CPUs [{name}]: "
-                f"p50 {pct(ms, 0.5):.1f} ms  p99 {pct(ms, 0.99):.1f} ms  "
-                f"mean {statistics.fmean(ms):.1f} ms  n={len(ms)}"
+                f"polling / connector: p50 x{p['p50_ms'] / c['p50_ms']:.1f}, "
+                f"p99 x{p['p99_ms'] / c['p99_ms']:.1f}; "
+                f"connector p99 {c['p99_ms']:.1f} ms vs target 50 ms "
+                f"({'met' if c['p99_ms'] <= 50 else 'missed'})"
             )
-        c, p = results["connector"], results["polling"]
-        print(
-            f"polling / connector: p50 x{p['p50_ms'] / c['p50_ms']:.1f}, "
-            f"p99 x{p['p99_ms'] / c['p99_ms']:.1f}; "
-            f"connector p99 {c['p99_ms']:.1f} ms vs target 50 ms "
-            f"({'met' if c['p99_ms'] <= 50 else 'missed'})"
-        )
-        for name, connector in (("connector", True), ("polling", False)):
-            bench = Bench(Path(tmp), 8, connector, f"cpu-{name}")
-            try:
-                used = cpu_window(bench, args.cpu_window_s)
-            finally:
-                bench.close()
-            results[f"cpu_{name}_pct"] = used
-            print(
-                f"daemon CPU, 8 adopted ranks x 100 threads + 500 threads/s, 1 s checks "
-                f"[{name}]: {used:.2f}% of a core (target < 1%)"
-            )
+        cpu: dict[str, list[float]] = {}
+        for i in range(args.repeats):
+            for label, code in codes:
+                for name, connector in (("connector", True), ("polling", False)):
+                    bench = Bench(
+                        Path(tmp),
+                        8,
+                        connector,
+                        f"cpu-{label}-{name}-{i}",
+                        thread_names=args.thread_names,
+                        profile=args.profile,
+                        code=code,
+                    )
+                    try:
+                        used = cpu_window(bench, args.cpu_window_s)
+                    finally:
+                        bench.close()
+                    key = f"cpu_{name}_pct" if label == "this" else f"cpu_{label}_{name}_pct"
+                    cpu.setdefault(key, []).append(used)
+                    print(
+                        f"daemon CPU, 8 adopted ranks x 100 threads + 500 threads/s, 1 s checks "
+                        f"[{label} {name}]: {used:.2f}% of a core (target < 1%)  "
+                        f"load {os.getloadavg()[0]:.2f}"
+                    )
+        results.update({key: statistics.median(values) for key, values in cpu.items()})
+        print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
         ratio = results["cpu_connector_pct"] / max(results["cpu_polling_pct"], 1e-9)
         print(f"connector / polling daemon CPU: x{ratio:.2f}")
+        if args.base is not None:
+            for name in ("connector", "polling"):
+                this, base = results[f"cpu_{name}_pct"], results[f"cpu_base_{name}_pct"]
+                print(
+                    f"daemon CPU [{name}], median of {args.repeats}: this {this:.2f}% "
+                    f"base {base:.2f}%  this / base x{this / max(base, 1e-9):.2f}"
+                )
     print(json.dumps(results))
 
 

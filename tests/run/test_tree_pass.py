@@ -1,0 +1,164 @@
+"""The tree keeper's pass on fixture /proc and cgroup trees: scoped to the trees'
+cgroups while every root is in its own, all of /proc every FULL_PASS_EVERY passes
+or whenever a root is not (supervisor.run.keeper); and the proc connector's
+watch list on a real socket, with real forks and execs.
+
+A fixture tree because the pass must be shown *not* to read a process that a
+full walk would find; the real-process behaviour (setsid grandchildren,
+orphans, connector) is in test_trees.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from supervisor.hostfs import HostFS
+from supervisor.plan.placement import Placement
+from supervisor.run.keeper import FULL_PASS_EVERY, TreeKeeper
+from supervisor.run.proc_events import ProcEvent, ProcEvents, open_proc_events, parse_proc_events
+from supervisor.state import ProcKey, Snapshot, StateStore
+from supervisor.topology.discover import read_topology
+
+ENGINE_CG = "sys/fs/cgroup/cpuset/ps/engine"
+
+
+def write_proc(root: Path, pid: int, ppid: int, start: int = 100) -> None:
+    d = root / f"proc/{pid}"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "stat").write_text(
+        f"{pid} (p) S {ppid} {pid} 0 0 0 0 0 0 0 0 0 0 0 0 20 0 1 0 {start} 0 0\n"
+    )
+    (d / "cmdline").write_text(f"p\0{pid}\0")
+
+
+def write_cgroup(root: Path, pids: list[int]) -> None:
+    d = root / ENGINE_CG
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "cgroup.procs").write_text("".join(f"{pid}\n" for pid in pids))
+
+
+def keeper(root: Path) -> TreeKeeper:
+    store = StateStore(Snapshot(Placement("test", None, ()), read_topology(HostFS("/")), {}))
+
+    def cgroup_dir(key: ProcKey) -> str | None:
+        return ENGINE_CG if key == "engine" else None
+
+    return TreeKeeper(
+        HostFS(str(root)),
+        store,
+        interval_s=1.0,
+        cgroup_dir=cgroup_dir,
+        direct_children=list,
+        use_connector=False,
+        subreaper=False,
+    )
+
+
+def test_a_pass_reads_only_the_cgroups_while_every_root_is_in_one(tmp_path: Path) -> None:
+    write_proc(tmp_path, 1, 0)
+    write_proc(tmp_path, 10, 1)  # the engine
+    write_proc(tmp_path, 11, 10)  # its child, in its cgroup
+    write_proc(tmp_path, 90, 1)  # another process of the host
+    write_cgroup(tmp_path, [10, 11])
+
+    async def body() -> None:
+        trees = keeper(tmp_path)
+        trees.set_root("engine", 10, 100)
+        first = await trees.refresh()  # the first pass walks all of /proc
+        assert set(first.members) == {11}
+        assert trees.full_passes == 1
+        # A child born in the cgroup is found by a scoped pass; one that someone
+        # moved out of our cgroups is not, until the next full pass.
+        write_proc(tmp_path, 12, 10)
+        write_proc(tmp_path, 13, 10)
+        write_cgroup(tmp_path, [10, 11, 12])
+        scoped = await trees.refresh()
+        assert set(scoped.members) == {11, 12}
+        assert trees.full_passes == 1
+        for _ in range(FULL_PASS_EVERY - 2):
+            await trees.refresh()
+        assert trees.full_passes == 1
+        full = await trees.refresh()
+        assert trees.full_passes == 2
+        assert set(full.members) == {11, 12, 13}
+        # A known member stays its owner's while scoped, even out of the cgroup.
+        again = await trees.refresh()
+        assert set(again.members) == {11, 12, 13}
+        assert trees.full_passes == 2
+        await trees.stop()
+
+    asyncio.run(body())
+
+
+def test_every_pass_is_full_while_a_root_is_outside_its_cgroup(tmp_path: Path) -> None:
+    write_proc(tmp_path, 1, 0)
+    write_proc(tmp_path, 10, 1)
+    write_proc(tmp_path, 11, 10)
+    write_cgroup(tmp_path, [])  # the engine could not be moved in: its children are not there
+
+    async def body() -> None:
+        trees = keeper(tmp_path)
+        trees.set_root("engine", 10, 100)
+        for _ in range(3):
+            result = await trees.refresh()
+            assert set(result.members) == {11}
+        assert trees.full_passes == 3
+        await trees.stop()
+
+    asyncio.run(body())
+
+
+# -- the kernel's watch list (a real proc connector) --------------------------------------
+
+WAITS_THEN_SPAWNS = (
+    "import subprocess, sys; sys.stdin.readline(); subprocess.run([sys.executable, '-c', ''])"
+)
+
+
+def collect(events: ProcEvents, until: float) -> list[ProcEvent]:
+    out: list[ProcEvent] = []
+    events.sock.settimeout(0.1)
+    while time.monotonic() < until:
+        try:
+            out += parse_proc_events(events.sock.recv(65536))
+        except TimeoutError:
+            continue
+    return out
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the proc connector needs root")
+def test_the_watch_list_keeps_only_the_listed_processes_forks_and_execs() -> None:
+    events, why = open_proc_events()
+    assert events is not None, why
+    me = os.getpid()
+    try:
+        assert events.watch({me})
+        child = subprocess.Popen([sys.executable, "-c", WAITS_THEN_SPAWNS], stdin=subprocess.PIPE)
+        first = collect(events, time.monotonic() + 0.5)
+        # Its fork (the parent is listed), not its exec (it is not listed yet).
+        assert [(e.kind, e.pid) for e in first if e.pid == child.pid] == [("fork", child.pid)]
+        assert events.watch({me, child.pid})
+        assert child.stdin is not None
+        child.stdin.write(b"go\n")
+        child.stdin.close()
+        child.wait(10)
+        second = collect(events, time.monotonic() + 0.5)
+        forks = [e for e in second if e.kind == "fork" and e.parent_tgid == child.pid]
+        assert len(forks) == 1  # the grandchild's fork; its own exec is not listed
+        grandchild = forks[0].pid
+        assert not [e for e in second if e.kind == "exec" and e.pid == grandchild]
+        # Nothing of the host's other processes came through.
+        for e in first + second:
+            listed = {me, child.pid}
+            assert (e.parent_tgid if e.kind == "fork" else e.pid) in listed, e
+        assert events.watch(None)  # back to every process's events
+        assert events.watched is None
+    finally:
+        events.close()
