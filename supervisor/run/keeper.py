@@ -12,6 +12,10 @@ orphans reparented to the daemon (a child subreaper: no zombies), tells
 the guardian what to end if the daemon dies, hands engine-owned processes
 to the adopter, and ends a tree on request: TERM, then KILL after a
 timeout (`cgroup.kill` where cgroup v2 has it).
+
+Over 500 lines because the pass, the connector's watch list, the early forks
+waiting for their root and the ending of trees all read and write the same
+roots and members under one lock; split, each piece would reach into the others.
 """
 
 from __future__ import annotations
