@@ -46,19 +46,7 @@ class Member:
 
 def scan_procs(fs: HostFS) -> dict[int, ProcStat]:
     """Every process's /proc/<pid>/stat (threads are not listed in /proc itself)."""
-    table: dict[int, ProcStat] = {}
-    for name in fs.listdir("proc"):
-        if not name.isdigit():
-            continue
-        text = fs.read_optional(f"proc/{name}/stat")
-        if text is None:
-            continue
-        try:
-            stat = parse_proc_stat(text)
-        except ValueError:
-            continue
-        table[stat.pid] = stat
-    return table
+    return scan_pids(fs, (int(name) for name in fs.listdir("proc") if name.isdigit()))
 
 
 def scan_pids(fs: HostFS, pids: Iterable[int]) -> dict[int, ProcStat]:
