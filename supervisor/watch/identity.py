@@ -10,19 +10,7 @@ start time before and after every write.
 from __future__ import annotations
 
 from supervisor.hostfs import HostFS
-
-
-def parse_stat_start_time(text: str) -> int | None:
-    """Field 22 (starttime, clock ticks since boot) of a /proc/.../stat text (pure).
-
-    The comm field (2) may hold spaces and parentheses: fields are counted
-    after its last ")" (proc(5)). None when the text is torn or garbled.
-    """
-    _, sep, rest = text.rpartition(")")
-    fields = rest.split()
-    if not sep or len(fields) < 20 or not fields[19].isdigit():
-        return None
-    return int(fields[19])
+from supervisor.run.procs import parse_proc_stat
 
 
 def parse_status_tgid(text: str) -> int | None:
@@ -39,7 +27,12 @@ def read_thread_start(fs: HostFS, pid: int, tid: int) -> int | None:
     thread of `pid` (any more): /proc/<pid>/task/<tid> exists only for the
     threads of `pid`'s thread group (fs/proc/base.c proc_task_lookup)."""
     raw = fs.read_live(f"proc/{pid}/task/{tid}/stat", 1024, f"tid {tid}")
-    return None if raw is None else parse_stat_start_time(raw.decode("utf-8", "replace"))
+    if raw is None:
+        return None
+    try:
+        return parse_proc_stat(raw.decode("utf-8", "replace")).start_time
+    except ValueError:  # torn or garbled: no identity to trust
+        return None
 
 
 def is_thread_of(fs: HostFS, pid: int, tid: int, start_time: int | None) -> bool:
