@@ -40,6 +40,7 @@ import time
 from supervisor.bind.cgroup import SUPERVISOR_LEAF, CgroupManager
 from supervisor.hostfs import HostFS
 from supervisor.logs import format_fields
+from supervisor.run.procs import parse_proc_stat, read_proc_stat
 
 log = logging.getLogger("placement_supervisor.guardian")
 
@@ -61,8 +62,10 @@ def _start_time(pid: int) -> int | None:
             text = f.read().decode(errors="replace")
     except OSError:
         return None
-    rest = text[text.rfind(")") + 2 :].split()
-    return int(rest[19]) if len(rest) > 19 else None
+    try:
+        return parse_proc_stat(text).start_time
+    except ValueError:
+        return None
 
 
 def _cgroup_pids(directory: str) -> list[int]:
@@ -243,9 +246,8 @@ def live_guardian(fs: HostFS, instance: str) -> tuple[int, int] | None:
         words = (fs.read_optional(f"proc/{name}/cmdline") or "").split("\0")
         if GUARDIAN_TAG not in words or instance not in words:
             continue
-        stat = fs.read_optional(f"proc/{name}/stat") or ""
-        rest = stat[stat.rfind(")") + 2 :].split()
-        ppid = int(rest[1]) if len(rest) > 1 and rest[1].isdigit() else 0
+        stat = read_proc_stat(fs, int(name))
+        ppid = stat.ppid if stat is not None else 0
         parent = (fs.read_optional(f"proc/{ppid}/cmdline") or "").split("\0")
         if ppid > 1 and "supervisor" in " ".join(parent) and "run" in parent:
             return int(name), ppid
