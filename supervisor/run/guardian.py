@@ -41,6 +41,7 @@ from supervisor.bind.cgroup import SUPERVISOR_LEAF, CgroupManager
 from supervisor.hostfs import HostFS
 from supervisor.logs import format_fields
 from supervisor.run.procs import parse_proc_stat, read_proc_stat
+from supervisor.run.tree import read_cgroup_procs
 
 log = logging.getLogger("placement_supervisor.guardian")
 
@@ -68,14 +69,6 @@ def _start_time(pid: int) -> int | None:
         return None
 
 
-def _cgroup_pids(directory: str) -> list[int]:
-    try:
-        with open(os.path.join(directory, "cgroup.procs")) as f:
-            return [int(w) for w in f.read().split() if w.isdigit()]
-    except OSError:
-        return []
-
-
 def kill_cgroup(directory: str, deadline: float) -> int:
     """SIGKILL everything in one cgroup until it is empty or `deadline`; returns kills sent."""
     kill_file = os.path.join(directory, "cgroup.kill")
@@ -84,8 +77,9 @@ def kill_cgroup(directory: str, deadline: float) -> int:
             f.write("1")
     sent = 0
     me = os.getpid()
+    host = HostFS("/")  # `directory` is absolute
     while time.monotonic() < deadline:
-        pids = [p for p in _cgroup_pids(directory) if p != me]
+        pids = [p for p in read_cgroup_procs(host, directory) if p != me]
         if not pids:
             break
         for pid in pids:
@@ -285,7 +279,7 @@ def sweep_leftovers(manager: CgroupManager, timeout_s: float = 5.0) -> list[str]
                 continue
             found.append(rel)
             path = fs.path(rel)
-            pids = _cgroup_pids(path)
+            pids = read_cgroup_procs(fs, rel)
             if pids:
                 log.warning(
                     "leftover processes %s",
