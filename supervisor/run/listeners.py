@@ -17,7 +17,7 @@ import sys
 from dataclasses import dataclass
 
 from supervisor.hostfs import HostFS
-from supervisor.run.procs import read_proc_stat
+from supervisor.run.tree import children_map, scan_procs
 
 TCP_LISTEN = "0A"  # include/net/tcp_states.h: TCP_LISTEN = 10
 
@@ -85,13 +85,7 @@ def read_listeners(fs: HostFS, pid: int) -> list[Listener]:
 
 def tree_pids(fs: HostFS, root: int) -> list[int]:
     """`root` and every live descendant (parent links from /proc/<pid>/stat)."""
-    children: dict[int, list[int]] = {}
-    for name in fs.listdir("proc"):
-        if not name.isdigit():
-            continue
-        stat = read_proc_stat(fs, int(name))
-        if stat is not None:
-            children.setdefault(stat.ppid, []).append(stat.pid)
+    children = children_map(scan_procs(fs))
     out: list[int] = []
     seen: set[int] = set()
     todo = [root]
