@@ -2,7 +2,7 @@
 
 Subcommands: topology, plan, snapshot (here), run and status (imported only
 when called). `plan --config` also checks what `run` would fail on
-(supervisor.run.preflight). Reads os.environ for the visibility variables only, here, and
+(supervisor.service.preflight). Reads os.environ for the visibility variables only, here, and
 hands them to discovery. Exit codes: 0 ok, 2 bad config or arguments, 3
 infeasible plan or unusable topology; a user error is one line on stderr.
 """
@@ -25,7 +25,7 @@ from supervisor.hostfs import HostFS
 from supervisor.plan.placement import Placement, PlanSettings
 from supervisor.plan.planner import plan
 from supervisor.plan.render import render_plan_table
-from supervisor.run.preflight import check_config
+from supervisor.service.preflight import check_config
 from supervisor.topology.discover import read_topology
 from supervisor.topology.model import DiscoveryOptions, Topology
 from supervisor.topology.render import render_topology_text, topology_to_doc

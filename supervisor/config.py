@@ -25,11 +25,11 @@ from typing import Any, Literal, TypeVar
 from supervisor.errors import ConfigError
 from supervisor.hostfs import SpecialFileError, read_regular_file_stat
 from supervisor.plan.placement import PlanSettings, Shortage, StrategySetting
-from supervisor.run.rank_source import parse_rank_source
 from supervisor.serve.listen import parse_listen
 from supervisor.topology.model import DiscoveryOptions
 from supervisor.topology.pci import normalize_bdf
 from supervisor.topology.visibility import visibility_env
+from supervisor.trees.rank_source import parse_rank_source
 
 RestartPolicy = Literal["always", "on-failure", "never"]
 DriftPolicy = Literal["observe", "enforce"]

@@ -42,20 +42,20 @@ from supervisor.plan.placement import Placement
 from supervisor.plan.planner import plan
 from supervisor.plan.render import render_plan_table
 from supervisor.run import users
-from supervisor.run.adopt import Adopter, AdoptRunner
-from supervisor.run.cgroups import ManagedCgroups, cgroups_for, instance_suffix, remove_cgroups
-from supervisor.run.guardian import Guardian
-from supervisor.run.instance_lock import hold_instance_lock
-from supervisor.run.keeper import TreeKeeper
-from supervisor.run.rank_source import parse_rank_source
 from supervisor.run.runner import Runner, Runtime, first_of
-from supervisor.run.sdnotify import Notifier, watchdog_interval_s
 from supervisor.run.spec import ChildSpec, build_specs
 from supervisor.serve.routes import Actions
 from supervisor.serve.server import ApiServer
+from supervisor.service.cgroups import ManagedCgroups, cgroups_for, instance_suffix, remove_cgroups
+from supervisor.service.instance_lock import hold_instance_lock
+from supervisor.service.sdnotify import Notifier, watchdog_interval_s
 from supervisor.state import ProcessStatus, ProcKey, Snapshot, StateStore, key_label
 from supervisor.topology.discover import read_topology, reread_cpus
 from supervisor.topology.model import Topology
+from supervisor.trees.adopt import Adopter, AdoptRunner
+from supervisor.trees.guardian import Guardian
+from supervisor.trees.keeper import TreeKeeper
+from supervisor.trees.rank_source import parse_rank_source
 from supervisor.watch.cpuset import Replanner
 from supervisor.watch.irqs import IrqKeeper
 from supervisor.watch.loop import CheckLoop

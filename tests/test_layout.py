@@ -21,13 +21,25 @@ PACKAGE = ROOT / "supervisor"
 # plan (Topology -> Placement) and the check loop's pure decision.
 PURE = ("supervisor.topology", "supervisor.plan", "supervisor.watch.decide")
 # What they must never reach: kernel writes, processes, the API, the root.
-ABOVE = ("supervisor.bind", "supervisor.run", "supervisor.serve", "supervisor.daemon")
+ABOVE = (
+    "supervisor.bind",
+    "supervisor.run",
+    "supervisor.trees",
+    "supervisor.service",
+    "supervisor.serve",
+    "supervisor.daemon",
+)
 # Pure parsers that live beside their users above and that `supervisor.config`
 # validates with at load time (so the pure layers reach them through config),
 # and the docstring-only package files they run. The walk goes on through
 # them: whatever they import is checked like the rest.
 PURE_ABOVE = frozenset(
-    {"supervisor.run", "supervisor.run.rank_source", "supervisor.serve", "supervisor.serve.listen"}
+    {
+        "supervisor.trees",
+        "supervisor.trees.rank_source",
+        "supervisor.serve",
+        "supervisor.serve.listen",
+    }
 )
 
 
@@ -237,14 +249,15 @@ def test_a_pure_module_reaching_up_through_another_is_found(tmp_path: Path) -> N
 def test_a_pure_parser_above_is_walked_through(tmp_path: Path) -> None:
     files = {
         **BASE,
-        "run/rank_source.py": "",
-        "state.py": "from supervisor.run import rank_source\n",
+        "trees/__init__.py": "",
+        "trees/rank_source.py": "",
+        "state.py": "from supervisor.trees import rank_source\n",
     }
     assert layer_violations(import_graph(_tree(tmp_path, files))) == []
-    files["run/rank_source.py"] = "from supervisor.run.runner import R\n"
+    files["trees/rank_source.py"] = "from supervisor.run.runner import R\n"
     found = layer_violations(import_graph(_tree(tmp_path, files)))
     assert any(
-        chain.endswith("supervisor.run.rank_source -> supervisor.run.runner") for chain in found
+        chain.endswith("supervisor.trees.rank_source -> supervisor.run.runner") for chain in found
     )
 
 

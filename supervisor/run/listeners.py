@@ -17,7 +17,7 @@ import sys
 from dataclasses import dataclass
 
 from supervisor.hostfs import HostFS
-from supervisor.run.tree import children_map, scan_procs
+from supervisor.trees.tree import children_map, scan_procs
 
 TCP_LISTEN = "0A"  # include/net/tcp_states.h: TCP_LISTEN = 10
 

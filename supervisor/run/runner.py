@@ -70,7 +70,7 @@ class ProcessCgroups(Protocol):
 
 
 class ProcessTrees(Protocol):
-    """The daemon's tree keeper (`supervisor.run.keeper.TreeKeeper`)."""
+    """The daemon's tree keeper (`supervisor.trees.keeper.TreeKeeper`)."""
 
     def set_root(
         self, key: ProcKey, pid: int, start_time: int | None, *, adopted: bool = False

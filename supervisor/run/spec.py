@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from supervisor.config import Config, ProcessConfig
 from supervisor.hook import hook_env, hook_roles
 from supervisor.plan.placement import Placement, RankPlacement, Slot
-from supervisor.run.sdnotify import NOTIFY_VARS
+from supervisor.service.sdnotify import NOTIFY_VARS
 from supervisor.state import ProcKey
 from supervisor.topology.model import DeviceKind
 from supervisor.worker import SLOT_ENV, slot_env_value

@@ -38,7 +38,7 @@ log = logging.getLogger("placement_supervisor.checker")
 
 
 class CgroupsLike(Protocol):
-    """The parts of `run.cgroups.ManagedCgroups` the loop reads (numa_stat) and updates."""
+    """The parts of `service.cgroups.ManagedCgroups` the loop reads (numa_stat) and updates."""
 
     manager: CgroupManager
     made: dict[ProcKey, ProcessCgroup]

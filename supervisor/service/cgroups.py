@@ -21,8 +21,8 @@ from supervisor.errors import ConfigError, KernelError
 from supervisor.hostfs import HostFS
 from supervisor.logs import format_fields
 from supervisor.plan.placement import Slot
-from supervisor.run.guardian import sweep_leftovers
 from supervisor.state import ProcKey, key_label
+from supervisor.trees.guardian import sweep_leftovers
 
 log = logging.getLogger("placement_supervisor.daemon")
 

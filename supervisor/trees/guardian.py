@@ -41,7 +41,7 @@ from supervisor.bind.cgroup import SUPERVISOR_LEAF, CgroupManager
 from supervisor.hostfs import HostFS
 from supervisor.logs import format_fields
 from supervisor.run.procs import parse_proc_stat, read_proc_stat
-from supervisor.run.tree import read_cgroup_procs
+from supervisor.trees.tree import read_cgroup_procs
 
 log = logging.getLogger("placement_supervisor.guardian")
 
@@ -50,7 +50,7 @@ KILL_ROUNDS_S = 5.0  # keep killing (a fork racing the kill) for at most this lo
 GUARDIAN_TAG = "placement-supervisor-guardian"
 GUARDIAN_STUB = (
     "import sys; sys.path.insert(0, sys.argv[1]); "
-    "from supervisor.run.guardian import guardian_main; guardian_main()"
+    "from supervisor.trees.guardian import guardian_main; guardian_main()"
 )
 
 

@@ -2,10 +2,10 @@
 
 The daemon makes one `TreeKeeper`. Runners tell it their roots
 (`set_root`); it learns members from the proc connector within
-milliseconds (fork/exec/comm/exit, `supervisor.run.proc_events`) where
+milliseconds (fork/exec/comm/exit, `supervisor.trees.proc_events`) where
 the daemon may open it (while the trees are in cgroups, the kernel passes
 only the events of the processes it lists), and from a /proc + cgroup.procs
-pass (`supervisor.run.tree.assign_owners`) every `interval_s` in any case:
+pass (`supervisor.trees.tree.assign_owners`) every `interval_s` in any case:
 read from the trees' cgroups alone while every root is in its own. It
 publishes each tree into the snapshot (`/placement` "children"), reaps
 orphans reparented to the daemon (a child subreaper: no zombies), tells
@@ -34,10 +34,11 @@ from types import MappingProxyType
 
 from supervisor.hostfs import HostFS
 from supervisor.logs import format_fields
-from supervisor.run.guardian import Guardian
-from supervisor.run.proc_events import ProcEvent, ProcEvents, open_proc_events
 from supervisor.run.procs import ProcStat, read_proc_stat
-from supervisor.run.tree import (
+from supervisor.state import ProcKey, StateStore, TreeMember, key_label
+from supervisor.trees.guardian import Guardian
+from supervisor.trees.proc_events import ProcEvent, ProcEvents, open_proc_events
+from supervisor.trees.tree import (
     Member,
     Root,
     assign_owners,
@@ -46,7 +47,6 @@ from supervisor.run.tree import (
     scan_pids,
     scan_procs,
 )
-from supervisor.state import ProcKey, StateStore, TreeMember, key_label
 
 log = logging.getLogger("placement_supervisor.trees")
 

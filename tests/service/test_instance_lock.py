@@ -7,7 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.run.instance_lock import InstanceBusy, hold_instance_lock, lock_name, runtime_dirs
+from supervisor.service.instance_lock import (
+    InstanceBusy,
+    hold_instance_lock,
+    lock_name,
+    runtime_dirs,
+)
 
 
 def test_a_second_holder_is_refused_with_the_first_ones_pid(tmp_path: Path) -> None:

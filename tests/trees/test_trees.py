@@ -22,16 +22,16 @@ import pytest
 
 from supervisor.bind.cgroup import CgroupManager, detect_cgroup_setup
 from supervisor.hostfs import HostFS
-from supervisor.run.guardian import live_guardian, sweep_leftovers
-from supervisor.run.proc_events import (
+from supervisor.run.procs import ProcStat, read_proc_stat
+from supervisor.trees.guardian import live_guardian, sweep_leftovers
+from supervisor.trees.proc_events import (
     PROC_EVENT_EXIT,
     PROC_EVENT_FORK,
     listen_message,
     open_proc_events,
     parse_proc_events,
 )
-from supervisor.run.procs import ProcStat, read_proc_stat
-from supervisor.run.tree import Member, Root, assign_owners, read_cmdline
+from supervisor.trees.tree import Member, Root, assign_owners, read_cmdline
 from tests.support.daemon_support import INSTANCE_ENV, DaemonProcess, daemon_env, poll, to_toml
 
 FS = HostFS("/")

@@ -1,6 +1,6 @@
 """The tree keeper's pass on fixture /proc and cgroup trees: scoped to the trees'
 cgroups while every root is in its own, all of /proc every FULL_PASS_EVERY passes
-or whenever a root is not (supervisor.run.keeper); and the proc connector's
+or whenever a root is not (supervisor.trees.keeper); and the proc connector's
 watch list on a real socket, with real forks and execs.
 
 A fixture tree because the pass must be shown *not* to read a process that a
@@ -21,10 +21,10 @@ import pytest
 
 from supervisor.hostfs import HostFS
 from supervisor.plan.placement import Placement
-from supervisor.run.keeper import FULL_PASS_EVERY, TreeKeeper
-from supervisor.run.proc_events import ProcEvent, ProcEvents, open_proc_events, parse_proc_events
 from supervisor.state import ProcKey, Snapshot, StateStore
 from supervisor.topology.discover import read_topology
+from supervisor.trees.keeper import FULL_PASS_EVERY, TreeKeeper
+from supervisor.trees.proc_events import ProcEvent, ProcEvents, open_proc_events, parse_proc_events
 
 ENGINE_CG = "sys/fs/cgroup/cpuset/ps/engine"
 

@@ -24,8 +24,8 @@ import pytest
 from supervisor.config import parse_config
 from supervisor.errors import ConfigError
 from supervisor.hostfs import HostFS
-from supervisor.run.adopt import read_proc_facts
-from supervisor.run.rank_source import ProcFacts, parse_rank_source, resolve_rank
+from supervisor.trees.adopt import read_proc_facts
+from supervisor.trees.rank_source import ProcFacts, parse_rank_source, resolve_rank
 from tests.support.children import thread_cpus
 from tests.support.daemon_support import (
     INSTANCE_ENV,

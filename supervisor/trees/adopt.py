@@ -1,7 +1,7 @@
 """Adoption: which rank an engine-spawned process is (`rank_from`), and its rank's runner.
 
 The sources themselves (`parse_rank_source`, `resolve_rank`) are pure and
-live in `supervisor.run.rank_source`. `read_proc_facts` reads
+live in `supervisor.trees.rank_source`. `read_proc_facts` reads
 /proc/<pid>/{environ,cmdline,fd} through HostFS.
 `AdoptRunner` stands where a spawning `Runner` would for a rank of
 `[workers] spawned_by = "engine"`: it waits (state `waiting`) for the
@@ -29,16 +29,16 @@ from supervisor.events import Recorder
 from supervisor.hostfs import HostFS
 from supervisor.plan.placement import Placement
 from supervisor.run.procs import read_proc_stat
-from supervisor.run.rank_source import (
+from supervisor.run.runner import Runner, Runtime, first_of
+from supervisor.run.spec import ChildSpec
+from supervisor.state import BindTarget
+from supervisor.trees.rank_source import (
     ProcFacts,
     RankSource,
     rank_tables,
     resolve_rank,
 )
-from supervisor.run.runner import Runner, Runtime, first_of
-from supervisor.run.spec import ChildSpec
-from supervisor.run.tree import Member, read_cmdline
-from supervisor.state import BindTarget
+from supervisor.trees.tree import Member, read_cmdline
 
 log = logging.getLogger("placement_supervisor.adopt")
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.run.sdnotify import Notifier, parse_notify_address, watchdog_interval_s
+from supervisor.service.sdnotify import Notifier, parse_notify_address, watchdog_interval_s
 
 
 @pytest.fixture
