@@ -13,97 +13,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import os
 import signal
 import subprocess
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from functools import partial
 from typing import Literal
 
 from supervisor.errors import KernelError, translate_oserror
-from supervisor.hostfs import HostFS
-
-
-@dataclass(frozen=True, slots=True)
-class ProcStat:
-    """The fields of /proc/<pid>/stat the supervisor uses (proc(5))."""
-
-    pid: int
-    comm: str
-    state: str
-    ppid: int
-    pgid: int
-    utime_ticks: int  # field 14
-    stime_ticks: int  # field 15
-    start_time: int  # field 22: clock ticks after boot
-
-
-def parse_proc_stat(text: str) -> ProcStat:
-    """Parse one /proc/<pid>/stat line (pure); ValueError when garbled.
-
-    comm (field 2) is in parentheses and may itself hold spaces and ")", so
-    the fields after it are split from the *last* ")" (proc(5)).
-    """
-    open_at = text.find("(")
-    close_at = text.rfind(")")
-    if open_at < 0 or close_at < open_at:
-        raise ValueError(f"not a /proc/<pid>/stat line: {text[:80]!r}")
-    pid = int(text[:open_at])
-    comm = text[open_at + 1 : close_at]
-    rest = text[close_at + 2 :].split()
-    # rest[0] is field 3 (state); field N is rest[N - 3].
-    if len(rest) < 20:
-        raise ValueError(f"/proc/{pid}/stat has {len(rest) + 2} fields, expected >= 22")
-    return ProcStat(
-        pid=pid,
-        comm=comm,
-        state=rest[0],
-        ppid=int(rest[1]),
-        pgid=int(rest[2]),
-        utime_ticks=int(rest[11]),
-        stime_ticks=int(rest[12]),
-        start_time=int(rest[19]),
-    )
-
-
-def read_proc_stat(fs: HostFS, pid: int) -> ProcStat | None:
-    """/proc/<pid>/stat through HostFS; None when the process is gone."""
-    text = fs.read_optional(f"proc/{pid}/stat")
-    if text is None:
-        return None
-    try:
-        return parse_proc_stat(text)
-    except ValueError:
-        return None
-
-
-def is_same_process(fs: HostFS, pid: int, start_time: int) -> bool:
-    """True when `pid` still names the process that started at `start_time`.
-
-    A pid is reused after its process is reaped; the start time (field 22)
-    tells the new process from the old one. For processes the daemon holds no
-    pidfd for (another process's pid read from the API, say).
-    """
-    stat = read_proc_stat(fs, pid)
-    return stat is not None and stat.start_time == start_time
-
-
-def _pidfd_open(pid: int) -> int | None:
-    """A pidfd for `pid`, or None where the kernel has none (before Linux 5.3)."""
-    opener = getattr(os, "pidfd_open", None)
-    if opener is None:
-        return None
-    try:
-        fd: int = opener(pid)
-    except OSError as err:
-        if err.errno in (errno.ENOSYS, errno.EPERM):
-            return None
-        raise
-    return fd
+from supervisor.procfs.identity import open_pidfd
 
 
 def _deliver(target: str, send: Callable[[], None]) -> bool:
@@ -276,7 +196,7 @@ def spawn(
         cwd=cwd,
     )
     try:
-        pidfd = _pidfd_open(popen.pid)
+        pidfd = open_pidfd(popen.pid)
     except OSError:
         # Cannot happen for an unreaped child of ours; do not leak it if it does.
         popen.kill()

@@ -31,8 +31,9 @@ from supervisor.events import Recorder
 from supervisor.hostfs import HostFS
 from supervisor.logs import format_fields
 from supervisor.plan.placement import Slot
+from supervisor.procfs.stat import read_proc_stat
 from supervisor.run.probe import describe_probe, wait_ready
-from supervisor.run.procs import ChildProcess, read_proc_stat, read_until_eof, spawn
+from supervisor.run.procs import ChildProcess, read_until_eof, spawn
 from supervisor.run.restart import RestartHistory, RunOutcome, decide_restart
 from supervisor.run.spec import ChildSpec
 from supervisor.state import BindTarget, ProcessState, ProcessStatus, ProcKey, StateStore, key_label

@@ -28,7 +28,8 @@ from supervisor.errors import Gone, KernelError, translate_oserror
 from supervisor.events import Recorder
 from supervisor.hostfs import HostFS
 from supervisor.plan.placement import Placement
-from supervisor.run.procs import read_proc_stat
+from supervisor.procfs.files import parse_environ, read_cmdline
+from supervisor.procfs.identity import ProcessId
 from supervisor.run.runner import Runner, Runtime, first_of
 from supervisor.run.spec import ChildSpec
 from supervisor.state import BindTarget
@@ -38,7 +39,7 @@ from supervisor.trees.rank_source import (
     rank_tables,
     resolve_rank,
 )
-from supervisor.trees.tree import Member, read_cmdline
+from supervisor.trees.tree import Member
 
 log = logging.getLogger("placement_supervisor.adopt")
 
@@ -47,15 +48,6 @@ UNNAMED_AFTER_PASSES = 30
 
 
 # -- reading a process ---------------------------------------------------------------------
-
-
-def parse_environ(raw: str) -> dict[str, str]:
-    env: dict[str, str] = {}
-    for item in raw.split("\0"):
-        name, sep, value = item.partition("=")
-        if sep and name:
-            env[name] = value
-    return env
 
 
 def read_proc_facts(fs: HostFS, pid: int, *, want_fds: bool) -> ProcFacts | None:
@@ -90,6 +82,10 @@ class Candidate:
     start_time: int
     ppid: int
 
+    @property
+    def id(self) -> ProcessId:
+        return ProcessId(self.pid, self.start_time)
+
 
 @dataclass(frozen=True, slots=True)
 class AdoptResult:
@@ -103,13 +99,6 @@ class AdoptResult:
 def _set_done(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_result(None)
-
-
-def _pidfd(pid: int) -> int | None:
-    with contextlib.suppress(OSError, AttributeError):
-        fd: int = os.pidfd_open(pid)
-        return fd
-    return None
 
 
 def adopt_process(  # noqa: PLR0917 - one call site, run in the executor
@@ -126,8 +115,7 @@ def adopt_process(  # noqa: PLR0917 - one call site, run in the executor
     cgroups, bind each of their threads to `cpus`, migrate the candidate's
     pages onto `mems`. Blocking (the executor). Raises Gone when the candidate
     is no longer the process it was."""
-    stat = read_proc_stat(fs, candidate.pid)
-    if stat is None or stat.start_time != candidate.start_time or stat.state in ("Z", "X"):
+    if not candidate.id.is_running(fs):
         raise translate_oserror(f"pid {candidate.pid}", OSError(3, "No such process"))
     errors: list[tuple[BindTarget, str]] = []
     moved = 0
@@ -298,7 +286,7 @@ class AdoptRunner(Runner):
         """Until the adopted process exits (or the daemon stops)."""
         loop = asyncio.get_running_loop()
         exited: asyncio.Future[None] = loop.create_future()
-        fd = _pidfd(candidate.pid)
+        fd = candidate.id.open_pidfd(self.rt.fs)
         if fd is not None:
             loop.add_reader(fd, _set_done, exited)
         try:
@@ -314,8 +302,7 @@ class AdoptRunner(Runner):
                     self.interrupt.clear()
                     with contextlib.suppress(OSError):
                         os.kill(candidate.pid, signal.SIGTERM)
-                stat = read_proc_stat(self.rt.fs, candidate.pid)
-                if stat is None or stat.start_time != candidate.start_time or stat.state == "Z":
+                if not candidate.id.is_running(self.rt.fs):
                     break
         finally:
             if fd is not None:

@@ -40,7 +40,8 @@ import time
 from supervisor.bind.cgroup import SUPERVISOR_LEAF, CgroupManager
 from supervisor.hostfs import HostFS
 from supervisor.logs import format_fields
-from supervisor.run.procs import parse_proc_stat, read_proc_stat
+from supervisor.procfs.identity import ProcessId
+from supervisor.procfs.stat import read_proc_stat
 from supervisor.trees.tree import read_cgroup_procs
 
 log = logging.getLogger("placement_supervisor.guardian")
@@ -55,18 +56,6 @@ GUARDIAN_STUB = (
 
 
 # -- the guardian process (standard library only) ---------------------------------------
-
-
-def _start_time(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            text = f.read().decode(errors="replace")
-    except OSError:
-        return None
-    try:
-        return parse_proc_stat(text).start_time
-    except ValueError:
-        return None
 
 
 def kill_cgroup(directory: str, deadline: float) -> int:
@@ -135,11 +124,10 @@ def guardian_main() -> None:
         return
     deadline = time.monotonic() + KILL_ROUNDS_S
     killed = 0
+    fs = HostFS("/")
     for pid, start in pids.items():
-        if _start_time(pid) == start:
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
-                killed += 1
+        if ProcessId(pid, start).send_signal(fs, signal.SIGKILL):
+            killed += 1
     # Each named cgroup stands for its whole subtree (the instance dir: every
     # per-process cgroup below it, whenever it was made).
     dirs = [d for top in cgroups for d in cgroup_tree(top)]

@@ -34,7 +34,8 @@ from types import MappingProxyType
 
 from supervisor.hostfs import HostFS
 from supervisor.logs import format_fields
-from supervisor.run.procs import ProcStat, read_proc_stat
+from supervisor.procfs.identity import ProcessId
+from supervisor.procfs.stat import read_proc_stat
 from supervisor.state import ProcKey, StateStore, TreeMember, key_label
 from supervisor.trees.guardian import Guardian
 from supervisor.trees.proc_events import ProcEvent, ProcEvents, open_proc_events
@@ -413,9 +414,10 @@ class TreeKeeper:
         reaped = 0
         for pid, start in candidates.items():
             stat = read_proc_stat(self.fs, pid)
-            if stat is None or stat.start_time != start:
+            if not ProcessId(pid, start).matches(stat):
                 self.exited.pop(pid, None)
                 continue
+            assert stat is not None
             if stat.ppid != self.me or stat.state != "Z" or pid in direct:
                 continue
             with contextlib.suppress(ChildProcessError, OSError):
@@ -457,7 +459,7 @@ class TreeKeeper:
         for pid, start in self.live_pids(self.tree_keys(key), roots=roots).items():
             if pid in direct or pid == self.me:
                 continue  # a runner's own child is signalled through its pidfd
-            if _send(self.fs, pid, start, sig):
+            if ProcessId(pid, start).send_signal(self.fs, sig):
                 sent += 1
         return sent
 
@@ -505,28 +507,6 @@ class TreeKeeper:
         for pid, start in self.live_pids(keys, roots=roots).items():
             if pid in direct:
                 continue
-            stat = read_proc_stat(self.fs, pid)
-            if stat is not None and stat.start_time == start and stat.state not in ("Z", "X"):
+            if ProcessId(pid, start).is_running(self.fs):
                 out[pid] = start
         return out
-
-
-def _send(fs: HostFS, pid: int, start_time: int, sig: int) -> bool:
-    """Signal `pid` only while it is still the process that started at `start_time`.
-
-    Through a pidfd where there is one: checked then signalled with no window
-    for the pid to be reused in between."""
-    try:
-        fd = os.pidfd_open(pid)
-    except OSError:
-        return False
-    try:
-        stat: ProcStat | None = read_proc_stat(fs, pid)
-        if stat is None or stat.start_time != start_time:
-            return False
-        signal.pidfd_send_signal(fd, sig)
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)

@@ -18,7 +18,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from supervisor.hostfs import HostFS
-from supervisor.run.procs import ProcStat, parse_proc_stat
+from supervisor.procfs.files import read_cmdline
+from supervisor.procfs.identity import ProcessId
+from supervisor.procfs.stat import ProcStat, parse_proc_stat
 from supervisor.state import ProcKey, TreeMember
 
 CMDLINE_MAX_CHARS = 512  # /placement shows this much of a member's command line
@@ -130,18 +132,9 @@ def assign_owners(
     walk(
         (pid, m.owner)
         for pid, m in known.items()
-        if pid in table and table[pid].start_time == m.start_time
+        if ProcessId(pid, m.start_time).matches(table.get(pid))
     )
     return out
-
-
-def read_cmdline(fs: HostFS, pid: int) -> str | None:
-    """The command line, words joined by single spaces (what setproctitle rewrites)."""
-    raw = fs.read_optional(f"proc/{pid}/cmdline")
-    if raw is None:
-        return None
-    # setproctitle pads the rewritten argv area with NULs: drop empty words.
-    return " ".join(word for word in raw.split("\0") if word)
 
 
 def read_member_info(fs: HostFS, member: Member) -> TreeMember | None:

@@ -28,9 +28,9 @@ from supervisor.hostfs import HostFS
 from supervisor.logs import format_fields
 from supervisor.plan.placement import Slot
 from supervisor.plan.replan import AllowedSet
+from supervisor.procfs.identity import is_leader_since, is_thread_of
 from supervisor.state import ProcKey, key_label
 from supervisor.watch.decide import Decision, MemoryMove, ThreadBind
-from supervisor.watch.identity import is_thread_of, read_thread_start
 from supervisor.watch.scan import IrqKeeperLike
 from supervisor.watch.settle import Outcome, Outcomes
 
@@ -78,7 +78,7 @@ class Applier:
         out: list[Outcomes] = []
         for d in decisions:
             start = starts.get(d.key)
-            if (d.binds or d.moves) and not self._same_process(d.pid, start):
+            if (d.binds or d.moves) and not is_leader_since(self.fs, d.pid, start):
                 # The pid names another process now (reaped and reused): nothing of
                 # it is ours. Its runner reports the exit.
                 gone = Outcome(gone=True)
@@ -125,11 +125,8 @@ class Applier:
             return Outcome(error=partial, kept=tuple(sorted(kept)))
         return Outcome(kept=tuple(sorted(kept)))
 
-    def _same_process(self, pid: int, start_time: int | None) -> bool:
-        return start_time is None or read_thread_start(self.fs, pid, pid) == start_time
-
     def migrate(self, pid: int, start_time: int | None, m: MemoryMove) -> Outcome:
-        if not self._same_process(pid, start_time):
+        if not is_leader_since(self.fs, pid, start_time):
             return Outcome(gone=True)  # the pid names another process now
         try:
             return Outcome(pages_left=self.binder.migrate_pages(pid, m.from_nodes, m.to_nodes))

@@ -23,39 +23,17 @@ from supervisor.errors import Gone, translate_oserror
 from supervisor.hostfs import HostFS
 from supervisor.plan.placement import Slot
 from supervisor.plan.threads import LiveThread, ProcessKind, RoleMatcher
+from supervisor.procfs.files import list_tids, parse_status_thread
+from supervisor.procfs.identity import read_thread_start
+from supervisor.procfs.numa_maps import read_numa_maps
 from supervisor.state import IrqObservation, Observation, ThreadObservation
 from supervisor.topology.cgroup import STATUS, parse_status_allowed, read_cpuset
-from supervisor.watch.identity import read_thread_start
 
 ThreadReadMethod = Literal["auto", "syscall", "status"]
-PAGE_BYTES = 4096  # numa_maps lines without kernelpagesize_kB (old kernels) count base pages
 _GONE = (errno.ESRCH, errno.ENOENT)
 
 
 # -- threads -----------------------------------------------------------------
-
-
-def parse_status_thread(text: str) -> tuple[str, tuple[int, ...]]:
-    """Name and Cpus_allowed_list of a /proc/<pid>/task/<tid>/status text (pure).
-
-    The status Name is escaped (proc(5): "\\n" for a newline); the comm file
-    is not. Raises ValueError when a field is missing.
-    """
-    name: str | None = None
-    cpus: tuple[int, ...] | None = None
-    for line in text.splitlines():
-        if line.startswith("Name:"):
-            name = line[5:].strip("\t ")
-        elif line.startswith("Cpus_allowed_list:"):
-            cpus = tuple(sorted(parse_cpulist(line[18:])))
-            break  # Name comes first; nothing after this is needed
-    if name is None or cpus is None:
-        raise ValueError("status has no Name or Cpus_allowed_list")
-    return name, cpus
-
-
-def _tids(fs: HostFS, pid: int) -> list[int]:
-    return sorted(int(t) for t in fs.listdir(f"proc/{pid}/task") if t.isdigit())
 
 
 def _read_comm(fs: HostFS, pid: int, tid: int) -> str | None:
@@ -88,7 +66,7 @@ def read_threads(fs: HostFS, pid: int, method: ThreadReadMethod = "auto") -> lis
     if method == "syscall" and not fs.is_live:
         raise ValueError(f"{fs!r}: the syscall method needs the live host")
     out: list[LiveThread] = []
-    for tid in _tids(fs, pid):
+    for tid in list_tids(fs, pid):
         if method == "syscall":
             name = _read_comm(fs, pid, tid)
             cpus = _affinity(tid) if name is not None else None
@@ -283,73 +261,13 @@ class ThreadScanner:
         return out, vanished
 
     def _relist(self, nlink: int) -> None:
-        tids = _tids(self.fs, self.pid)
+        tids = list_tids(self.fs, self.pid)
         known = self._known
         self._known = {tid: known.get(tid) or _Known() for tid in tids}
         self._nlink = nlink
 
 
 # -- memory ------------------------------------------------------------------
-
-
-def parse_numa_maps(text: str, default_page_bytes: int = PAGE_BYTES) -> dict[int, int]:
-    """Resident bytes per NUMA node of a process's own memory, from numa_maps (pure).
-
-    Each mapping line counts its pages per node as N<node>=<pages>, in units
-    of its own `kernelpagesize_kB=` (huge pages count 2048 or 1048576 kB each;
-    Documentation/admin-guide/mm/numa_memory_policy.rst, proc(5)).
-
-    Mapped files (shared libraries, model files) are left out: their pages
-    are page cache shared with other processes; counting them made two ranks
-    on different nodes each see the other's libraries as remote, and page
-    migration then moved the same pages back and forth. What counts is the
-    memory the process allocated: private anonymous memory, shared anonymous
-    and shmem mappings (/dev/zero, memfd, SysV, /dev/shm) and hugetlbfs, the
-    same memory a cgroup's memory.numa_stat `anon` (v1) or `anon` + `shmem`
-    (v2) lines count.
-    What remains is the process's own memory (heap, stacks, anonymous and
-    pinned buffers), the same thing the cgroup's `anon` line counts.
-    """
-    by_node: dict[int, int] = {}
-    for line in text.splitlines():
-        counts: list[tuple[int, int]] = []
-        page_bytes = default_page_bytes
-        for token in line.split():
-            if token[0] == "N" and "=" in token:
-                node_text, _, pages_text = token[1:].partition("=")
-                if node_text.isdigit() and pages_text.isdigit():
-                    counts.append((int(node_text), int(pages_text)))
-            elif token.startswith("kernelpagesize_kB="):
-                size_text = token[18:]
-                if size_text.isdigit():
-                    page_bytes = int(size_text) * 1024
-            elif token.startswith("file=") and not _own_shared_memory(token, line):
-                counts = []
-                break
-        for node, pages in counts:
-            by_node[node] = by_node.get(node, 0) + pages * page_bytes
-    return by_node
-
-
-_SHMEM_FILES = ("file=/dev/zero", "file=/SYSV", "file=/memfd:", "file=/dev/shm/")
-
-
-def _own_shared_memory(file_token: str, line: str) -> bool:
-    """A `file=` mapping that is allocated memory, not a mapped file: shmem
-    (MAP_SHARED|MAP_ANONYMOUS shows as /dev/zero) or hugetlbfs (`huge`)."""
-    return file_token.startswith(_SHMEM_FILES) or " huge" in line
-
-
-def read_numa_maps(fs: HostFS, pid: int) -> dict[int, int]:
-    """Resident bytes per node of `pid` (walks its page tables: cost grows with RSS).
-
-    Raises `errors.Gone` when the process no longer exists.
-    """
-    try:
-        text = fs.read_text(f"proc/{pid}/numa_maps")
-    except OSError as err:
-        raise translate_oserror(f"pid {pid}", err) from None
-    return parse_numa_maps(text)
 
 
 def local_memory_ratio(

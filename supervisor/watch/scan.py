@@ -26,6 +26,7 @@ from supervisor.hostfs import HostFS
 from supervisor.plan.placement import Placement, Slot
 from supervisor.plan.replan import AllowedSet, normalize_allowed
 from supervisor.plan.threads import ProcessKind, RoleMatcher, role_kinds
+from supervisor.procfs.identity import is_leader_since
 from supervisor.state import (
     IrqObservation,
     Observation,
@@ -35,7 +36,6 @@ from supervisor.state import (
     TreeMember,
 )
 from supervisor.watch.decide import RepairState, Seen
-from supervisor.watch.identity import read_thread_start
 from supervisor.watch.observe import (
     ThreadScanner,
     observe_process,
@@ -263,7 +263,7 @@ def scan_members(
     failed: list[tuple[int, str]] = []
     for m in members:
         try:
-            if m.start_time is not None and read_thread_start(fs, m.pid, m.pid) != m.start_time:
+            if not is_leader_since(fs, m.pid, m.start_time):
                 continue
             threads.extend(m.scanner.observe(matcher))
         except Gone:

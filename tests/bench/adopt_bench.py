@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.hostfs import HostFS
-from supervisor.run.procs import parse_proc_stat, read_proc_stat
+from supervisor.procfs.stat import parse_proc_stat, read_proc_stat
 from tests.support.daemon_support import (
     INSTANCE_ENV,
     REPO,

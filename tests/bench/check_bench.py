@@ -33,8 +33,9 @@ from supervisor.config import ThreadRole
 from supervisor.hostfs import HostFS
 from supervisor.plan.placement import Slot
 from supervisor.plan.threads import RoleMatcher
+from supervisor.procfs.numa_maps import read_numa_maps
 from supervisor.watch.drift import diff
-from supervisor.watch.observe import ThreadScanner, observe_process, read_numa_maps, read_threads
+from supervisor.watch.observe import ThreadScanner, observe_process, read_threads
 from tests.support.cgroup_v1 import V1_MEMORY, v1_cgroup
 from tests.support.children import ThreadedChild
 

@@ -33,7 +33,8 @@ import uvloop
 from supervisor.config import parse_config
 from supervisor.hostfs import HostFS
 from supervisor.plan.placement import Placement, Slot
-from supervisor.run.procs import ChildProcess, read_proc_stat, spawn
+from supervisor.procfs.stat import read_proc_stat
+from supervisor.run.procs import ChildProcess, spawn
 from supervisor.run.runner import Runner, Runtime
 from supervisor.run.spec import ChildSpec
 from supervisor.state import ProcessStatus, Snapshot, StateStore

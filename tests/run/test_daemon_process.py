@@ -20,7 +20,7 @@ import pytest
 
 from supervisor.cpulist import format_cpulist
 from supervisor.hostfs import HostFS
-from supervisor.run.procs import read_proc_stat
+from supervisor.procfs.stat import read_proc_stat
 from tests.support.children import status_field, write_child
 from tests.support.daemon_support import (
     REPO,

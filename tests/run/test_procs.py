@@ -14,14 +14,8 @@ import pytest
 import uvloop
 
 from supervisor.hostfs import HostFS
-from supervisor.run.procs import (
-    ChildProcess,
-    is_same_process,
-    parse_proc_stat,
-    read_proc_stat,
-    read_until_eof,
-    spawn,
-)
+from supervisor.procfs.stat import read_proc_stat
+from supervisor.run.procs import ChildProcess, read_until_eof, spawn
 from tests.support.daemon_support import wait_until
 
 T = TypeVar("T")
@@ -48,28 +42,6 @@ def state_of(pid: int) -> str | None:
 
 def gone_or_zombie(pid: int) -> bool:
     return state_of(pid) in (None, "Z", "X")
-
-
-def test_parse_proc_stat_with_a_hostile_comm() -> None:
-    line = "4242 (a) b (c) S 1 4242 4242 0 -1 4194560 10 0 0 0 7 3 0 0 20 0 1 0 98765 1 2"
-    stat = parse_proc_stat(line)
-    assert stat.pid == 4242
-    assert stat.comm == "a) b (c"
-    assert (stat.state, stat.ppid, stat.pgid) == ("S", 1, 4242)
-    assert (stat.utime_ticks, stat.stime_ticks) == (7, 3)
-    assert stat.start_time == 98765
-
-
-def test_parse_proc_stat_rejects_garbage() -> None:
-    with pytest.raises(ValueError, match="stat"):
-        parse_proc_stat("no parens here")
-
-
-def test_own_stat_and_identity() -> None:
-    me = read_proc_stat(FS, os.getpid())
-    assert me is not None and me.pid == os.getpid() and me.ppid == os.getppid()
-    assert is_same_process(FS, os.getpid(), me.start_time)
-    assert not is_same_process(FS, os.getpid(), me.start_time + 1)
 
 
 def test_child_leads_its_own_session_and_group_and_is_reaped() -> None:

@@ -22,10 +22,10 @@ import pytest
 
 from supervisor.cpulist import format_cpulist
 from supervisor.hostfs import HostFS
-from supervisor.trees.tree import read_cmdline
-from tests.run.test_trees import instance_dirs, marked
+from supervisor.procfs.files import read_cmdline
 from tests.support.children import thread_cpus
 from tests.support.daemon_support import INSTANCE_ENV, DaemonProcess, daemon_env, poll, to_toml
+from tests.trees.test_trees import instance_dirs, marked
 
 FS = HostFS("/")
 GLOO_JOB = r"""

@@ -22,7 +22,8 @@ import pytest
 
 from supervisor.bind.cgroup import CgroupManager, detect_cgroup_setup
 from supervisor.hostfs import HostFS
-from supervisor.run.procs import ProcStat, read_proc_stat
+from supervisor.procfs.files import read_cmdline
+from supervisor.procfs.stat import ProcStat, read_proc_stat
 from supervisor.trees.guardian import live_guardian, sweep_leftovers
 from supervisor.trees.proc_events import (
     PROC_EVENT_EXIT,
@@ -31,7 +32,7 @@ from supervisor.trees.proc_events import (
     open_proc_events,
     parse_proc_events,
 )
-from supervisor.trees.tree import Member, Root, assign_owners, read_cmdline
+from supervisor.trees.tree import Member, Root, assign_owners
 from tests.support.daemon_support import INSTANCE_ENV, DaemonProcess, daemon_env, poll, to_toml
 
 FS = HostFS("/")

@@ -21,8 +21,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from supervisor.hostfs import HostFS
 from supervisor.plan.placement import Slot
+from supervisor.procfs.numa_maps import read_numa_maps
 from supervisor.watch.drift import diff
-from supervisor.watch.observe import local_memory_ratio, observe_process, read_numa_maps
+from supervisor.watch.observe import local_memory_ratio, observe_process
 from tests.support.children import ThreadedChild
 from tests.support.vm import Checklist
 

@@ -15,14 +15,13 @@ from supervisor.errors import Gone
 from supervisor.hostfs import HostFS
 from supervisor.plan.placement import Slot
 from supervisor.plan.threads import LiveThread
+from supervisor.procfs.files import parse_status_thread
+from supervisor.procfs.numa_maps import parse_numa_maps, read_numa_maps
 from supervisor.watch.observe import (
     ThreadScanner,
     local_memory_ratio,
     observe_process,
-    parse_numa_maps,
-    parse_status_thread,
     read_irq_delivery,
-    read_numa_maps,
     read_online_cpus,
     read_self_allowed,
     read_threads,

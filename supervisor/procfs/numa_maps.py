@@ -1,0 +1,69 @@
+"""Resident memory per NUMA node from /proc/<pid>/numa_maps (`parse_*` pure; `read_*`
+through HostFS)."""
+
+from __future__ import annotations
+
+from supervisor.errors import translate_oserror
+from supervisor.hostfs import HostFS
+
+PAGE_BYTES = 4096  # numa_maps lines without kernelpagesize_kB (old kernels) count base pages
+
+
+def parse_numa_maps(text: str, default_page_bytes: int = PAGE_BYTES) -> dict[int, int]:
+    """Resident bytes per NUMA node of a process's own memory, from numa_maps (pure).
+
+    Each mapping line counts its pages per node as N<node>=<pages>, in units
+    of its own `kernelpagesize_kB=` (huge pages count 2048 or 1048576 kB each;
+    Documentation/admin-guide/mm/numa_memory_policy.rst, proc(5)).
+
+    Mapped files (shared libraries, model files) are left out: their pages
+    are page cache shared with other processes; counting them made two ranks
+    on different nodes each see the other's libraries as remote, and page
+    migration then moved the same pages back and forth. What counts is the
+    memory the process allocated: private anonymous memory, shared anonymous
+    and shmem mappings (/dev/zero, memfd, SysV, /dev/shm) and hugetlbfs, the
+    same memory a cgroup's memory.numa_stat `anon` (v1) or `anon` + `shmem`
+    (v2) lines count.
+    What remains is the process's own memory (heap, stacks, anonymous and
+    pinned buffers), the same thing the cgroup's `anon` line counts.
+    """
+    by_node: dict[int, int] = {}
+    for line in text.splitlines():
+        counts: list[tuple[int, int]] = []
+        page_bytes = default_page_bytes
+        for token in line.split():
+            if token[0] == "N" and "=" in token:
+                node_text, _, pages_text = token[1:].partition("=")
+                if node_text.isdigit() and pages_text.isdigit():
+                    counts.append((int(node_text), int(pages_text)))
+            elif token.startswith("kernelpagesize_kB="):
+                size_text = token[18:]
+                if size_text.isdigit():
+                    page_bytes = int(size_text) * 1024
+            elif token.startswith("file=") and not _own_shared_memory(token, line):
+                counts = []
+                break
+        for node, pages in counts:
+            by_node[node] = by_node.get(node, 0) + pages * page_bytes
+    return by_node
+
+
+_SHMEM_FILES = ("file=/dev/zero", "file=/SYSV", "file=/memfd:", "file=/dev/shm/")
+
+
+def _own_shared_memory(file_token: str, line: str) -> bool:
+    """A `file=` mapping that is allocated memory, not a mapped file: shmem
+    (MAP_SHARED|MAP_ANONYMOUS shows as /dev/zero) or hugetlbfs (`huge`)."""
+    return file_token.startswith(_SHMEM_FILES) or " huge" in line
+
+
+def read_numa_maps(fs: HostFS, pid: int) -> dict[int, int]:
+    """Resident bytes per node of `pid` (walks its page tables: cost grows with RSS).
+
+    Raises `errors.Gone` when the process no longer exists.
+    """
+    try:
+        text = fs.read_text(f"proc/{pid}/numa_maps")
+    except OSError as err:
+        raise translate_oserror(f"pid {pid}", err) from None
+    return parse_numa_maps(text)

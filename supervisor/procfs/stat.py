@@ -1,0 +1,60 @@
+"""/proc/<pid>/stat: the fields the supervisor uses (`parse_*` pure, `read_*` via HostFS)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from supervisor.hostfs import HostFS
+
+
+@dataclass(frozen=True, slots=True)
+class ProcStat:
+    """The fields of /proc/<pid>/stat the supervisor uses (proc(5))."""
+
+    pid: int
+    comm: str
+    state: str
+    ppid: int
+    pgid: int
+    utime_ticks: int  # field 14
+    stime_ticks: int  # field 15
+    start_time: int  # field 22: clock ticks after boot
+
+
+def parse_proc_stat(text: str) -> ProcStat:
+    """Parse one /proc/<pid>/stat line (pure); ValueError when garbled.
+
+    comm (field 2) is in parentheses and may itself hold spaces and ")", so
+    the fields after it are split from the *last* ")" (proc(5)).
+    """
+    open_at = text.find("(")
+    close_at = text.rfind(")")
+    if open_at < 0 or close_at < open_at:
+        raise ValueError(f"not a /proc/<pid>/stat line: {text[:80]!r}")
+    pid = int(text[:open_at])
+    comm = text[open_at + 1 : close_at]
+    rest = text[close_at + 2 :].split()
+    # rest[0] is field 3 (state); field N is rest[N - 3].
+    if len(rest) < 20:
+        raise ValueError(f"/proc/{pid}/stat has {len(rest) + 2} fields, expected >= 22")
+    return ProcStat(
+        pid=pid,
+        comm=comm,
+        state=rest[0],
+        ppid=int(rest[1]),
+        pgid=int(rest[2]),
+        utime_ticks=int(rest[11]),
+        stime_ticks=int(rest[12]),
+        start_time=int(rest[19]),
+    )
+
+
+def read_proc_stat(fs: HostFS, pid: int) -> ProcStat | None:
+    """/proc/<pid>/stat through HostFS; None when the process is gone."""
+    text = fs.read_optional(f"proc/{pid}/stat")
+    if text is None:
+        return None
+    try:
+        return parse_proc_stat(text)
+    except ValueError:
+        return None
