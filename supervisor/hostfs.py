@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from supervisor.errors import TopologyError, translate_oserror
@@ -68,6 +69,22 @@ def read_regular_file_stat(
             parts.append(chunk)
             total += len(chunk)
         return b"".join(parts), st
+    finally:
+        os.close(fd)
+
+
+def _chunks(fd: int, what: str) -> Iterator[bytes]:
+    try:
+        while True:
+            try:
+                chunk = os.read(fd, _CHUNK)
+            except OSError as err:
+                if err.errno in (errno.ENOENT, errno.ESRCH):
+                    return  # exited while read: what was read is all there is
+                raise translate_oserror(what, err) from None
+            if not chunk:
+                return
+            yield chunk
     finally:
         os.close(fd)
 
@@ -149,6 +166,44 @@ class HostFS:
             if err.errno in (errno.ENOENT, errno.ESRCH):
                 return None
             raise translate_oserror(what, err) from None
+
+    def read_head(self, rel: str, max_bytes: int, what: str) -> bytes | None:
+        """At most the first `max_bytes` of a /proc file of a live process (its
+        cmdline, say: legal up to ARG_MAX, megabytes); None when the process is
+        gone (ENOENT, ESRCH), any other failure a KernelError naming `what`.
+        Never more than `max_bytes` is read, however big the file."""
+        parts: list[bytes] = []
+        left = max_bytes
+        try:
+            fd = os.open(self.path(rel), os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+            try:
+                while left > 0:
+                    chunk = os.read(fd, min(left, _CHUNK))
+                    if not chunk:
+                        break
+                    parts.append(chunk)
+                    left -= len(chunk)
+            finally:
+                os.close(fd)
+        except OSError as err:
+            if err.errno in (errno.ENOENT, errno.ESRCH):
+                return None
+            raise translate_oserror(what, err) from None
+        return b"".join(parts)
+
+    def stream(self, rel: str, what: str) -> Iterator[bytes] | None:
+        """The file in chunks, for a scan that stops early (a named variable in a
+        process's environ, which may be megabytes); None when the process is gone.
+
+        The file is opened at once (so None means gone now) and closed when the
+        iterator is exhausted or dropped. Read errors are KernelErrors naming `what`."""
+        try:
+            fd = os.open(self.path(rel), os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError as err:
+            if err.errno in (errno.ENOENT, errno.ESRCH):
+                return None
+            raise translate_oserror(what, err) from None
+        return _chunks(fd, what)
 
     def read_optional(self, rel: str) -> str | None:
         """The whole file, or None when it does not exist or cannot be read."""

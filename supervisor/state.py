@@ -184,6 +184,7 @@ class Counters:
     restarts: Mapping[str, int] = field(default_factory=dict)  # rank
     adoptions: Mapping[str, int] = field(default_factory=dict)  # rank
     unnamed_processes: int = 0  # engine-tree processes no rank_from source named
+    process_read_failures: int = 0  # tree members whose /proc files could not be read
     cpuset_changes: int = 0
     checks: int = 0
     check_seconds_sum: float = 0.0

@@ -364,6 +364,15 @@ def _unnamed_processes(m: CounterMetricFamily, unnamed_processes: int) -> None:
     m.add_metric([], unnamed_processes)
 
 
+@FAMILIES.add(
+    "counter",
+    "placement_process_read_failures",
+    "Tree members skipped for a pass because their /proc files could not be read.",
+)
+def _process_read_failures(m: CounterMetricFamily, process_read_failures: int) -> None:
+    m.add_metric([], process_read_failures)
+
+
 # -- the checks ---------------------------------------------------------------------------
 
 

@@ -19,7 +19,7 @@ import contextlib
 import logging
 import os
 import signal
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, replace
 
@@ -28,7 +28,7 @@ from supervisor.errors import Gone, KernelError, translate_oserror
 from supervisor.events import Recorder
 from supervisor.hostfs import HostFS
 from supervisor.plan.placement import Placement
-from supervisor.procfs.files import parse_environ, read_cmdline
+from supervisor.procfs.files import read_cmdline, read_environ
 from supervisor.procfs.identity import ProcessId
 from supervisor.run.runner import Runner, Runtime, first_of
 from supervisor.run.spec import ChildSpec
@@ -39,27 +39,28 @@ from supervisor.trees.rank_source import (
     rank_tables,
     resolve_rank,
 )
-from supervisor.trees.tree import Member
+from supervisor.trees.tree import Member, ReadFailures
 
 log = logging.getLogger("placement_supervisor.adopt")
 
-ENVIRON_MAX_BYTES = 1 << 20
 UNNAMED_AFTER_PASSES = 30
 
 
 # -- reading a process ---------------------------------------------------------------------
 
 
-def read_proc_facts(fs: HostFS, pid: int, *, want_fds: bool) -> ProcFacts | None:
-    """A process's environment, command line and (with `want_fds`) open files; None if gone.
-
-    /proc/<pid>/environ is the environment the process was exec'd with (later
-    setenv calls are not in it), which is where launchers put LOCAL_RANK.
-    """
+def read_proc_facts(
+    fs: HostFS, pid: int, *, env_names: Collection[str], want_fds: bool
+) -> ProcFacts | None:
+    """The head of a process's command line, the variables `env_names` of its
+    environment and (with `want_fds`) its open device files; None if gone.
+    Raises KernelError when a file is there but cannot be read."""
     cmdline = read_cmdline(fs, pid)
     if cmdline is None:
         return None
-    raw = fs.read_optional(f"proc/{pid}/environ") or ""
+    environ = read_environ(fs, pid, env_names) if env_names else {}
+    if environ is None:
+        return None
     files: list[str] = []
     if want_fds:
         try:
@@ -70,7 +71,7 @@ def read_proc_facts(fs: HostFS, pid: int, *, want_fds: bool) -> ProcFacts | None
             target = fs.readlink(f"proc/{pid}/fd/{name}")
             if target is not None and target.startswith("/dev/"):
                 files.append(target)
-    return ProcFacts(parse_environ(raw[:ENVIRON_MAX_BYTES]), cmdline, tuple(files))
+    return ProcFacts(environ, cmdline, tuple(files))
 
 
 # -- binding an adopted process ---------------------------------------------------------
@@ -356,6 +357,8 @@ class Adopter:
         self.sources = tuple(sources)
         self.local_ranks, self.device_ranks = rank_tables(placement)
         self.want_fds = any(s.kind == "device" for s in self.sources)
+        self.env_names = frozenset(s.name for s in self.sources if s.kind == "env")
+        self.read_failures = ReadFailures(rt.store, log)
         self.named: set[tuple[int, int]] = set()
         self.unnamed_passes: dict[tuple[int, int], int] = {}
 
@@ -374,7 +377,13 @@ class Adopter:
 
     def resolve(self, pid: int) -> int | None:
         """The rank the sources give `pid` now (None: unnamed, or gone)."""
-        facts = read_proc_facts(self.rt.fs, pid, want_fds=self.want_fds)
+        try:
+            facts = read_proc_facts(
+                self.rt.fs, pid, env_names=self.env_names, want_fds=self.want_fds
+            )
+        except KernelError as err:
+            self.read_failures.note(pid, err)
+            return None
         if facts is None:
             return None
         return resolve_rank(

@@ -32,6 +32,7 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from supervisor.errors import KernelError
 from supervisor.hostfs import HostFS
 from supervisor.logs import format_fields
 from supervisor.procfs.identity import ProcessId
@@ -41,6 +42,7 @@ from supervisor.trees.guardian import Guardian
 from supervisor.trees.proc_events import ProcEvent, ProcEvents, open_proc_events
 from supervisor.trees.tree import (
     Member,
+    ReadFailures,
     Root,
     assign_owners,
     read_cgroup_procs,
@@ -75,6 +77,7 @@ def set_child_subreaper() -> bool:
 class RefreshResult:
     members: Mapping[int, Member]
     infos: Mapping[ProcKey, tuple[TreeMember, ...]]
+    unreadable: tuple[tuple[int, str], ...] = ()  # (pid, error): skipped this pass
 
 
 Adopter = Callable[[Member], None]
@@ -100,6 +103,7 @@ class TreeKeeper:
     ) -> None:
         self.fs = fs
         self.store = store
+        self.read_failures = ReadFailures(store, log)
         # Its own thread by default: a /proc pass on a loaded host must never
         # delay the daemon's executor (spawns, IRQ writes, the check loop).
         self._own_executor: ThreadPoolExecutor | None = None
@@ -231,7 +235,9 @@ class TreeKeeper:
         loop = asyncio.get_running_loop()
         result = await loop.run_in_executor(self.executor, self._scan, roots, known)
         fresh = {pid: m for pid, m in result.members.items() if pid not in self.members}
-        gone = [pid for pid in self.members if pid not in result.members]
+        # Gone: what the scan knew of and no longer found. A member an event
+        # added while the scan ran is not in `known`: it is kept, not gone.
+        gone = [pid for pid in known if pid not in result.members]
         # Events may have added members meanwhile: keep those the scan could not know.
         merged = dict(result.members)
         for pid, m in self.members.items():
@@ -250,6 +256,8 @@ class TreeKeeper:
                 self.guardian.forget(pid)
             for m in fresh.values():
                 self.guardian.process(m.pid, m.start_time)
+        for pid, error in result.unreadable:
+            self.read_failures.note(pid, error)
         if dict(self.store.snapshot.trees) != result.infos:  # unchanged: keep the API's cache
             self.store.update(trees=MappingProxyType(dict(result.infos)))
         self.reap()
@@ -285,11 +293,16 @@ class TreeKeeper:
         exclude -= {r.pid for r in roots}
         members = assign_owners(table, roots, known, cgroup_members, exclude=exclude)
         infos: dict[ProcKey, list[TreeMember]] = {}
+        unreadable: list[tuple[int, str]] = []
         for m in sorted(members.values(), key=lambda m: m.pid):
-            info = read_member_info(self.fs, m)
+            try:
+                info = read_member_info(self.fs, m)
+            except KernelError as err:  # there, but not readable: skip it this pass
+                unreadable.append((m.pid, str(err)))
+                continue
             if info is not None:
                 infos.setdefault(m.owner, []).append(info)
-        return RefreshResult(members, {k: tuple(v) for k, v in infos.items()})
+        return RefreshResult(members, {k: tuple(v) for k, v in infos.items()}, tuple(unreadable))
 
     # -- events ----------------------------------------------------------------
 

@@ -13,15 +13,18 @@ until it exits. Processes are always pid + start time (/proc/PID/stat field 22).
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from supervisor.hostfs import HostFS
+from supervisor.logs import format_fields
 from supervisor.procfs.files import read_cmdline
 from supervisor.procfs.identity import ProcessId
 from supervisor.procfs.stat import ProcStat, parse_proc_stat
-from supervisor.state import ProcKey, TreeMember
+from supervisor.state import ProcKey, StateStore, TreeMember
 
 CMDLINE_MAX_CHARS = 512  # /placement shows this much of a member's command line
 
@@ -147,3 +150,37 @@ def read_member_info(fs: HostFS, member: Member) -> TreeMember | None:
     except OSError:
         return None
     return TreeMember(member.pid, member.ppid, cmdline[:CMDLINE_MAX_CHARS], cpus, member.start_time)
+
+
+# -- processes that cannot be read ------------------------------------------------------
+
+READ_FAILURE_LOG_S = 60.0  # one line a minute at most, however many fail
+
+
+class ReadFailures:
+    """Processes whose /proc files are there but cannot be read (EACCES, EIO):
+    each is skipped for its pass and counted (`placement_process_read_failures_total`);
+    the log gets one line per READ_FAILURE_LOG_S with how many were held back.
+    Called on the event loop (the store's one writer)."""
+
+    def __init__(self, store: StateStore, logger: logging.Logger) -> None:
+        self.store = store
+        self.log = logger
+        self.next_log_at = 0.0
+        self.held_back = 0
+
+    def note(self, pid: int, error: object) -> None:
+        counters = self.store.snapshot.counters
+        self.store.update(
+            counters=replace(counters, process_read_failures=counters.process_read_failures + 1)
+        )
+        now = time.monotonic()
+        if now < self.next_log_at:
+            self.held_back += 1
+            return
+        self.log.warning(
+            "process unreadable %s",
+            format_fields(pid=pid, error=error, action="skip this pass", held_back=self.held_back),
+        )
+        self.held_back = 0
+        self.next_log_at = now + READ_FAILURE_LOG_S

@@ -136,14 +136,14 @@ def test_read_proc_facts_from_a_fixture_tree(tmp_path: Path) -> None:
     for fd, target in (("0", "/dev/null"), ("7", "/dev/nvidia1"), ("8", "/dev/dri/renderD129")):
         (proc / "fd" / fd).symlink_to(target)
     (proc / "fd" / "9").symlink_to("/tmp/not-a-device")
-    got = read_proc_facts(HostFS(str(tmp_path)), 4242, want_fds=True)
+    got = read_proc_facts(HostFS(str(tmp_path)), 4242, env_names=("A", "LOCAL_RANK"), want_fds=True)
     assert got is not None
     assert got.cmdline == "VLLM::Worker_TP1"
     assert got.environ == {"A": "1", "LOCAL_RANK": "1"}
     assert sorted(got.open_files) == ["/dev/dri/renderD129", "/dev/null", "/dev/nvidia1"]
     source = [parse_rank_source("device")]
     assert resolve_rank(source, got, local_ranks={}, device_ranks={1: 1}) == 1
-    assert read_proc_facts(HostFS(str(tmp_path)), 4243, want_fds=True) is None
+    assert read_proc_facts(HostFS(str(tmp_path)), 4243, env_names=(), want_fds=True) is None
 
 
 # -- a real daemon, a real launcher ----------------------------------------------------------
