@@ -19,7 +19,7 @@ import contextlib
 import logging
 import os
 import signal
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, replace
 
@@ -182,6 +182,8 @@ class AdoptRunner(Runner):
         self.all_nodes = tuple(all_nodes)
         self.binder = Binder(rt.fs)
         self.recorder = Recorder(rt.store, log)  # its lines under this module's logger
+        # The rank the sources give a pid now (the Adopter's `resolve`).
+        self.names: Callable[[int], int | None] = lambda pid: None
 
     def offer(self, candidate: Candidate) -> None:
         """A process the sources named this rank. Queued even while the rank
@@ -230,7 +232,21 @@ class AdoptRunner(Runner):
             self.adopted = None
             self.set_status(state="waiting", pid=None, ppid=None, adopted=False, bound=False)
 
+    def still_a_candidate(self, candidate: Candidate) -> bool:
+        """Re-checked when a queued candidate's turn comes (it may have waited
+        while the rank had a worker): still alive with its start time, still
+        the engine's (not the child of a worker adopted since, which inherited
+        its LOCAL_RANK), and still named this rank by the sources."""
+        if not candidate.id.is_running(self.rt.fs):
+            return False
+        trees = self.rt.trees
+        if trees is not None and trees.owner_of(candidate.pid) != "engine":
+            return False
+        return self.names(candidate.pid) == self.key
+
     async def _adopt(self, candidate: Candidate) -> bool:
+        if not self.still_a_candidate(candidate):
+            return False
         loop = asyncio.get_running_loop()
         trees = self.rt.trees
         pids = [candidate.pid]
@@ -254,6 +270,9 @@ class AdoptRunner(Runner):
         except KernelError:
             self.adopted = None
             return False  # gone before we got to it
+        if not candidate.id.is_running(self.rt.fs):
+            self.adopted = None
+            return False  # exited while it was bound: never `running`
         self.seen.add((candidate.pid, candidate.start_time))
         if trees is not None:
             trees.set_root(self.key, candidate.pid, candidate.start_time, adopted=True)
@@ -291,7 +310,7 @@ class AdoptRunner(Runner):
         if fd is not None:
             loop.add_reader(fd, _set_done, exited)
         try:
-            while not exited.done() and not self.stopping:
+            while not exited.done() and not self.stopping and candidate.id.is_running(self.rt.fs):
                 # Its pidfd wakes us when it exits; without one (Linux < 5.3) look
                 # each second. Not a 1 s timer per rank either way: eight ranks
                 # made 24 tasks a second on the loop for nothing.
@@ -356,6 +375,8 @@ class Adopter:
         self.runners = runners
         self.sources = tuple(sources)
         self.local_ranks, self.device_ranks = rank_tables(placement)
+        for runner in runners.values():
+            runner.names = self.resolve
         self.want_fds = any(s.kind == "device" for s in self.sources)
         self.env_names = frozenset(s.name for s in self.sources if s.kind == "env")
         self.read_failures = ReadFailures(rt.store, log)

@@ -62,6 +62,12 @@ UNOWNED_FORKS_KEPT = 4096  # how often an ending tree is looked at (a deadline-b
 # members (a child is born in its parent's cgroup); every this many passes it
 # walks all of /proc anyway, for a process someone moved out of our cgroups.
 FULL_PASS_EVERY = 10
+# A process forked in a tree becomes a member (a stat read, the guardian told,
+# the adopter asked, the kernel filter rebuilt) only once it has lived this
+# long. Engines fork compile workers, tokenizers and tool calls by the hundred
+# a second, most gone in 1-10 ms: those cost one dict entry and one failed
+# open. Adoption waits no more than this; a title comes seconds later anyway.
+BIRTH_SETTLE_S = 0.03
 
 
 def set_child_subreaper() -> bool:
@@ -125,6 +131,9 @@ class TreeKeeper:
         self.me = os.getpid()
         self.exited: dict[int, int] = {}  # members gone from the trees, maybe not reaped yet
         self.lineage: dict[int, ProcKey] = {}  # pid -> owner from fork events, until a pass
+        # Forks in a tree not yet members: pid -> (parent, owner, monotonic time).
+        self.births: dict[int, tuple[int, ProcKey, float]] = {}
+        self._settle_at: asyncio.TimerHandle | None = None
         # Process forks of no known tree: child -> (parent, monotonic time).
         self.unowned_forks: dict[int, tuple[int, float]] = {}
         self.subreaper = subreaper
@@ -204,6 +213,9 @@ class TreeKeeper:
         self.task = asyncio.create_task(self._loop(), name="tree_keeper")
 
     async def stop(self) -> None:
+        if self._settle_at is not None:
+            self._settle_at.cancel()
+            self._settle_at = None
         if self.events is not None:
             self.events.close()
             self.events = None
@@ -309,8 +321,7 @@ class TreeKeeper:
     def _on_events(self, batch: list[ProcEvent]) -> None:
         root_pids = {r.pid: r.key for r in self.roots.values()}
         exited = False
-        added: list[Member] = []
-        forked = False
+        now = time.monotonic()
         for ev in batch:
             if not ev.is_process:
                 continue  # a thread: it inherited its creator's binding
@@ -320,20 +331,18 @@ class TreeKeeper:
                     parent = self.members.get(ev.parent_tgid)
                     owner = parent.owner if parent is not None else None
                 if owner is None:
-                    # A parent that exited before we could read it (the middle
-                    # of a double fork) still passes its owner on.
+                    # A parent not settled yet, or one that exited before we could
+                    # read it (the middle of a double fork), still passes its owner on.
                     owner = self.lineage.get(ev.parent_tgid)
                 if ev.pid in self.members:
                     continue
-                forked = True
                 if owner is None:
                     # Maybe a tree whose root is not known yet (its runner is
                     # still reading the shim's report): kept a while for it.
                     self._remember_fork(ev.parent_tgid, ev.pid)
                     continue
-                member = self._add_member(ev.pid, ev.parent_tgid, owner)
-                if member is not None:
-                    added.append(member)
+                self.lineage[ev.pid] = owner
+                self.births[ev.pid] = (ev.parent_tgid, owner, now)
             elif ev.kind in ("exec", "comm"):
                 known = self.members.get(ev.pid)
                 if known is not None and known.owner == "engine" and self.adopter is not None:
@@ -345,12 +354,34 @@ class TreeKeeper:
                     self.exited[ev.pid] = gone.start_time
                     if self.guardian is not None:
                         self.guardian.forget(ev.pid)
-        if forked:
-            self._watch()
-        self._offer(added)
+        if self.births and self._settle_at is None:
+            loop = asyncio.get_running_loop()
+            self._settle_at = loop.call_later(BIRTH_SETTLE_S, self._settle_births)
         if exited:
             # The exit event comes before the process is a zombie: reap a moment later.
             asyncio.get_running_loop().call_later(0.05, self.reap)
+
+    def _settle_births(self) -> None:
+        """Forks that lived BIRTH_SETTLE_S become members (one stat read each: a
+        process gone by then costs no more); the filter then lists them."""
+        self._settle_at = None
+        cutoff = time.monotonic() - BIRTH_SETTLE_S
+        added: list[Member] = []
+        for pid, (ppid, owner, seen) in list(self.births.items()):
+            if seen > cutoff:
+                continue
+            del self.births[pid]
+            if pid in self.members:
+                continue
+            member = self._add_member(pid, ppid, owner)
+            if member is not None:
+                added.append(member)
+        if added:
+            self._watch()
+            self._offer(added)
+        if self.births:
+            loop = asyncio.get_running_loop()
+            self._settle_at = loop.call_later(BIRTH_SETTLE_S, self._settle_births)
 
     def _add_member(self, pid: int, ppid: int, owner: ProcKey) -> Member | None:
         self.lineage[pid] = owner
