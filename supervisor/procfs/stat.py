@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from supervisor.errors import KernelError
 from supervisor.hostfs import HostFS
+
+# 52 fields of at most 20 digits and a comm of 64 bytes at most (TASK_COMM_LEN 16,
+# escaped): one read of this size gets the whole line.
+STAT_MAX_BYTES = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,11 +55,18 @@ def parse_proc_stat(text: str) -> ProcStat:
 
 
 def read_proc_stat(fs: HostFS, pid: int) -> ProcStat | None:
-    """/proc/<pid>/stat through HostFS; None when the process is gone."""
-    text = fs.read_optional(f"proc/{pid}/stat")
-    if text is None:
+    """/proc/<pid>/stat through HostFS; None when the process is gone (or its
+    stat cannot be read: stat is world-readable, so that is a garbled tree).
+
+    One os.open and os.read (HostFS.read_live): this runs for every fork in a
+    tree, and a fork storm's processes are mostly gone by the time it does."""
+    try:
+        raw = fs.read_live(f"proc/{pid}/stat", STAT_MAX_BYTES, f"pid {pid}")
+    except KernelError:
+        return None
+    if raw is None:
         return None
     try:
-        return parse_proc_stat(text)
+        return parse_proc_stat(raw.decode("utf-8", "replace"))
     except ValueError:
         return None

@@ -63,11 +63,14 @@ UNOWNED_FORKS_KEPT = 4096  # how often an ending tree is looked at (a deadline-b
 # walks all of /proc anyway, for a process someone moved out of our cgroups.
 FULL_PASS_EVERY = 10
 # A process forked in a tree becomes a member (a stat read, the guardian told,
-# the adopter asked, the kernel filter rebuilt) only once it has lived this
-# long. Engines fork compile workers, tokenizers and tool calls by the hundred
-# a second, most gone in 1-10 ms: those cost one dict entry and one failed
-# open. Adoption waits no more than this; a title comes seconds later anyway.
-BIRTH_SETTLE_S = 0.03
+# the adopter asked, the kernel filter rebuilt) at once on a quiet tree. When
+# a tree forks more than STORM_FORKS_PER_S (engines fork compile workers,
+# tokenizers and tool calls by the hundred a second, most gone in 1-10 ms), a
+# fork becomes one only once it has lived STORM_SETTLE_S: the short-lived ones
+# then cost one dict entry and one failed open each, and adoption during a
+# storm waits that long (a worker's title comes seconds later anyway).
+STORM_FORKS_PER_S = 50
+STORM_SETTLE_S = 0.1
 
 
 def set_child_subreaper() -> bool:
@@ -134,6 +137,7 @@ class TreeKeeper:
         # Forks in a tree not yet members: pid -> (parent, owner, monotonic time).
         self.births: dict[int, tuple[int, ProcKey, float]] = {}
         self._settle_at: asyncio.TimerHandle | None = None
+        self._forks_window = (0.0, 0)  # (window start, forks in it): the storm test
         # Process forks of no known tree: child -> (parent, monotonic time).
         self.unowned_forks: dict[int, tuple[int, float]] = {}
         self.subreaper = subreaper
@@ -343,6 +347,7 @@ class TreeKeeper:
                     continue
                 self.lineage[ev.pid] = owner
                 self.births[ev.pid] = (ev.parent_tgid, owner, now)
+                self._count_fork(now)
             elif ev.kind in ("exec", "comm"):
                 known = self.members.get(ev.pid)
                 if known is not None and known.owner == "engine" and self.adopter is not None:
@@ -355,17 +360,28 @@ class TreeKeeper:
                     if self.guardian is not None:
                         self.guardian.forget(ev.pid)
         if self.births and self._settle_at is None:
-            loop = asyncio.get_running_loop()
-            self._settle_at = loop.call_later(BIRTH_SETTLE_S, self._settle_births)
+            if self._storm(now):
+                loop = asyncio.get_running_loop()
+                self._settle_at = loop.call_later(STORM_SETTLE_S, self._settle_births)
+            else:
+                self._settle_births(0.0)
         if exited:
             # The exit event comes before the process is a zombie: reap a moment later.
             asyncio.get_running_loop().call_later(0.05, self.reap)
 
-    def _settle_births(self) -> None:
-        """Forks that lived BIRTH_SETTLE_S become members (one stat read each: a
+    def _count_fork(self, now: float) -> None:
+        start, forks = self._forks_window
+        self._forks_window = (start, forks + 1) if now - start < 1.0 else (now, 1)
+
+    def _storm(self, now: float) -> bool:
+        start, forks = self._forks_window
+        return now - start < 1.0 and forks > STORM_FORKS_PER_S
+
+    def _settle_births(self, min_age_s: float = STORM_SETTLE_S) -> None:
+        """Forks older than `min_age_s` become members (one stat read each: a
         process gone by then costs no more); the filter then lists them."""
         self._settle_at = None
-        cutoff = time.monotonic() - BIRTH_SETTLE_S
+        cutoff = time.monotonic() - min_age_s
         added: list[Member] = []
         for pid, (ppid, owner, seen) in list(self.births.items()):
             if seen > cutoff:
@@ -381,7 +397,7 @@ class TreeKeeper:
             self._offer(added)
         if self.births:
             loop = asyncio.get_running_loop()
-            self._settle_at = loop.call_later(BIRTH_SETTLE_S, self._settle_births)
+            self._settle_at = loop.call_later(STORM_SETTLE_S, self._settle_births)
 
     def _add_member(self, pid: int, ppid: int, owner: ProcKey) -> Member | None:
         self.lineage[pid] = owner

@@ -39,6 +39,8 @@ _EVENT_HEAD = struct.Struct("=IIQ")  # what, cpu, timestamp_ns
 _PAIR2 = struct.Struct("=iiii")  # fork: parent pid, tgid, child pid, tgid
 _PAIR = struct.Struct("=ii")  # exec, comm, exit: pid, tgid
 RECV_BYTES = 1 << 16
+STORM_BATCH = 16  # events in one read that make the next window longer
+STORM_WINDOW_S = 0.02  # the longest window: adoption waits at most this much more
 
 EventKind = Literal["fork", "exec", "comm", "exit"]
 
@@ -109,7 +111,8 @@ class ProcEvents:
 
     def __init__(self, sock: socket.socket, batch_window_s: float = 0.002) -> None:
         self.sock = sock
-        self.batch_window_s = batch_window_s
+        self.quiet_window_s = batch_window_s
+        self.batch_window_s = batch_window_s  # longer while a storm lasts
         self.overruns = 0  # ENOBUFS: events were lost; the next check catches up
         self._loop: asyncio.AbstractEventLoop | None = None
         self.watched: frozenset[int] | None = None  # None: every process's events
@@ -154,6 +157,13 @@ class ProcEvents:
                     self.overruns += 1
                     continue
                 batch.extend(parse_proc_events(data))
+            # A fork storm (hundreds a second): wait longer between reads, so a
+            # wake-up reads dozens of events, not three; back to the short
+            # window as soon as a batch is small again.
+            if len(batch) >= STORM_BATCH:
+                self.batch_window_s = min(self.batch_window_s * 2, STORM_WINDOW_S)
+            elif len(batch) < STORM_BATCH // 4:
+                self.batch_window_s = self.quiet_window_s
             if self._loop is not None:
                 loop.add_reader(fd, readable)
             if batch:

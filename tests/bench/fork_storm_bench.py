@@ -31,8 +31,8 @@ from tests.support.daemon_support import (
     INSTANCE_ENV,
     DaemonProcess,
     daemon_env,
+    poll,
     to_toml,
-    wait_until,
 )
 
 FS = HostFS("/")
@@ -111,7 +111,7 @@ class Storm:
         if not connector:
             extra["PLACEMENT_SUPERVISOR_PROC_EVENTS"] = "0"
         self.daemon = DaemonProcess(config, self.dir / "d.log", env=daemon_env(**extra))
-        wait_until(self._adopted, timeout_s=90, what="the rank adopted")
+        poll(self._adopted, timeout_s=90, what="the rank adopted")
 
     def engine_args(self, rate: float) -> tuple[object, ...]:
         return (self.ready, self.go, self.count, rate)
@@ -132,7 +132,7 @@ class Storm:
         rate = 0.0
         if storm:
             self.go.unlink()
-            wait_until(self.count.exists, timeout_s=10, what="the storm's count")
+            poll(self.count.exists, timeout_s=10, what="the storm count")
             made, secs = self.count.read_text().split()
             rate = int(made) / float(secs)
         return 100 * used / took, rate
