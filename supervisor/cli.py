@@ -2,9 +2,11 @@
 
 Subcommands: topology, plan, snapshot (here), run and status (imported only
 when called). `plan --config` also checks what `run` would fail on
-(supervisor.service.preflight). Reads os.environ for the visibility variables only, here, and
-hands them to discovery. Exit codes: 0 ok, 2 bad config or arguments, 3
-infeasible plan or unusable topology; a user error is one line on stderr.
+(supervisor.service.preflight). `--example NAME` reads a named host
+(supervisor.examples) written to a temporary directory, instead of `--root`.
+Reads os.environ for the visibility variables only, here, and hands them to
+discovery. Exit codes: 0 ok, 2 bad config or arguments, 3 infeasible plan or
+unusable topology; a user error is one line on stderr.
 """
 
 from __future__ import annotations
@@ -13,20 +15,24 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Mapping, Sequence
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from json.encoder import encode_basestring_ascii
+from pathlib import Path
 from typing import Any
 
 from supervisor import __version__
 from supervisor.config import check_listen, load_config
 from supervisor.config import discovery_options as config_discovery_options
 from supervisor.errors import EXIT_CONFIG, ConfigError, SupervisorError
+from supervisor.examples.catalogue import find_example, list_text
 from supervisor.hostfs import HostFS
 from supervisor.plan.placement import Placement, PlanSettings
 from supervisor.plan.planner import plan
 from supervisor.plan.render import render_plan_table
 from supervisor.service.preflight import check_config
-from supervisor.topology.discover import read_topology
+from supervisor.topology.discover import NoDevicesError, read_topology
 from supervisor.topology.model import DiscoveryOptions, Topology
 from supervisor.topology.render import render_topology_text, topology_to_doc
 from supervisor.topology.snapshot import take_snapshot
@@ -92,12 +98,40 @@ def dump_json(doc: Any) -> str:
     return render(doc, 0)
 
 
+@contextmanager
+def host_root(args: argparse.Namespace) -> Iterator[str]:
+    """The host tree to read: `--root` (default /), or `--example NAME` built
+    into a temporary directory that is removed afterwards."""
+    if args.example is None:
+        yield args.root if args.root is not None else "/"
+        return
+    if args.root is not None:
+        raise ConfigError(
+            f"--example {args.example} and --root {args.root}: give one "
+            "(--example builds its own host tree)"
+        )
+    example = find_example(args.example)  # an unknown name fails before any write
+    with tempfile.TemporaryDirectory(prefix="placement-example-") as tmp:
+        yield str(example.build(Path(tmp)))
+
+
+def _listed(args: argparse.Namespace) -> bool:
+    """`--example list`: print the examples, one line each."""
+    if args.example != "list":
+        return False
+    print(list_text())
+    return True
+
+
 # -- subcommands ---------------------------------------------------------------
 
 
 def _cmd_topology(args: argparse.Namespace) -> int:
+    if _listed(args):
+        return 0
     options, _ = discovery_options(None, os.environ)
-    topology = discover(args.root, options)
+    with host_root(args) as root:
+        topology = discover(root, options)
     if args.json:
         print(dump_json(topology_to_doc(topology)))
     else:
@@ -106,7 +140,10 @@ def _cmd_topology(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    topology, placement = make_plan(args.root, args.config, os.environ)
+    if _listed(args):
+        return 0
+    with host_root(args) as root:
+        topology, placement = make_plan(root, args.config, os.environ)
     if args.json:
         for warning in topology.warnings:
             print(f"{PROG}: warning: {warning}", file=sys.stderr)
@@ -115,8 +152,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         for warning in topology.warnings:
             print(f"discovery warning: {warning}")
         print(render_plan_table(placement, topology))
-    # What `run` would fail on: only for this host (not a captured --root).
-    if args.config is None or os.path.abspath(args.root) != "/" or args.no_checks:
+    # What `run` would fail on: only for this host (not a captured --root
+    # or an example).
+    if args.config is None or os.path.abspath(root) != "/" or args.no_checks:
         return 0
     problems = check_config(load_config(args.config), os.environ, sys.executable)
     for problem in problems:
@@ -127,11 +165,15 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 def _cmd_snapshot(args: argparse.Namespace) -> int:
     # With --config, the devices it names (`devices = [...]`) are captured too,
     # so that `plan --root OUT --config FILE` reproduces the plan.
+    if _listed(args):
+        return 0
     options, _ = discovery_options(args.config, os.environ)
-    if not os.path.isdir(args.root):
-        raise ConfigError(f"--root {args.root}: not a directory")
-    count = take_snapshot(args.root, args.out, options)
-    print(f"snapshot: {count} files from {args.root} copied to {args.out}")
+    with host_root(args) as root:
+        if not os.path.isdir(root):
+            raise ConfigError(f"--root {root}: not a directory")
+        count = take_snapshot(root, args.out, options)
+    source = f"example {args.example}" if args.example else root
+    print(f"snapshot: {count} files from {source} copied to {args.out}")
     return 0
 
 
@@ -156,6 +198,15 @@ def _listen(value: str) -> str:
         raise argparse.ArgumentTypeError(str(err).removeprefix("--listen: ")) from None
 
 
+def _add_host_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--root", help="host tree root (default /)")
+    p.add_argument(
+        "--example",
+        metavar="NAME",
+        help="read a named example host instead (e.g. dgx-h100; `--example list` lists them)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
@@ -166,13 +217,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("topology", help="print what discovery finds on this host")
-    p.add_argument("--root", default="/", help="host tree root (default /)")
+    _add_host_arguments(p)
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_cmd_topology)
 
     p = sub.add_parser("plan", help="discover and print the placement plan")
     p.add_argument("--config", help="TOML config (default: built-in defaults)")
-    p.add_argument("--root", default="/", help="host tree root (default /)")
+    _add_host_arguments(p)
     p.add_argument("--json", action="store_true", help="print the plan document")
     p.add_argument(
         "--no-checks",
@@ -184,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("snapshot", help="copy every file discovery reads into OUT")
     p.add_argument("out", metavar="OUT", help="directory to create")
-    p.add_argument("--root", default="/", help="host tree root (default /)")
+    _add_host_arguments(p)
     p.add_argument("--config", metavar="FILE", help="also capture the devices this config names")
     p.set_defaults(func=_cmd_snapshot)
 
@@ -213,6 +264,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         code: int = args.func(args)
     except SupervisorError as err:
+        if isinstance(err, NoDevicesError):
+            # Discovery cannot know the config's path or the example's name.
+            err = err.located(getattr(args, "config", None), getattr(args, "example", None))
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:

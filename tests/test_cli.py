@@ -12,9 +12,7 @@ from pathlib import Path
 import pytest
 
 from supervisor import __version__, cli
-from supervisor.plan.placement import Placement
-from tests.support.daemon_support import run_supervisor
-from tests.support.hosts import (
+from supervisor.examples.hosts import (
     UUID_CONTAINER_ORDER,
     UUID_CONTAINER_VISIBLE,
     ascend_a3,
@@ -24,6 +22,8 @@ from tests.support.hosts import (
     tight_container,
     xeon6_snc3_b200,
 )
+from supervisor.plan.placement import Placement
+from tests.support.daemon_support import run_supervisor
 from tests.support.plan_invariants import check_placement
 
 VISIBILITY = ("CUDA_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")

@@ -7,10 +7,12 @@ essential files raise one TopologyError naming the file and value.
 
 from __future__ import annotations
 
+import shlex
 from collections import defaultdict
 from dataclasses import replace
 
 from supervisor.errors import TopologyError
+from supervisor.examples import EXAMPLE_FOR_KIND
 from supervisor.hostfs import HostFS
 from supervisor.topology.cgroup import read_allowed
 from supervisor.topology.cpus import read_cpu_masks, read_cpus
@@ -27,6 +29,39 @@ from supervisor.topology.nics import read_nics
 from supervisor.topology.numa import node_of_cpus, read_nodes
 from supervisor.topology.pci import scan_pci
 from supervisor.topology.visibility import apply_visibility
+
+
+class NoDevicesError(TopologyError):
+    """`accelerator = KIND` but the host has no KIND devices (exit 3).
+
+    The message names the way forward: the shipped example host with such
+    devices (`plan --example`). Discovery does not know the config's path or
+    whether the root is an example; the command line adds both (`located`).
+    """
+
+    def __init__(
+        self, kind: str, root: str, config_path: str | None = None, example: str | None = None
+    ) -> None:
+        self.kind = kind
+        self.root = root
+        where = f"in example {example}" if example else f"under {root}"
+        message = f"accelerator = {kind!r} but no {kind} devices were found {where}"
+        suggestion = EXAMPLE_FOR_KIND.get(kind)
+        if suggestion is not None and suggestion != example:
+            if example:
+                lead = "this config plans on"
+            else:
+                lead = "to see this config's plan on a host without them"
+            config = shlex.quote(config_path) if config_path else "FILE"
+            message += (
+                f"; {lead}: placement-supervisor plan --config {config} --example {suggestion}"
+                " (all examples: placement-supervisor topology --example list)"
+            )
+        super().__init__(message)
+
+    def located(self, config_path: str | None, example: str | None) -> NoDevicesError:
+        """The same error naming the config file and the example it was read from."""
+        return NoDevicesError(self.kind, self.root, config_path, example)
 
 
 def _read_devices(
@@ -53,9 +88,7 @@ def _read_devices(
         devices += found
         warnings += warn
     if wanted not in ("auto", "cpu") and not devices:
-        raise TopologyError(
-            f"accelerator = {wanted!r} but no {wanted} devices were found under {fs.root}"
-        )
+        raise NoDevicesError(wanted, fs.root)
     if not devices:
         devices += cpu_standins(nodes, allowed_cpus, options.cpu_ranks)
     devices.sort(key=device_order)

@@ -19,12 +19,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 from supervisor.cpulist import format_mask, parse_cpulist
+from supervisor.examples.hosts import ascend_a3, dgx_h100
 from supervisor.hostfs import HostFS
 from supervisor.plan.placement import PlanSettings
 from supervisor.plan.planner import plan
 from supervisor.topology.discover import read_topology
 from supervisor.topology.model import DiscoveryOptions
-from tests.support.hosts import ascend_a3, dgx_h100
 
 # lscpu (util-linux 2.38) wants these besides what discovery reads: the hex
 # sibling masks (it probes topology/thread_siblings before reading a CPU's

@@ -24,13 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from supervisor.cli import dump_json
+from supervisor.examples.builder import FakeHost
 from supervisor.hostfs import HostFS
 from supervisor.plan.placement import PlanSettings
 from supervisor.plan.planner import plan
 from supervisor.topology.discover import read_topology
 from supervisor.topology.model import DiscoveryOptions
 from supervisor.topology.render import render_topology_text, topology_to_doc
-from tests.support.fakehost import FakeHost
 
 SIZES = (64, 256, 1024)
 SOCKETS = 4  # nodes split evenly over this many packages (12 within, 32 across)

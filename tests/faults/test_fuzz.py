@@ -1,6 +1,6 @@
 """Seeded fuzz over host trees and configs: no traceback, no hang, one clear line.
 
-Each case takes a fixture host (tests/support/hosts.py, or one of hundreds of
+Each case takes a fixture host (supervisor/examples/hosts.py, or one of hundreds of
 nodes), replaces a few of the files discovery reads with something hostile
 (a FIFO, a link to /dev/zero or /dev/urandom, a link loop, a dangling link, a
 directory, garbage bytes, a huge list, a huge number, a 2 MiB line),
@@ -32,11 +32,11 @@ from typing import Any
 
 import pytest
 
+from supervisor.examples import hosts
 from supervisor.hostfs import HostFS
 from supervisor.topology.discover import read_topology
 from supervisor.topology.model import DiscoveryOptions
 from tests.bench.scale_bench import many_node_host, scratch_dir
-from tests.support import hosts
 from tests.support.daemon_support import REPO, daemon_env, free_port, stop_process, to_toml
 
 SEED = int(os.environ.get("FUZZ_SEED", "20261201"))

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
+from supervisor.examples import hosts
+from supervisor.examples.builder import FakeHost
 from tests.bench.scale_bench import scratch_dir
-from tests.support import hosts
 from tests.support.daemon_support import REPO, daemon_env
-from tests.support.fakehost import FakeHost
 
 DEADLINE_S = 30.0
 MEMORY_CEILING = 2 << 30  # address space: /dev/zero read whole hits this within a second

@@ -11,16 +11,16 @@ import pytest
 from supervisor.cli import make_plan
 from supervisor.cpulist import parse_cpulist
 from supervisor.errors import PlanError
-from supervisor.plan.placement import Placement
-from supervisor.topology.model import Topology
-from tests.support.fakehost import FakeHost
-from tests.support.hosts import (
+from supervisor.examples.builder import FakeHost
+from supervisor.examples.hosts import (
     ALL_HOSTS,
     CONTAINER_ALLOWED,
     GB200_HBM_NODES,
     TIGHT_CONTAINER_ALLOWED,
     tight_container,
 )
+from supervisor.plan.placement import Placement
+from supervisor.topology.model import Topology
 from tests.support.plan_invariants import check_placement
 
 WORKERS = '[workers]\ncommand = ["true"]\n'

@@ -9,6 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from supervisor import cli
+from supervisor.examples.hosts import dgx_h100
 from supervisor.hostfs import HostFS
 from supervisor.plan.irqs import nic_functions, plan_irqs
 from supervisor.plan.placement import Placement, PlanSettings
@@ -16,7 +17,6 @@ from supervisor.plan.planner import plan
 from supervisor.plan.replan import replan
 from supervisor.topology.discover import read_topology
 from supervisor.topology.model import Topology
-from tests.support.hosts import dgx_h100
 from tests.support.plan_invariants import check_placement
 
 

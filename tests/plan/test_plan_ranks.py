@@ -17,11 +17,7 @@ import pytest
 from supervisor.cli import make_plan
 from supervisor.config import load_config
 from supervisor.cpulist import parse_cpulist
-from supervisor.plan.placement import Placement, PlanSettings
-from supervisor.plan.planner import plan
-from supervisor.run.spec import build_specs
-from supervisor.topology.model import Topology
-from tests.support.hosts import (
+from supervisor.examples.hosts import (
     SNC3_GPU_NODES,
     UUID_CONTAINER_CPUS,
     UUID_CONTAINER_ORDER,
@@ -30,6 +26,10 @@ from tests.support.hosts import (
     container_uuid,
     xeon6_snc3_b200,
 )
+from supervisor.plan.placement import Placement, PlanSettings
+from supervisor.plan.planner import plan
+from supervisor.run.spec import build_specs
+from supervisor.topology.model import Topology
 from tests.support.plan_invariants import check_placement
 from tests.support.plan_topology import build_topology, dev
 

@@ -17,12 +17,12 @@ import pytest
 
 from supervisor.config import discovery_options, load_config
 from supervisor.demo.worker import parse_numa_maps
+from supervisor.examples import hosts
 from supervisor.hostfs import HostFS
 from supervisor.plan.planner import plan
 from supervisor.run.spec import build_specs
 from supervisor.topology.discover import read_topology
 from supervisor.worker import SLOT_ENV, slot_env_value
-from tests.support import hosts
 from tests.support.daemon_support import free_port, poll
 
 REPO = Path(__file__).resolve().parents[2]

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from supervisor.errors import ConfigError
+from supervisor.examples import hosts
 from supervisor.hostfs import HostFS
 from supervisor.topology.discover import read_topology
 from supervisor.topology.model import DiscoveryOptions
 from supervisor.topology.snapshot import take_snapshot
-from tests.support import hosts
 
 
 @pytest.mark.parametrize("name", ["dgx_h100", "ascend_a3", "mi300x", "container_holes"])

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 
 from supervisor.errors import TopologyError
+from supervisor.examples.builder import FakeHost
 from supervisor.hostfs import HostFS
 from supervisor.topology.cgroup import parse_proc_cgroup
 from supervisor.topology.discover import read_topology
-from tests.support.fakehost import FakeHost
 
 
 def _allowed(root: Path):  # type: ignore[no-untyped-def]

@@ -8,9 +8,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from supervisor.cpulist import format_cpulist, parse_cpulist
+from supervisor.examples.builder import GIB, FakeHost
 from supervisor.hostfs import HostFS
 from supervisor.topology.discover import read_topology
-from tests.support.fakehost import GIB, FakeHost
 
 
 @given(st.frozensets(st.integers(min_value=0, max_value=4095), max_size=200))

@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 
 from supervisor.errors import TopologyError
+from supervisor.examples.builder import FakeHost
 from supervisor.hostfs import HostFS
 from supervisor.topology.devices import fold_ascend_node, parse_nvidia_information
 from supervisor.topology.discover import read_topology
 from supervisor.topology.model import DiscoveryOptions, Topology
-from tests.support.fakehost import FakeHost
 
 
 def _topo(root: Path, **kw: object) -> Topology:

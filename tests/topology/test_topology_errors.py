@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 
 from supervisor.errors import TopologyError
+from supervisor.examples.builder import FakeHost
 from supervisor.hostfs import HostFS
 from supervisor.topology.discover import read_topology
 from supervisor.topology.model import DiscoveryOptions
-from tests.support.fakehost import FakeHost
 
 
 def _error(host: FakeHost, **kw: object) -> TopologyError:

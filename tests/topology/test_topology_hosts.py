@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from supervisor.cpulist import parse_cpulist
+from supervisor.examples import hosts
 from supervisor.hostfs import HostFS
 from supervisor.topology.discover import read_topology
 from supervisor.topology.model import Topology
 from supervisor.topology.render import render_topology_text, topology_to_doc
-from tests.support import hosts
 
 
 def _read(builder, tmp_path: Path) -> Topology:  # type: ignore[no-untyped-def]

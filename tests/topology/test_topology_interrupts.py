@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from supervisor.examples import hosts
 from supervisor.hostfs import HostFS
 from supervisor.topology.discover import read_topology
 from supervisor.topology.interrupts import assign_irqs, parse_interrupts
 from supervisor.topology.render import render_topology_text
-from tests.support import hosts
 
 X86 = """\
            CPU0       CPU1

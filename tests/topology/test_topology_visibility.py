@@ -8,17 +8,17 @@ import pytest
 
 from supervisor.cpulist import parse_cpulist
 from supervisor.errors import TopologyError
-from supervisor.hostfs import HostFS
-from supervisor.topology.discover import read_topology
-from supervisor.topology.model import DiscoveryOptions
-from tests.support.fakehost import FakeHost
-from tests.support.hosts import (
+from supervisor.examples.builder import FakeHost
+from supervisor.examples.hosts import (
     UUID_CONTAINER_CPUS,
     UUID_CONTAINER_ORDER,
     UUID_CONTAINER_UUIDS,
     UUID_CONTAINER_VISIBLE,
     container_uuid,
 )
+from supervisor.hostfs import HostFS
+from supervisor.topology.discover import read_topology
+from supervisor.topology.model import DiscoveryOptions
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,8 @@ import pytest
 
 from supervisor.cpulist import parse_cpulist
 from supervisor.errors import PlanError
+from supervisor.examples.builder import FakeHost
+from supervisor.examples.hosts import dgx_h100
 from supervisor.hostfs import HostFS
 from supervisor.plan.placement import PlanSettings
 from supervisor.plan.replan import (
@@ -26,8 +28,6 @@ from supervisor.plan.replan import (
 )
 from supervisor.topology.discover import read_topology, reread_cpus
 from supervisor.topology.model import DiscoveryOptions, Topology
-from tests.support.fakehost import FakeHost
-from tests.support.hosts import dgx_h100
 
 
 def two_nodes(tmp_path: Path, name: str = "h", allowed: str | None = None) -> Topology:

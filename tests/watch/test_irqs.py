@@ -19,6 +19,7 @@ import pytest
 from supervisor.config import IrqConfig
 from supervisor.cpulist import format_cpulist
 from supervisor.events import Recorder
+from supervisor.examples.hosts import dgx_a100_nps4, dgx_h100, gb200_tray, no_accel_2node
 from supervisor.hostfs import HostFS
 from supervisor.plan.irqs import nic_functions, pair_nics, pci_proximity, plan_irqs, with_irqs
 from supervisor.plan.placement import DeviceRef, Placement, PlanSettings, RankPlacement, Slot
@@ -29,7 +30,6 @@ from supervisor.topology.model import Allowed, Cpu, Device, Irq, Nic, Node, Topo
 from supervisor.watch.drift import diff
 from supervisor.watch.irqs import IrqKeeper
 from supervisor.watch.observe import read_irq_delivery
-from tests.support.hosts import dgx_a100_nps4, dgx_h100, gb200_tray, no_accel_2node
 from tests.support.irqbalance import FakeIrqbalance, serve_fake_irqbalance
 
 

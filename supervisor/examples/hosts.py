@@ -1,10 +1,11 @@
 """Fixture hosts: one function per class of real machine (DESIGN 3.2), built with FakeHost.
 
 Each takes a directory and returns the root of a new host tree under it
-(`<dir>/<name>`). The layouts follow public documentation of these machines
-(vendor user guides, `numactl -H` / `nvidia-smi topo -m` output published in
-them); each docstring says what is modelled and what had to be assumed.
-`ALL_HOSTS` maps a short name to each builder, for tests that iterate them.
+(`<dir>/<name>`; writes only there). The layouts follow public documentation
+of these machines (vendor user guides, `numactl -H` / `nvidia-smi topo -m`
+output published in them); each docstring says what is modelled and what had
+to be assumed. `ALL_HOSTS` maps a short name to each builder, for tests that
+iterate them; supervisor.examples.catalogue names them for `--example`.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from tests.support.fakehost import GIB, FakeHost
+from supervisor.examples.builder import GIB, FakeHost
 
 
 def dgx_h100(base: Path) -> Path:
@@ -47,15 +48,17 @@ def dgx_h100(base: Path) -> Path:
     ]
     for k, (ib, bus) in enumerate(hcas):
         h.nic(f"0000:{bus}:00.0", 0 if k < 4 else 1, ib=f"mlx5_{ib}", netdev=f"ibp{int(bus, 16)}s0")
-    for ib, bdf, node in [
+    for port_ib, bdf, node in [
         (1, "0000:29:00.0", 0),
         (2, "0000:29:00.1", 0),
         (7, "0000:aa:00.0", 1),
         (8, "0000:aa:00.1", 1),
     ]:
         port = bdf[-1]
-        bus = int(bdf[5:7], 16)
-        h.nic(bdf, node, ib=f"mlx5_{ib}", netdev=f"enp{bus}s0f{port}np{port}", device=0x1021)
+        bus_no = int(bdf[5:7], 16)
+        h.nic(
+            bdf, node, ib=f"mlx5_{port_ib}", netdev=f"enp{bus_no}s0f{port}np{port}", device=0x1021
+        )
     h.virtual_netdev("lo").virtual_netdev("docker0")
     return h.build()
 

@@ -4,8 +4,13 @@ The tree holds exactly the files discovery reads (DESIGN 3.2): sysfs CPU and
 node directories, /proc/self/{status,cgroup}, cgroup cpuset files, PCI device
 directories, the NVIDIA procfs information files, /dev nodes (as empty
 files), ubcore entries, InfiniBand/net class links and /proc/interrupts.
-Nothing is written until `build()`; `raw()` and `remove()` then let a test
-garble or drop any single file.
+Nothing is written until `build()`, and then only under the builder's own
+root (it reads nothing of this host); `raw()` and `remove()` then let a test
+garble or drop any single file. The named hosts (`--example`) and the tests
+build their trees with it. Over 500 lines because it is one fluent class:
+each setter sits with the writer of the files it shapes, and the file formats
+must agree with each other (node cpulists with CPU topology, msi_irqs with
+/proc/interrupts), which a split would put in two places.
 """
 
 from __future__ import annotations
@@ -390,13 +395,13 @@ class FakeHost:
         for entry in self._ubcore:
             self._write(f"sys/class/ubcore/{entry.name}/device/ub_totalues", f"{entry.total_ues}\n")
             self._write(f"sys/class/ubcore/{entry.name}/device/numa", f"{entry.numa}\n")
-        for ib, bdf in sorted(self._ib.items()):
-            self._link(f"sys/class/infiniband/{ib}/device", f"../../../{bdf}")
+        for ib, ib_bdf in sorted(self._ib.items()):
+            self._link(f"sys/class/infiniband/{ib}/device", f"../../../{ib_bdf}")
             self._write(f"sys/class/infiniband/{ib}/node_type", "1: CA\n")
-        for net, bdf in sorted(self._net.items()):
+        for net, net_bdf in sorted(self._net.items()):
             self._write(f"sys/class/net/{net}/type", "1\n")
-            if bdf is not None:
-                self._link(f"sys/class/net/{net}/device", f"../../../{bdf}")
+            if net_bdf is not None:
+                self._link(f"sys/class/net/{net}/device", f"../../../{net_bdf}")
         self._write_interrupts(sorted(online))
         for rel, text in self._raw.items():
             self._write(rel, text)
