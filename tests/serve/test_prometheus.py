@@ -387,9 +387,11 @@ def test_strip_conditions_rule() -> None:
 def test_status_against_the_demo_daemon(stack: Stack) -> None:
     """`placement-supervisor status` on the real daemon: every process's pid and state."""
     listen = stack.instances["daemon"]
+    # Exit 0 means ready (4: answers, not ready): wait until /readyz says so.
+    wait_for("the demo ready", lambda: get_json(f"http://{listen}/readyz"), 60, stack.procs)
     doc = json.loads(http_request(parse_listen(listen), "GET", "/placement")[2])
     proc = run_supervisor("status", "--listen", listen)
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines()[2:] if line}
     for entry in [doc["engine"], *doc["ranks"]]:
         label = "engine" if "rank" not in entry else str(entry["rank"])
