@@ -11,7 +11,8 @@
 Rule for alert expressions that are conditions (`x < 0.9` is empty when all is
 well): when the expression returns nothing, each comparison with a number
 (`== 0`, `> 60`, `>= 3`, `< 0.9`) is removed, each comparison with another
-vector (`x < on(instance) group_left y`) becomes `x and on(instance) y`, and the
+vector (`x < on(instance) group_left y`) becomes `x and on(instance) y`, each
+`unless` becomes `and` (the series it removes must exist too), and the
 rest must return data for the target, i.e. the series the alert watches exist
 (on both sides of a comparison). Rules must also evaluate without error
 (`health: ok`).
@@ -292,8 +293,11 @@ _VECTOR_COMPARISON = re.compile(
 )
 
 
+_UNLESS = re.compile(r"\bunless\b")
+
+
 def strip_conditions(expr: str) -> str:
-    return _COMPARISON.sub("", _VECTOR_COMPARISON.sub(r" and \1 ", expr))
+    return _UNLESS.sub("and", _COMPARISON.sub("", _VECTOR_COMPARISON.sub(r" and \1 ", expr)))
 
 
 def missing_until_deadline(
@@ -381,6 +385,9 @@ def test_strip_conditions_rule() -> None:
     assert strip_conditions("increase(x[10m]) >= 3") == "increase(x[10m])"
     assert strip_conditions("a < on(instance, job) group_left b") == "a and on(instance, job) b"
     assert strip_conditions("a > bool ignoring(rank) group_right(x) b") == "a and ignoring(rank) b"
+    assert strip_conditions("a == 0 unless on(rank) (b == 1 and on(rank) c)") == (
+        "a and on(rank) (b and on(rank) c)"
+    )
 
 
 @needs_prometheus
