@@ -25,7 +25,14 @@ from typing import Any
 from supervisor import __version__
 from supervisor.config import check_listen, load_config
 from supervisor.config import discovery_options as config_discovery_options
-from supervisor.errors import EXIT_CONFIG, ConfigError, SupervisorError
+from supervisor.errors import (
+    EXIT_CONFIG,
+    EXIT_NOT_READY,
+    EXIT_OK,
+    EXIT_UNREACHABLE,
+    ConfigError,
+    SupervisorError,
+)
 from supervisor.examples.catalogue import find_example, list_text
 from supervisor.hostfs import HostFS
 from supervisor.plan.placement import Placement, PlanSettings
@@ -40,6 +47,15 @@ from supervisor.topology.snapshot import take_snapshot
 PROG = "placement-supervisor"
 EXIT_INTERNAL = 1
 EXIT_INTERRUPTED = 130
+# `status --help`'s epilog; README "Exit codes" says the same.
+STATUS_EXIT_CODES = f"""\
+exit codes:
+  {EXIT_OK}  the daemon answered and is ready (every process running and bound)
+  {EXIT_UNREACHABLE}  no daemon answers at the address, or it answered with an error
+  {EXIT_CONFIG}  bad --listen, or --config unreadable or invalid
+  {EXIT_NOT_READY}  the daemon answered but is not ready (starting or loading, backoff,
+     failed, stopped, or not bound as planned); the placement is printed anyway
+"""
 
 
 def discovery_options(
@@ -244,7 +260,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--listen", type=_listen, help="HOST:PORT or unix:PATH for the API")
     p.set_defaults(func=_run_daemon)
 
-    p = sub.add_parser("status", help="show a running daemon's placement")
+    p = sub.add_parser(
+        "status",
+        help="show a running daemon's placement",
+        description="Query a running daemon and print its placement as a table.",
+        epilog=STATUS_EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--listen", type=_listen, help="the daemon's HOST:PORT or unix:PATH")
     p.add_argument(
         "--config", metavar="FILE", help="find the daemon where this config's [api] listens"

@@ -136,6 +136,7 @@ class Daemon:
             accelerator_kind=kind,
             config_path=config.path,
             local_memory_threshold=config.drift.local_memory_threshold,
+            ready_timeout_s=None if config.ready is None else config.ready.timeout_s,
         )
         self.store = StateStore(initial)
         self.specs = specs

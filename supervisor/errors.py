@@ -13,6 +13,10 @@ import errno as _errno
 EXIT_OK = 0
 EXIT_CONFIG = 2
 EXIT_INFEASIBLE = 3
+# `status` only: no daemon answers (1), or one answers but is not ready (4),
+# so that a script can tell "down" from "still loading" (README, Exit codes).
+EXIT_UNREACHABLE = 1
+EXIT_NOT_READY = 4
 
 
 class SupervisorError(Exception):

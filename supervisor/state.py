@@ -83,6 +83,10 @@ class ProcessStatus:
     bound: bool = False  # every bind of the plan applied and read back
     adopted: bool = False  # spawned by the engine and adopted (DESIGN 3.6)
     ppid: int | None = None  # an adopted worker's parent
+    # Unix time it stopped running, or first started when it never ran; None
+    # while it runs (and before its first status: the daemon's start then).
+    # Kept across starting/backoff/starting, so a load that keeps failing ages.
+    down_since: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,6 +224,9 @@ class Snapshot:
     # drift.local_memory_threshold, exported for the alert that compares the
     # ratio with it; None where no config made the snapshot (tests).
     local_memory_threshold: float | None = None
+    # [ready] timeout_s: how long the engine may load before its start counts
+    # as failed (alert PlacementRankNotUp waits that long); None: no probe.
+    ready_timeout_s: float | None = None
     self_usage: SelfUsage | None = None  # None until the first sample
 
     @property
@@ -254,6 +261,13 @@ class StateStore:
         return self._snapshot
 
     def set_process(self, status: ProcessStatus) -> None:
+        """Publish `status`, with `down_since` kept: set when it leaves `running`
+        (or first gets a state that is not), cleared when it runs."""
+        if status.state == "running":
+            if status.down_since is not None:
+                status = replace(status, down_since=None)
+        elif status.down_since is None:
+            status = replace(status, down_since=time.time())
         procs = dict(self._snapshot.processes)
         procs[status.key] = status
         self.update(processes=MappingProxyType(procs))

@@ -97,8 +97,11 @@ def graph(title: str, description: str, *queries: prometheus.Dataquery) -> times
     )
 
 
-def increase(metric: str, selector: str = HOST_RANK, window: str = "$__rate_interval") -> str:
-    return f"increase({metric}{{{selector}}}[{window}])"
+def increase(
+    metric: str, selector: str = HOST_RANK, window: str = "$__rate_interval", at: str = ""
+) -> str:
+    """`increase(metric{selector}[window])`; `at` e.g. " @ end()" (the @ modifier)."""
+    return f"increase({metric}{{{selector}}}[{window}]{at})"
 
 
 # -- rows --------------------------------------------------------------------------------
@@ -264,16 +267,76 @@ def memory_locality() -> Iterator[Panel]:
     )
 
 
+# The bind failure counters are pre-initialised at 0 for every rank, target and
+# reason (metrics.py: `increase()` needs it): ~3,700 series for 20 hosts of 8 ranks,
+# almost all 0 forever. The panels show only what is not 0, worst hosts first.
+WORST_HOSTS = 10
+BIND_FAILURES = "placement_bind_failures_total"
+
+
+# Failures per host over the dashboard's range: the table ranks them at the range's
+# end; the graph keeps the series of the same hosts at every step (`@ end()`
+# fixes the ranking, rather than a new top 10 per step).
+def host_failures_in_range(at: str = "") -> str:
+    return agg("sum", (), increase(BIND_FAILURES, HOST_RANK, "$__range", at)) + " > 0"
+
+
+WORST_HOSTS_EXPR = f"sort_desc(topk({WORST_HOSTS}, {host_failures_in_range()}))"
+BIND_FAILURES_EXPR = (
+    agg("sum", ("rank", "target", "reason"), increase(BIND_FAILURES))
+    + f" > 0 and on(instance) topk({WORST_HOSTS}, {host_failures_in_range(' @ end()')})"
+)
+
+
 def binding_and_drift() -> Iterator[Panel]:
-    yield graph(
-        "Bind failures",
-        "Refused binds by target (process, thread, memory, irq, cgroup) and reason "
-        "(gone, denied, invalid, managed).",
-        query(
-            agg("sum", ("rank", "target", "reason"), increase("placement_bind_failures_total")),
-            "{{instance}} rank {{rank}} {{target}} {{reason}}",
-        ),
-    ).span(8)
+    yield (
+        graph(
+            "Bind failures",
+            f"Refused binds by target (process, thread, memory, irq, cgroup) and reason "
+            f"(gone, denied, invalid, managed): only series that are not 0, of the "
+            f"{WORST_HOSTS} hosts with the most failures over the time range; legend "
+            f"sorted by total.",
+            query(BIND_FAILURES_EXPR, "{{instance}} rank {{rank}} {{target}} {{reason}}"),
+        )
+        .span(8)
+        .legend(
+            cb.VizLegendOptions()
+            .display_mode(common.LegendDisplayMode.TABLE)
+            .placement(common.LegendPlacement.BOTTOM)
+            .show_legend(True)
+            .calcs(["sum", "max"])
+            .sort_by("Total")
+            .sort_desc(True)
+        )
+    )
+    yield (
+        table.Panel()
+        .title("Worst hosts: bind failures in range")
+        .description(
+            f"The {WORST_HOSTS} hosts with the most refused binds over the time range, "
+            "most first; hosts without any are not listed."
+        )
+        .datasource(DATASOURCE)
+        .with_target(table_query(WORST_HOSTS_EXPR))
+        .with_transformation(
+            dm.DataTransformerConfig(
+                id_val="organize",
+                options={
+                    "excludeByName": {"Time": True},
+                    "indexByName": {"instance": 0, "Value": 1},
+                    "renameByName": {"instance": "host", "Value": "bind failures"},
+                },
+            )
+        )
+        .with_transformation(
+            dm.DataTransformerConfig(
+                id_val="sortBy",
+                options={"sort": [{"field": "bind failures", "desc": True}]},
+            )
+        )
+        .height(8)
+        .span(8)
+    )
     yield graph(
         "Drift events",
         "Differences between plan and live state found by the checks.",

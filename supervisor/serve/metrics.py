@@ -154,6 +154,35 @@ def _state(m: GaugeMetricFamily, placement: Placement, processes: Processes) -> 
 
 @FAMILIES.add(
     "gauge",
+    "placement_down_since_timestamp_seconds",
+    "Unix time the process stopped running (or, if it never ran, the supervisor started "
+    "or first started it); 0 while it runs. Starting, backoff and starting again keep it.",
+    ("rank",),
+)
+def _down_since(
+    m: GaugeMetricFamily, placement: Placement, processes: Processes, started_at: float
+) -> None:
+    for rank, status in _statuses(placement, processes):
+        if status.state == "running":
+            m.add_metric([rank], 0.0)
+        else:
+            m.add_metric([rank], status.down_since if status.down_since is not None else started_at)
+
+
+@FAMILIES.add(
+    "gauge",
+    "placement_ready_timeout_seconds",
+    "ready.timeout_s: how long the engine may load before its start counts as failed "
+    "(alert PlacementRankNotUp waits that long for a starting process); absent without "
+    "a [ready] probe.",
+)
+def _ready_timeout(m: GaugeMetricFamily, ready_timeout_s: float | None) -> None:
+    if ready_timeout_s is not None:
+        m.add_metric([], ready_timeout_s)
+
+
+@FAMILIES.add(
+    "gauge",
     "placement_backoff_seconds",
     "Delay before the next start while the process is in restart backoff, else 0.",
     ("rank",),

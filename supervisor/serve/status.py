@@ -2,8 +2,10 @@
 
 I/O: one HTTP request over TCP or the unix socket (stdlib http.client, so the
 command stays light). `render_status(doc)` is the pure table renderer.
-Exit codes: 0 printed a placement; 1 the daemon could not be reached or
-answered with an error (one line on stderr says which); 2 a bad --listen.
+Exit codes (supervisor.errors; `status --help` lists them): 0 the daemon is
+ready; 1 it could not be reached or answered with an error (one line on
+stderr says which); 2 a bad --listen or config; 4 it answered but is not
+ready (the placement is still printed, with the reasons).
 """
 
 from __future__ import annotations
@@ -17,11 +19,16 @@ from typing import Any
 
 from supervisor.config import DEFAULT_LISTEN, load_config
 from supervisor.cpulist import format_cpulist
-from supervisor.errors import ConfigError, SupervisorError
+from supervisor.errors import (
+    EXIT_NOT_READY,
+    EXIT_OK,
+    EXIT_UNREACHABLE,
+    ConfigError,
+    SupervisorError,
+)
 from supervisor.serve.listen import Listen, parse_listen
 
 TIMEOUT_S = 5.0
-EXIT_UNREACHABLE = 1
 
 
 class _UnixHTTPConnection(http.client.HTTPConnection):
@@ -178,7 +185,8 @@ def render_status(doc: Mapping[str, Any], where: str = "") -> str:
 
 
 def status_command(args: Any) -> int:
-    """`placement-supervisor status [--listen ADDR] [--json]`; returns the exit code.
+    """`placement-supervisor status [--listen ADDR] [--json]`; returns the exit code
+    (0 ready, 1 unreachable, 2 bad address or config, 4 not ready).
 
     Reads `args.listen` (None: the config's api address when `args.config` is
     set, else 127.0.0.1:9477) and `args.json` (print the raw document).
@@ -209,4 +217,14 @@ def status_command(args: Any) -> int:
         sys.stdout.write(json.dumps(doc, indent=2) + "\n")
     else:
         sys.stdout.write(render_status(doc, str(where)))
-    return 0
+    return status_exit_code(doc)
+
+
+def status_exit_code(doc: Mapping[str, Any]) -> int:
+    """0 when the document says the daemon is ready, else EXIT_NOT_READY (pure).
+
+    A document that does not say (no `supervisor.ready`) is not ready: 0 must
+    mean "ready" and nothing else to whoever scripts on it.
+    """
+    sup = doc.get("supervisor") or {}
+    return EXIT_OK if sup.get("ready") is True else EXIT_NOT_READY

@@ -62,11 +62,18 @@ def _after_parens(expr: str, start: int) -> int:
     return i
 
 
+# These pick series and return them with all their labels, `instance` included:
+# `topk(10, x)` over "All" hosts ranks the fleet's worst, it adds nothing up.
+SELECTIONS = ("topk", "bottomk", "limitk", "limit_ratio")
+
+
 def instance_mergers(expr: str) -> list[str]:
     """The parts of `expr` that merge series of different hosts (empty when none do)."""
     found: list[str] = []
     for m in _AGGREGATION.finditer(expr):
         op, clause, labels = m.groups()
+        if op in SELECTIONS:
+            continue
         if clause is None:  # `sum(x) by (...)`, or no clause at all
             after = _CLAUSE_AFTER.match(expr, _after_parens(expr, m.end()))
             if after is not None:
@@ -150,7 +157,7 @@ def test_the_host_rule_catches_what_merges_hosts() -> None:
         "sum(placement_up)",
         "sum(rate(placement_restarts_total[5m])) by (rank, reason)",
         "max without (instance) (placement_up)",
-        "topk(3, placement_threads)",
+        "sum(topk(3, placement_threads))",
         'count(placement_up{instance=~"$host"})',
         "a * on(rank) group_left(policy) b",
         "a and ignoring(instance) b",
@@ -166,6 +173,8 @@ def test_the_host_rule_catches_what_merges_hosts() -> None:
         "rate(placement_check_duration_seconds_count[5m])",
         "a * on(instance, rank) group_left(policy) b",
         "a / ignoring(rank) b",
+        "topk(3, placement_threads)",  # a selection: each series keeps its instance
+        "sort_desc(topk(10, sum by (instance) (x) > 0))",
     ]
     for expr in keeping:
         assert not instance_mergers(expr), expr

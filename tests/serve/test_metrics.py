@@ -426,3 +426,42 @@ def test_local_memory_threshold_gauge_is_the_configured_threshold() -> None:
     # A snapshot no config made has no threshold to export: no sample, not a made-up one.
     snap = replace(realistic_snapshot(), local_memory_threshold=None)
     assert registry_for(snap).get_sample_value("placement_local_memory_ratio_threshold") is None
+
+
+def test_down_since_keeps_the_first_moment_a_process_was_not_running() -> None:
+    """PlacementRankNotUp measures the readiness window from here: a failed load,
+    its backoff and the next start keep the moment; running clears it."""
+    snap = realistic_snapshot()
+    store = StateStore(snap)
+    v = build_registry(store).get_sample_value
+    assert v("placement_down_since_timestamp_seconds", {"rank": "1"}) == 0.0  # running
+    before = time.time()
+    store.set_process(replace(snap.processes[1], state="starting", pid=None))
+    went_down = v("placement_down_since_timestamp_seconds", {"rank": "1"})
+    assert went_down is not None and before <= went_down <= time.time()
+    # Starting -> backoff -> starting (the runner carries its status forward).
+    for state in ("backoff", "starting", "backoff", "starting"):
+        store.set_process(replace(store.snapshot.processes[1], state=state))  # type: ignore[arg-type]
+        assert v("placement_down_since_timestamp_seconds", {"rank": "1"}) == went_down
+    store.set_process(replace(store.snapshot.processes[1], state="running", pid=9))
+    assert store.snapshot.processes[1].down_since is None
+    assert v("placement_down_since_timestamp_seconds", {"rank": "1"}) == 0.0
+    # A planned process with no status yet has been down since the daemon started.
+    snap = replace(snap, processes={0: ProcessStatus(0, "running", pid=7)})
+    assert (
+        registry_for(snap).get_sample_value("placement_down_since_timestamp_seconds", {"rank": "1"})
+        == snap.started_at
+    )
+
+
+def test_ready_timeout_gauge_is_the_configured_probe_timeout() -> None:
+    doc = tomllib.loads((REPO / "supervisor" / "demo" / "demo.toml").read_text())
+    doc["ready"]["timeout_s"] = 1200
+    config = parse_config(doc)
+    fs = HostFS("/")
+    topology, placement = prepare(config, {}, fs)
+    daemon = Daemon(config, topology, placement, env={}, fs=fs, api=False)
+    assert build_registry(daemon.store).get_sample_value("placement_ready_timeout_seconds") == 1200
+    # Without a [ready] probe there is no window: no sample (the alert then waits 5 minutes).
+    snap = replace(realistic_snapshot(), ready_timeout_s=None)
+    assert registry_for(snap).get_sample_value("placement_ready_timeout_seconds") is None

@@ -1,8 +1,10 @@
-"""`status` against a running API server (TCP and unix socket), and its table renderer."""
+"""`status` against a running API server (TCP and unix socket), its table renderer,
+and its exit codes against a real daemon that is loading, then ready."""
 
 from __future__ import annotations
 
 import json
+import re
 from argparse import Namespace
 from collections.abc import Iterator
 from dataclasses import replace
@@ -12,11 +14,22 @@ import pytest
 
 from supervisor.config import ApiConfig
 from supervisor.cpulist import format_cpulist
+from supervisor.errors import EXIT_NOT_READY
 from supervisor.serve.documents import placement_doc
-from supervisor.serve.status import render_status, status_command
+from supervisor.serve.status import render_status, status_command, status_exit_code
 from supervisor.state import Finding
 from tests.support.api_fixture import ServerThread, realistic_snapshot
-from tests.support.daemon_support import free_port, run_supervisor
+from tests.support.children import write_child
+from tests.support.daemon_support import (
+    REPO,
+    DaemonProcess,
+    child_config,
+    daemon_env,
+    free_port,
+    poll,
+    run_supervisor,
+    to_toml,
+)
 
 
 @pytest.fixture(scope="module")
@@ -112,3 +125,55 @@ def test_the_cli_subcommand(server: ServerThread) -> None:
     proc = run_supervisor("status", "--listen", str(server.tcp), "--json")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["ranks"][0]["pid"] == server.store.snapshot.processes[0].pid
+
+
+# -- exit codes against a real daemon ------------------------------------------------------
+
+
+def test_exit_code_says_ready_or_not_on_a_real_daemon(tmp_path: Path) -> None:
+    """A daemon whose engine's readiness probe has not passed: exit 4 (NOT READY);
+    once the probe passes and the workers run bound: exit 0. Same daemon, both states."""
+    script, out = write_child(tmp_path)
+    gate = tmp_path / "model-loaded"  # the engine's ready.file; the test creates it
+    doc = child_config(script, out, engine=True)
+    # "sleep": the engine never touches a file itself; the probe waits up to 10 minutes.
+    doc["engine"]["command"][-1] = "sleep"
+    doc["ready"] = {"file": str(gate), "timeout_s": 600}
+    config = tmp_path / "loading.toml"
+    config.write_text(to_toml(doc))
+    with DaemonProcess(config, tmp_path / "daemon.log", env=daemon_env()) as daemon:
+        listen = f"127.0.0.1:{daemon.port}"
+        # The engine is spawned and waits for its probe; the workers wait for the engine.
+        poll(lambda: (daemon.placement() or {}).get("engine", {}).get("pid"), 30)
+        loading = run_supervisor("status", "--listen", listen)
+        assert loading.returncode == EXIT_NOT_READY, loading.stdout + loading.stderr
+        assert "NOT READY" in loading.stdout.splitlines()[0]
+        assert "not ready: engine: starting" in loading.stdout
+        as_json = run_supervisor("status", "--listen", listen, "--json")
+        assert as_json.returncode == EXIT_NOT_READY, as_json.stderr
+        assert json.loads(as_json.stdout)["supervisor"]["ready"] is False
+
+        gate.touch()  # the model "finished loading": the probe passes, workers start
+        poll(lambda: daemon.get("/readyz") is not None, 60, what="GET /readyz answers 200")
+        ready = run_supervisor("status", "--listen", listen)
+        assert ready.returncode == 0, ready.stdout + ready.stderr
+        assert ready.stdout.splitlines()[0].endswith(", ready")
+        assert "not ready:" not in ready.stdout
+
+
+def test_exit_code_of_a_document_that_does_not_say() -> None:
+    assert status_exit_code({"supervisor": {"ready": True}}) == 0
+    assert status_exit_code({"supervisor": {"ready": False}}) == EXIT_NOT_READY
+    assert status_exit_code({"ranks": []}) == EXIT_NOT_READY  # readiness unknown is not 0
+
+
+def test_help_and_readme_list_every_exit_code() -> None:
+    proc = run_supervisor("status", "--help")
+    assert proc.returncode == 0, proc.stderr
+    listed = dict(re.findall(r"^  (\d+)  (.+)$", proc.stdout.split("exit codes:")[1], re.M))
+    assert set(listed) == {"0", "1", "2", str(EXIT_NOT_READY)}, proc.stdout
+    assert "not ready" in listed[str(EXIT_NOT_READY)]
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("### Exit codes")[1].split("\n## ")[0]
+    status_rows = re.findall(r"^\| `status`[^|]*\| (\d+) \|", section, re.M)
+    assert set(status_rows) == {"0", "1", "2", str(EXIT_NOT_READY)}, status_rows

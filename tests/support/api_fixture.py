@@ -233,6 +233,7 @@ def _populate(
         accelerator_kind="nvidia",
         config_path="/etc/placement-supervisor/config.toml",
         local_memory_threshold=0.9,
+        ready_timeout_s=900.0,  # a [ready] probe, as configs/engines/vllm.toml has
     )
 
 
