@@ -3,15 +3,19 @@
 `dump_tcp_listeners` asks the kernel of the caller's network namespace for
 its TCP sockets in state LISTEN only (what `ss -lt` does): the cost grows with
 the listeners, not with the TIME_WAIT and established sockets beside them.
-`build_dump_request` and `parse_sock_diag` are the pure halves (sock_diag(7)).
+`dump_tcp_listeners_in` does it from a short-lived thread that joins another
+namespace (setns(2)). `build_dump_request` and `parse_sock_diag` are the pure
+halves (sock_diag(7)).
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import socket
 import struct
+import threading
 from dataclasses import dataclass
 
 # include/uapi/linux/netlink.h, sock_diag.h, inet_diag.h; sock_diag(7).
@@ -22,6 +26,7 @@ NLMSG_DONE = 3
 NLM_F_REQUEST = 0x01
 NLM_F_DUMP = 0x100 | 0x200  # NLM_F_ROOT | NLM_F_MATCH
 TCP_LISTEN = 10  # include/net/tcp_states.h
+CLONE_NEWNET = 0x40000000  # include/uapi/linux/sched.h
 
 _NLMSGHDR = struct.Struct("=IHHII")  # len, type, flags, seq, pid (native: netlink is host order)
 # struct inet_diag_req_v2: family, protocol, ext, pad, states, then inet_diag_sockid.
@@ -147,3 +152,47 @@ def dump_tcp_listeners() -> list[DiagSocket]:
     """Every listening TCP socket (IPv4 and IPv6) of this thread's network namespace."""
     states = 1 << TCP_LISTEN
     return dump_tcp(socket.AF_INET, states) + dump_tcp(socket.AF_INET6, states)
+
+
+_libc: ctypes.CDLL | None = None
+
+
+def _setns(fd: int, nstype: int) -> None:
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    if _libc.setns(fd, nstype) == -1:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def dump_tcp_listeners_in(netns_path: str) -> list[DiagSocket]:
+    """`dump_tcp_listeners` in the network namespace at `netns_path` (a
+    process's ns/net link).
+
+    A netlink socket answers for the namespace it was created in, so a new
+    thread joins that namespace (setns(2) with CLONE_NEWNET changes the
+    calling thread only), opens the socket there and ends: no thread of the
+    daemon is left in a foreign namespace. Raises OSError: EPERM without
+    CAP_SYS_ADMIN, ENOENT once the process is gone, and `dump_tcp`'s errors.
+    """
+    found: list[DiagSocket] = []
+    failed: list[Exception] = []
+
+    def run() -> None:
+        try:
+            fd = os.open(netns_path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                _setns(fd, CLONE_NEWNET)
+            finally:
+                os.close(fd)
+            found.extend(dump_tcp_listeners())
+        except Exception as err:  # handed to the caller's thread
+            failed.append(err)
+
+    thread = threading.Thread(target=run, name="sock-diag-netns", daemon=True)
+    thread.start()
+    thread.join()
+    if failed:
+        raise failed[0]
+    return found

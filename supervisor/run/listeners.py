@@ -4,10 +4,11 @@ The readiness probe `ready.tcp` must not take another program's listener for
 the engine's: an engine that crash-loops on EADDRINUSE would look ready at
 once. `read_listeners` asks the kernel for the LISTEN sockets of the engine's
 network namespace only (NETLINK_SOCK_DIAG, `supervisor.bind.sock_diag`), or
-streams `/proc/<pid>/net/tcp{,6}` keeping the LISTEN rows (another namespace,
-a fixture tree); `tree_pids` walks the engine's descendants; `socket_inodes`
-reads their `/proc/<pid>/fd` links (`socket:[INODE]`, proc(5)). Reading
-another user's fd table needs CAP_SYS_PTRACE (kept in the unit's bounding set).
+streams `/proc/<pid>/net/tcp{,6}` keeping the LISTEN rows (a fixture tree, a
+namespace it cannot join); `tree_pids` walks the engine's descendants;
+`socket_inodes` reads their `/proc/<pid>/fd` links (`socket:[INODE]`, proc(5)).
+Reading another user's fd table needs CAP_SYS_PTRACE (kept in the unit's
+bounding set).
 """
 
 from __future__ import annotations
@@ -17,7 +18,11 @@ import socket
 import sys
 from dataclasses import dataclass
 
-from supervisor.bind.sock_diag import SockDiagUnavailable, dump_tcp_listeners
+from supervisor.bind.sock_diag import (
+    SockDiagUnavailable,
+    dump_tcp_listeners,
+    dump_tcp_listeners_in,
+)
 from supervisor.hostfs import HostFS
 from supervisor.run.tree import children_map, scan_procs
 
@@ -109,16 +114,25 @@ def stream_listeners(fs: HostFS, pid: int) -> list[Listener]:
 def read_listeners(fs: HostFS, pid: int) -> list[Listener]:
     """LISTEN sockets in `pid`'s network namespace ([] once it is gone).
 
-    In the supervisor's own namespace (the usual case) the kernel is asked for
-    the listeners alone over sock_diag, whatever the number of other sockets;
-    otherwise, or on a kernel without inet_diag, the /proc tables are streamed.
+    The kernel is asked for the listeners alone over sock_diag, whatever the
+    number of other sockets: in the supervisor's own namespace (the usual
+    case), or from a thread that joins the engine's. Where neither can be (a
+    fixture tree, no CAP_SYS_ADMIN, no inet_diag), the /proc tables are streamed.
     Raises OSError for a failure that is not the process being gone (EMFILE).
     """
     if same_netns(fs, pid):
         try:
             return [Listener(s.address, s.port, s.inode) for s in dump_tcp_listeners()]
         except SockDiagUnavailable:
-            pass
+            return stream_listeners(fs, pid)
+    if fs.is_live:
+        try:
+            found = dump_tcp_listeners_in(fs.path(f"proc/{pid}/ns/net"))
+        except OSError:
+            # No CAP_SYS_ADMIN for setns(2), a link we may not open (another
+            # user's process), no inet_diag: the table itself, streamed.
+            return stream_listeners(fs, pid)
+        return [Listener(s.address, s.port, s.inode) for s in found]
     return stream_listeners(fs, pid)
 
 

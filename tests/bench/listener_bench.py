@@ -6,7 +6,8 @@ holder processes keep N established TCP sockets open and a real child listens;
 every number is a median over repeated calls, measured in the same namespace:
 
 - new: `check_listener_owner` (listeners from sock_diag, then the engine
-  tree's fd links), and the sock_diag dump alone;
+  tree's fd links), the sock_diag dump alone, and the dump from a thread
+  that joins the engine's namespace (setns, for an engine in another one);
 - fallback: the LISTEN rows streamed from /proc/<pid>/net/tcp{,6} (another
   namespace, a fixture tree);
 - old: both whole tables read (without the 1 MiB cap that made it raise past
@@ -43,13 +44,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
     args = parser.parse_args(argv)
     repeat = 5 if args.quick else 21
-    print(f"{'sockets':>8} {'rows':>8} {'new ms':>8} {'dump ms':>8} {'stream ms':>10} "
-          f"{'old ms':>8} {'old/new':>8} {'old/stream':>10}")  # fmt: skip
+    print(f"{'sockets':>8} {'rows':>8} {'new ms':>8} {'dump ms':>8} {'setns ms':>8} "
+          f"{'stream ms':>10} {'old ms':>8} {'old/new':>8} {'old/stream':>10}")  # fmt: skip
     for sockets in (1_000, 100_000):
         r = measure(sockets, repeat)
         new, old, stream = r["netlink_s"], r["old_s"], r["stream_s"]
         print(
             f"{sockets:>8} {int(r['tcp_rows']):>8} {new * 1e3:>8.2f} {r['dump_s'] * 1e3:>8.3f} "
+            f"{r['dump_in_s'] * 1e3:>8.3f} "
             f"{stream * 1e3:>10.1f} {old * 1e3:>8.1f} {old / new:>7.0f}x {old / stream:>9.1f}x"
         )
     return 0

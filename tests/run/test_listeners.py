@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from supervisor.bind.sock_diag import dump_tcp_listeners, dump_tcp_listeners_in
 from supervisor.hostfs import HostFS, SpecialFileError
 from supervisor.run.listeners import (
     Listener,
@@ -114,7 +115,7 @@ def test_a_fixture_table_past_the_read_cap_is_streamed(tmp_path: Path) -> None:
 
 
 @needs_unshare
-def test_an_engine_in_another_network_namespace_is_checked_from_its_own_table() -> None:
+def test_an_engine_in_another_network_namespace_is_checked_in_its_namespace() -> None:
     port = free_port()
     # unshare(1) execs python in place: the pid is the listener's, its namespace new.
     engine = subprocess.Popen(
@@ -123,19 +124,56 @@ def test_an_engine_in_another_network_namespace_is_checked_from_its_own_table() 
         stdout=subprocess.PIPE,
         text=True,
     )
+    check = (
+        "import sys; from supervisor.hostfs import HostFS;"
+        "from supervisor.bind.sock_diag import dump_tcp_listeners_in;"
+        "from supervisor.run.listeners import check_listener_owner;"
+        "pid, port = int(sys.argv[1]), int(sys.argv[2])\n"
+        "try: dump_tcp_listeners_in(f'/proc/{pid}/ns/net')\n"
+        "except OSError as err: print(type(err).__name__)\n"
+        "print(check_listener_owner(HostFS('/'), pid, '127.0.0.1', port))"
+    )
     try:
         assert engine.stdout is not None
         assert engine.stdout.readline().strip() == "listening"
         assert not same_netns(FS, engine.pid)
-        # Its listener is not in our namespace's sock_diag dump, but is in its table.
-        assert Listener("127.0.0.1", port, _inode_of_listener(engine.pid)) in read_listeners(
-            FS, engine.pid
-        )
+        listener = Listener("127.0.0.1", port, _inode_of_listener(engine.pid))
+        # Not in our namespace's dump; in the dump of a thread that joined its
+        # namespace, and in its own table (the fallback) alike.
+        assert all(s.inode != listener.inode for s in dump_tcp_listeners())
+        joined = dump_tcp_listeners_in(FS.path(f"proc/{engine.pid}/ns/net"))
+        assert [(s.address, s.port, s.inode) for s in joined] == [
+            (listener.address, listener.port, listener.inode)
+        ]
+        assert read_listeners(FS, engine.pid) == [listener] == stream_listeners(FS, engine.pid)
         assert check_listener_owner(FS, engine.pid, "127.0.0.1", port) is None
+        # Without CAP_SYS_ADMIN setns(2) is refused (EPERM): the table is streamed.
+        denied = subprocess.run(
+            [
+                *("setpriv", "--bounding-set=-sys_admin", "--inh-caps=-sys_admin"),
+                *(sys.executable, "-c", check, str(engine.pid), str(port)),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        assert denied.stdout.split() == ["PermissionError", "None"], denied.stderr
     finally:
         with contextlib.suppress(ProcessLookupError):
             engine.kill()
         engine.wait()
+
+
+def test_joining_a_namespace_that_is_gone_raises_and_leaves_this_thread_where_it_was(
+    tmp_path: Path,
+) -> None:
+    before = FS.readlink("proc/thread-self/ns/net")
+    with pytest.raises(FileNotFoundError):
+        dump_tcp_listeners_in(str(tmp_path / "no-such-ns"))
+    with pytest.raises(OSError, match="Invalid argument"):  # a directory is no namespace
+        dump_tcp_listeners_in(str(tmp_path))
+    assert FS.readlink("proc/thread-self/ns/net") == before
 
 
 def _inode_of_listener(pid: int) -> int:

@@ -17,7 +17,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from supervisor.bind.sock_diag import dump_tcp_listeners
+from supervisor.bind.sock_diag import dump_tcp_listeners, dump_tcp_listeners_in
 from supervisor.hostfs import HostFS, SpecialFileError
 from supervisor.run.listeners import (
     check_listener_owner,
@@ -158,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
             check = lambda: check_listener_owner(FS, child.pid, "127.0.0.1", port)  # noqa: E731
             out["netlink_s"] = median_s(check, args.repeat)
             out["dump_s"] = median_s(dump_tcp_listeners, args.repeat)
+            netns = FS.path(f"proc/{child.pid}/ns/net")
+            out["dump_in_s"] = median_s(lambda: dump_tcp_listeners_in(netns), args.repeat)
             out["stream_s"] = median_s(lambda: stream_listeners(FS, child.pid), args.repeat)
             assert old_check(child.pid, "127.0.0.1", port)
             out["old_s"] = median_s(lambda: old_check(child.pid, "127.0.0.1", port), args.repeat)
