@@ -205,6 +205,33 @@ class HostFS:
             raise translate_oserror(what, err) from None
         return _chunks(fd, what)
 
+    def iter_lines(self, rel: str) -> Iterator[str]:
+        """The lines of a file, read a chunk at a time with no cap, each without its newline.
+
+        For the procfs tables that grow with the host's sockets (/proc/<pid>/net/tcp
+        holds every socket of the namespace, TIME_WAIT too: 150 bytes each) and
+        whose caller keeps only a few rows. Only a regular file is read, as in
+        `read_text`; raises OSError as the kernel returned it.
+        """
+        path = self.path(rel)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise SpecialFileError(f"{path}: {_kind(st.st_mode)}, not a regular file", path)
+            if self.log is not None:
+                self.log.files.add(rel)
+            rest = b""
+            while chunk := os.read(fd, _CHUNK):
+                lines = (rest + chunk).split(b"\n")
+                rest = lines.pop()
+                for line in lines:
+                    yield line.decode("utf-8", errors="replace")
+            if rest:
+                yield rest.decode("utf-8", errors="replace")
+        finally:
+            os.close(fd)
+
     def read_optional(self, rel: str) -> str | None:
         """The whole file, or None when it does not exist or cannot be read."""
         try:

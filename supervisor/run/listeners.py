@@ -1,12 +1,14 @@
-"""Who holds a listening TCP port: the engine's process tree, or someone else (reads /proc).
+"""Who holds a listening TCP port: the engine's tree, or someone else (reads /proc, netlink).
 
 The readiness probe `ready.tcp` must not take another program's listener for
 the engine's: an engine that crash-loops on EADDRINUSE would look ready at
-once. `parse_listeners` reads `/proc/<pid>/net/tcp{,6}` (the engine's own
-network namespace) for LISTEN sockets; `tree_pids` walks the engine's
-descendants; `socket_inodes` reads their `/proc/<pid>/fd` links
-(`socket:[INODE]`, proc(5)). Reading another user's fd table needs
-CAP_SYS_PTRACE (kept in the unit's bounding set).
+once. `read_listeners` asks the kernel for the LISTEN sockets of the engine's
+network namespace only (NETLINK_SOCK_DIAG, `supervisor.bind.sock_diag`), or
+streams `/proc/<pid>/net/tcp{,6}` keeping the LISTEN rows (a fixture tree, a
+namespace it cannot join); `tree_pids` walks the engine's descendants;
+`socket_inodes` reads their `/proc/<pid>/fd` links (`socket:[INODE]`, proc(5)).
+Reading another user's fd table needs CAP_SYS_PTRACE (kept in the unit's
+bounding set).
 """
 
 from __future__ import annotations
@@ -16,6 +18,11 @@ import socket
 import sys
 from dataclasses import dataclass
 
+from supervisor.bind.sock_diag import (
+    SockDiagUnavailable,
+    dump_tcp_listeners,
+    dump_tcp_listeners_in,
+)
 from supervisor.hostfs import HostFS
 from supervisor.trees.tree import children_map, scan_procs
 
@@ -38,19 +45,22 @@ def _address(hex_text: str) -> str:
     return socket.inet_ntop(family, raw)
 
 
+def parse_listener_line(line: str) -> Listener | None:
+    """The socket of one /proc/net/tcp{,6} row when it is in state LISTEN (pure)."""
+    fields = line.split()
+    if len(fields) < 10 or fields[3] != TCP_LISTEN:
+        return None
+    addr, _, port = fields[1].partition(":")
+    try:
+        return Listener(_address(addr), int(port, 16), int(fields[9]))
+    except ValueError:
+        return None
+
+
 def parse_listeners(text: str) -> list[Listener]:
     """The LISTEN sockets of a /proc/net/tcp or tcp6 table (pure)."""
-    out: list[Listener] = []
-    for line in text.splitlines()[1:]:
-        fields = line.split()
-        if len(fields) < 10 or fields[3] != TCP_LISTEN:
-            continue
-        addr, _, port = fields[1].partition(":")
-        try:
-            out.append(Listener(_address(addr), int(port, 16), int(fields[9])))
-        except ValueError:
-            continue
-    return out
+    rows = (parse_listener_line(line) for line in text.splitlines()[1:])
+    return [row for row in rows if row is not None]
 
 
 def serves(listener: Listener, host: str, port: int) -> bool:
@@ -73,14 +83,57 @@ def serves(listener: Listener, host: str, port: int) -> bool:
     return bound == target
 
 
-def read_listeners(fs: HostFS, pid: int) -> list[Listener]:
-    """LISTEN sockets in `pid`'s network namespace ([] once it is gone)."""
+def same_netns(fs: HostFS, pid: int) -> bool:
+    """Is `pid` in this thread's network namespace? (False on a fixture tree, or
+    when the link cannot be read: another user's process without CAP_SYS_PTRACE.)"""
+    if not fs.is_live:
+        return False
+    theirs = fs.readlink(f"proc/{pid}/ns/net")  # "net:[4026531840]", namespaces(7)
+    return theirs is not None and theirs == fs.readlink("proc/thread-self/ns/net")
+
+
+def stream_listeners(fs: HostFS, pid: int) -> list[Listener]:
+    """LISTEN rows of `/proc/<pid>/net/tcp{,6}`, read line by line with no cap.
+
+    The tables list every socket of the namespace (TIME_WAIT too), so they
+    outgrow any read cap on a busy host; only the few LISTEN rows are kept.
+    A table that is gone (the process exited) reads as no rows.
+    """
     out: list[Listener] = []
     for table in ("tcp", "tcp6"):
-        text = fs.read_optional(f"proc/{pid}/net/{table}")
-        if text is not None:
-            out.extend(parse_listeners(text))
+        try:
+            for line in fs.iter_lines(f"proc/{pid}/net/{table}"):
+                # Cheap pre-filter: the state column follows the remote address.
+                if f" {TCP_LISTEN} " in line and (row := parse_listener_line(line)) is not None:
+                    out.append(row)
+        except (FileNotFoundError, ProcessLookupError):
+            continue
     return out
+
+
+def read_listeners(fs: HostFS, pid: int) -> list[Listener]:
+    """LISTEN sockets in `pid`'s network namespace ([] once it is gone).
+
+    The kernel is asked for the listeners alone over sock_diag, whatever the
+    number of other sockets: in the supervisor's own namespace (the usual
+    case), or from a thread that joins the engine's. Where neither can be (a
+    fixture tree, no CAP_SYS_ADMIN, no inet_diag), the /proc tables are streamed.
+    Raises OSError for a failure that is not the process being gone (EMFILE).
+    """
+    if same_netns(fs, pid):
+        try:
+            return [Listener(s.address, s.port, s.inode) for s in dump_tcp_listeners()]
+        except SockDiagUnavailable:
+            return stream_listeners(fs, pid)
+    if fs.is_live:
+        try:
+            found = dump_tcp_listeners_in(fs.path(f"proc/{pid}/ns/net"))
+        except OSError:
+            # No CAP_SYS_ADMIN for setns(2), a link we may not open (another
+            # user's process), no inet_diag: the table itself, streamed.
+            return stream_listeners(fs, pid)
+        return [Listener(s.address, s.port, s.inode) for s in found]
+    return stream_listeners(fs, pid)
 
 
 def tree_pids(fs: HostFS, root: int) -> list[int]:

@@ -5,12 +5,15 @@ the deadline passes, or the engine exits; workers start only after it passes.
 Given the engine's pid, a `tcp` probe passes only when the listener belongs
 to the engine's process tree (`supervisor.run.listeners`), and `progress` is
 called every PROGRESS_INTERVAL_S with the time waited and the last failure.
+A check that raises (EMFILE, a /proc read that fails) is "not ready yet",
+retried until the timeout like any other failure, and logged once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -20,7 +23,10 @@ import aiohttp
 
 from supervisor.config import ReadyProbe
 from supervisor.hostfs import HostFS
+from supervisor.logs import LOGGER_NAME, format_fields
 from supervisor.run.listeners import check_listener_owner
+
+log = logging.getLogger(f"{LOGGER_NAME}.probe")
 
 POLL_INTERVAL_S = 0.2
 ATTEMPT_TIMEOUT_S = 2.0
@@ -104,30 +110,50 @@ async def wait_ready(
     owner: tuple[HostFS, int] | None = None,
     progress: Progress | None = None,
     progress_interval_s: float = PROGRESS_INTERVAL_S,
+    label: str = "engine",
 ) -> ProbeResult:
     """Poll `probe` until it passes, `probe.timeout_s` passes, or `alive()` is False.
 
     `owner`: (HostFS, the engine's pid) for the tcp probe's ownership check.
+    An exception from a check is a failed attempt, never the end of the wait:
+    a transient error (EMFILE, a racing /proc read) must not fail an engine
+    that is loading fine. The first one is logged (`label` names the rank).
     """
     started = time.monotonic()
     deadline = started + probe.timeout_s
     next_progress = started + progress_interval_s
     detail = "not checked"
+    logged_error = False
     session: aiohttp.ClientSession | None = None
     try:
         while True:
             if not alive():
                 return ProbeResult(False, "process exited", time.monotonic() - started)
             attempt_s = max(0.05, min(ATTEMPT_TIMEOUT_S, deadline - time.monotonic()))
-            if probe.tcp is not None:
-                failure = await check_tcp(probe.tcp, attempt_s, owner)
-            elif probe.http is not None:
-                if session is None:
-                    session = aiohttp.ClientSession()
-                failure = await check_http(session, probe.http, attempt_s)
-            else:
-                assert probe.file is not None
-                failure = await check_file(probe.file)
+            try:
+                if probe.tcp is not None:
+                    failure = await check_tcp(probe.tcp, attempt_s, owner)
+                elif probe.http is not None:
+                    if session is None:
+                        session = aiohttp.ClientSession()
+                    failure = await check_http(session, probe.http, attempt_s)
+                else:
+                    assert probe.file is not None
+                    failure = await check_file(probe.file)
+            except Exception as err:  # any error is "not ready yet"
+                failure = f"probe error: {type(err).__name__}: {err}"
+                if not logged_error:
+                    logged_error = True
+                    log.warning(
+                        "ready probe error %s",
+                        format_fields(
+                            rank=label,
+                            probe=describe_probe(probe),
+                            error=f"{type(err).__name__}: {err}",
+                            timeout_s=f"{probe.timeout_s:g}",
+                            action="retry until timeout",
+                        ),
+                    )
             now = time.monotonic()
             if failure is None:
                 return ProbeResult(True, describe_probe(probe), now - started)

@@ -395,6 +395,7 @@ class Runner:
                 # The listener must be the engine's own (not a leftover's).
                 owner=(self.rt.fs, child.pid) if self.rt.fs.is_live else None,
                 progress=progress,
+                label=self.label,
             )
         )
         try:

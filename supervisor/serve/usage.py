@@ -43,6 +43,7 @@ async def self_usage_loop(
     while True:
         try:
             store.update(self_usage=read_self_usage(process))
-        except psutil.Error as err:  # a self-metric must never take the daemon down
+        except (psutil.Error, OSError) as err:  # a self-metric must never take the daemon down
+            # psutil passes EMFILE/ENFILE through as a bare OSError (its open() of /proc/self/stat).
             log.warning("self usage read failed error=%r action=skip", err)
         await asyncio.sleep(interval_s)

@@ -9,8 +9,11 @@ engine's own process tree (/proc/<pid>/net/tcp and fd links, read for real).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -23,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from supervisor.config import ReadyProbe
 from supervisor.hostfs import HostFS
 from supervisor.run.listeners import (
     Listener,
@@ -31,6 +35,7 @@ from supervisor.run.listeners import (
     serves,
     tree_pids,
 )
+from supervisor.run.probe import wait_ready
 from tests.support.daemon_support import (
     DaemonProcess,
     daemon_env,
@@ -307,3 +312,63 @@ def test_without_cap_sys_ptrace_the_owner_check_says_why() -> None:
     finally:
         engine.kill()
         engine.wait()
+
+
+# -- a probe that errors is "not ready yet" ----------------------------------------------
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to lower another process's RLIMIT_NOFILE")
+def test_a_probe_that_errors_for_a_while_is_retried_until_it_passes(tmp_path: Path) -> None:
+    # A real transient error: the daemon's RLIMIT_NOFILE lowered from outside
+    # (prlimit(2)) to 3, so the ownership check's netlink socket() fails with
+    # EMFILE on every attempt; raised back, the same probe passes.
+    port = free_port()
+    go = tmp_path / "go"
+    config = engine_config(tmp_path, LOADING_ENGINE, str(port), str(go), timeout_s=120)
+    log_path = tmp_path / "stderr.log"
+    with DaemonProcess(config, log_path) as d:
+        doc = poll(d.placement, what="the API")
+        poll(lambda: (d.placement() or {}).get("engine", {}).get("pid"), what="engine pid")
+        limits = resource.prlimit(d.pid, resource.RLIMIT_NOFILE)
+        resource.prlimit(d.pid, resource.RLIMIT_NOFILE, (3, limits[1]))
+        try:
+            go.touch()  # the engine listens: only the probe's own error stands in the way
+            poll(lambda: "ready probe error rank=engine" in d.tail(100_000), what="error logged")
+            # Still waiting, past a progress report whose last failure is the error.
+            poll(
+                lambda: 'last="probe error: OSError: [Errno 24]' in d.tail(100_000),
+                timeout_s=30,
+                what="a retry after the error",
+            )
+            assert d.proc.poll() is None
+        finally:
+            resource.prlimit(d.pid, resource.RLIMIT_NOFILE, limits)
+        doc = poll(d.running, timeout_s=30, what="engine and worker running")
+        assert doc["engine"]["state"] == "running"
+        assert d.events("ready") and not d.events("ready_failed")
+        assert d.stop(timeout_s=30) == 0
+    log = log_path.read_text()
+    assert log.count("ready probe error") == 1, log  # one line, however many attempts
+    assert 'error="OSError: [Errno 24] Too many open files"' in log
+    assert 'action="retry until timeout"' in log
+    assert "INFO ready rank=engine" in log
+    assert "supervision error" not in log and "ready probe failed" not in log
+
+
+def test_a_probe_that_always_errors_times_out_with_the_error_instead_of_raising(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A fixture tree whose /proc/<pid>/net/tcp is a directory: every ownership
+    # check raises (SpecialFileError); the wait ends at its timeout, not at once.
+    (tmp_path / "proc" / "100" / "net" / "tcp").mkdir(parents=True)
+    probe = ReadyProbe(tcp="127.0.0.1:9", timeout_s=0.6)
+    with caplog.at_level(logging.WARNING):
+        result = asyncio.run(
+            wait_ready(probe, lambda: True, 0.05, owner=(HostFS(str(tmp_path)), 100))
+        )
+    assert not result.ready
+    assert result.waited_s >= 0.6
+    assert result.detail.startswith("timed out: probe error: SpecialFileError: ")
+    assert "not a regular file" in result.detail
+    errors = [r.getMessage() for r in caplog.records if "ready probe error" in r.getMessage()]
+    assert len(errors) == 1 and "rank=engine" in errors[0], errors
