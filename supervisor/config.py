@@ -26,6 +26,7 @@ from supervisor.errors import ConfigError
 from supervisor.hostfs import SpecialFileError, read_regular_file_stat
 from supervisor.plan.placement import PlanSettings, Shortage, StrategySetting
 from supervisor.serve.listen import parse_listen
+from supervisor.topology.accelerators import AUTO, PCI, SETTINGS, AcceleratorSetting
 from supervisor.topology.model import DiscoveryOptions
 from supervisor.topology.pci import normalize_bdf
 from supervisor.topology.visibility import visibility_env
@@ -33,7 +34,6 @@ from supervisor.trees.rank_source import parse_rank_source
 
 RestartPolicy = Literal["always", "on-failure", "never"]
 DriftPolicy = Literal["observe", "enforce"]
-AcceleratorSetting = Literal["auto", "nvidia", "amd", "ascend", "pci", "cpu"]
 DEFAULT_LISTEN = "127.0.0.1:9477"
 MAX_CPU_RANKS = 1024  # stand-in ranks on a host without accelerators; more is a typo
 MIN_CHECK_INTERVAL_S = 0.05  # below this the check loop would only measure itself
@@ -131,7 +131,7 @@ class Config:
     path: str | None
     engine: ProcessConfig | None
     workers: ProcessConfig
-    accelerator: AcceleratorSetting = "auto"
+    accelerator: AcceleratorSetting = AUTO
     devices: tuple[str, ...] = ()  # PCI addresses treated as accelerators, any vendor
     cpu_ranks: int = 1  # at least this many ranks on a host without accelerators
     visible_devices_env: str | None = None  # None: by accelerator kind
@@ -522,9 +522,7 @@ def parse_config(doc: Mapping[str, Any], file: str = "<config>") -> Config:
     if not top.has("workers"):
         raise top.fail("workers", "is required (the worker command template)")
     workers = _process(top, "workers", template=True)
-    accelerator: AcceleratorSetting = top.choice(
-        "accelerator", "auto", ("auto", "nvidia", "amd", "ascend", "pci", "cpu")
-    )
+    accelerator: AcceleratorSetting = top.choice("accelerator", AUTO, SETTINGS)
     devices = top.str_list("devices")
     normalized = []
     for i, text in enumerate(devices):
@@ -535,8 +533,8 @@ def parse_config(doc: Mapping[str, Any], file: str = "<config>") -> Config:
             )
         normalized.append(bdf)
     devices = tuple(normalized)
-    if accelerator == "pci" and not devices:
-        raise top.fail("devices", 'accelerator = "pci" needs at least one PCI address here')
+    if accelerator == PCI.name and not devices:
+        raise top.fail("devices", f'accelerator = "{PCI.name}" needs at least one PCI address here')
     restart_t = top.table("restart")
     r = RestartConfig()
     restart = RestartConfig(

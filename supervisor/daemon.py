@@ -50,6 +50,7 @@ from supervisor.service.cgroups import ManagedCgroups, cgroups_for, instance_suf
 from supervisor.service.instance_lock import hold_instance_lock
 from supervisor.service.sdnotify import Notifier, watchdog_interval_s
 from supervisor.state import ProcessStatus, ProcKey, Snapshot, StateStore, key_label
+from supervisor.topology.accelerators import CPU
 from supervisor.topology.discover import read_topology, reread_cpus
 from supervisor.topology.model import Topology
 from supervisor.trees.adopt import Adopter, AdoptRunner
@@ -124,7 +125,7 @@ class Daemon:
         self.trees: TreeKeeper | None = None
         self.adopt_executor: ThreadPoolExecutor | None = None  # binds of adoptions
         self.server: Server | None = None
-        kind = placement.ranks[0].device.kind if placement.ranks else "cpu"
+        kind = placement.ranks[0].device.kind if placement.ranks else CPU.name
         # Who engines and workers run as, looked up once: a typo is exit 2.
         self.accounts = users.resolve_accounts(config)
         specs = self.specs_for(placement, sys.executable)

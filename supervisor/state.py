@@ -16,6 +16,7 @@ from types import MappingProxyType
 from typing import Any, Literal, get_args
 
 from supervisor.plan.placement import Placement
+from supervisor.topology.accelerators import CPU
 from supervisor.topology.model import Topology
 
 ProcKey = int | Literal["engine"]
@@ -215,7 +216,7 @@ class Snapshot:
     events: tuple[Event, ...] = ()
     started_at: float = 0.0
     stopping: bool = False
-    accelerator_kind: str = "cpu"
+    accelerator_kind: str = CPU.name
     config_path: str | None = None
     # drift.local_memory_threshold, exported for the alert that compares the
     # ratio with it; None where no config made the snapshot (tests).

@@ -28,6 +28,7 @@ from supervisor.plan.placement import (
     Slot,
     Strategy,
 )
+from supervisor.topology.accelerators import CPU, VISIBILITY_VARIABLES, or_list
 from supervisor.topology.model import Device, Node, Topology, device_order, rank_order
 
 Core = tuple[int, ...]
@@ -267,8 +268,7 @@ def _no_visible_message(devices: Sequence[Device]) -> str:
     found = ", ".join(d.label for d in devices)
     return (
         f"no visible accelerator: found {found}, all hidden by the visibility variable "
-        "(CUDA_VISIBLE_DEVICES, ASCEND_RT_VISIBLE_DEVICES, HIP_VISIBLE_DEVICES or "
-        "ROCR_VISIBLE_DEVICES)"
+        f"({or_list(VISIBILITY_VARIABLES)})"
     )
 
 
@@ -287,7 +287,7 @@ def _shortage_mode(settings: PlanSettings, visible: Sequence[Device]) -> Shortag
         return settings.on_shortage
     # A host without accelerators is the demo or a CI box: a shared plan with
     # warnings beats refusing to start.
-    return "share" if all(d.kind == "cpu" for d in visible) else "error"
+    return "share" if all(d.kind == CPU.name for d in visible) else "error"
 
 
 def _device_strategies(
