@@ -24,6 +24,7 @@ from typing import Any, Literal, TypeVar
 
 from supervisor.errors import ConfigError
 from supervisor.hostfs import SpecialFileError, read_regular_file_stat
+from supervisor.plan.keys import ThreadRole
 from supervisor.plan.placement import PlanSettings, Shortage, StrategySetting
 from supervisor.serve.listen import parse_listen
 from supervisor.topology.accelerators import AUTO, PCI, SETTINGS, AcceleratorSetting
@@ -65,18 +66,6 @@ class ProcessConfig:
     # them (DESIGN 3.6); `command` is then empty and `rank_from` names them.
     spawned_by: Literal["engine"] | None = None
     rank_from: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class ThreadRole:
-    """Threads of `process` whose OS name (comm) matches `pattern` get `role`'s CPUs."""
-
-    role: str
-    process: Literal["engine", "workers"]
-    pattern: str  # fnmatch glob over /proc/<pid>/task/<tid>/comm (15 chars)
-    # Module-name prefixes: a ThreadPoolExecutor created in one of them is
-    # renamed `<role>-N`, sized and bound by the start-up hook (supervisor.hook).
-    executors: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,6 +38,7 @@ from supervisor.errors import ConfigError, SupervisorError
 from supervisor.events import Recorder
 from supervisor.hostfs import HostFS
 from supervisor.logs import format_fields, setup_logging
+from supervisor.plan.keys import ProcKey, key_label
 from supervisor.plan.placement import Placement
 from supervisor.plan.planner import plan
 from supervisor.plan.render import render_plan_table
@@ -49,7 +50,7 @@ from supervisor.serve.server import ApiServer
 from supervisor.service.cgroups import ManagedCgroups, cgroups_for, instance_suffix, remove_cgroups
 from supervisor.service.instance_lock import hold_instance_lock
 from supervisor.service.sdnotify import Notifier, watchdog_interval_s
-from supervisor.state import ProcessStatus, ProcKey, Snapshot, StateStore, key_label
+from supervisor.state import ProcessStatus, Snapshot, StateStore
 from supervisor.topology.accelerators import CPU
 from supervisor.topology.discover import read_topology, reread_cpus
 from supervisor.topology.model import Topology

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any
 
+from supervisor.plan.keys import ProcKey
 from supervisor.plan.placement import (
     DeviceRef,
     IrqAssignment,
@@ -22,7 +23,6 @@ from supervisor.plan.placement import (
     PlanSettings,
     RankPlacement,
 )
-from supervisor.state import ProcKey
 from supervisor.topology.accelerators import CPU
 from supervisor.topology.model import Device, Nic, Topology
 

@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 
 from supervisor.config import Config, ProcessConfig
 from supervisor.hook import hook_env, hook_roles
+from supervisor.plan.keys import ProcKey
 from supervisor.plan.placement import Placement, RankPlacement, Slot
 from supervisor.service.sdnotify import NOTIFY_VARS
-from supervisor.state import ProcKey
 from supervisor.topology.accelerators import BY_NAME, DeviceKind
 from supervisor.worker import SLOT_ENV, slot_env_value
 

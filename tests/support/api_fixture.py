@@ -29,6 +29,7 @@ from types import MappingProxyType
 from typing import Any, TypeVar
 
 from supervisor.config import ApiConfig
+from supervisor.plan.keys import ProcKey
 from supervisor.plan.placement import DeviceRef, Placement, PlanSettings, RankPlacement, Slot
 from supervisor.plan.planner import plan
 from supervisor.serve.listen import Listen, parse_listen
@@ -39,7 +40,6 @@ from supervisor.state import (
     IrqObservation,
     Observation,
     ProcessStatus,
-    ProcKey,
     Snapshot,
     StateStore,
     ThreadObservation,
