@@ -26,12 +26,12 @@ from supervisor.errors import ConfigError
 from supervisor.hostfs import SpecialFileError, read_regular_file_stat
 from supervisor.plan.keys import ThreadRole
 from supervisor.plan.placement import PlanSettings, Shortage, StrategySetting
-from supervisor.serve.listen import parse_listen
+from supervisor.serve.listen import Listen, parse_listen
 from supervisor.topology.accelerators import AUTO, PCI, SETTINGS, AcceleratorSetting
 from supervisor.topology.model import DiscoveryOptions
 from supervisor.topology.pci import normalize_bdf
 from supervisor.topology.visibility import visibility_env
-from supervisor.trees.rank_source import parse_rank_source
+from supervisor.trees.rank_source import RankSource, parse_rank_source
 
 RestartPolicy = Literal["always", "on-failure", "never"]
 DriftPolicy = Literal["observe", "enforce"]
@@ -65,7 +65,7 @@ class ProcessConfig:
     # [workers] only: the engine spawns the workers and the supervisor adopts
     # them (DESIGN 3.6); `command` is then empty and `rank_from` names them.
     spawned_by: Literal["engine"] | None = None
-    rank_from: tuple[str, ...] = ()
+    rank_from: tuple[RankSource, ...] = ()  # parsed; str() gives the config's text back
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +110,8 @@ class DriftConfig:
 
 @dataclass(frozen=True, slots=True)
 class ApiConfig:
-    listen: str = DEFAULT_LISTEN  # "HOST:PORT" or "unix:/path"
+    # "HOST:PORT" or "unix:/path", parsed at load time (the server binds it as is)
+    listen: Listen = field(default_factory=lambda: parse_listen(DEFAULT_LISTEN))
     unix_socket: str | None = None  # an extra socket (mode 0600): changing calls need no token
     token_file: str | None = None
 
@@ -347,17 +348,18 @@ def _adopted_workers(t: _Table) -> ProcessConfig:
         raise t.fail(
             "rank_from", 'is required with spawned_by = "engine" (e.g. ["env:LOCAL_RANK"])'
         )
-    sources = t.str_list("rank_from")
-    if not sources:
+    texts = t.str_list("rank_from")
+    if not texts:
         raise t.fail("rank_from", "must name at least one source")
-    for i, text in enumerate(sources):
+    sources: list[RankSource] = []
+    for i, text in enumerate(texts):
         try:
-            parse_rank_source(text)
+            sources.append(parse_rank_source(text))
         except ValueError as err:
             raise t.fail("rank_from", f"item {i}: {err}") from None
     env = t.str_map("env")
     t.done()
-    return ProcessConfig((), env, "engine", sources)
+    return ProcessConfig((), env, "engine", tuple(sources))
 
 
 def _ready(t: _Table) -> ReadyProbe | None:
@@ -554,8 +556,7 @@ def parse_config(doc: Mapping[str, Any], file: str = "<config>") -> Config:
     )
     irq_t.done()
     api_t = top.table("api")
-    listen = api_t.text("listen", DEFAULT_LISTEN)
-    check_listen(f"{file}: api.listen", listen)
+    listen = parse_listen(api_t.text("listen", DEFAULT_LISTEN), f"{file}: api.listen")
     api = ApiConfig(listen, api_t.text("unix_socket", None), api_t.text("token_file", None))
     api_t.done()
     cfg = Config(

@@ -57,7 +57,6 @@ from supervisor.topology.model import Topology
 from supervisor.trees.adopt import Adopter, AdoptRunner
 from supervisor.trees.guardian import Guardian
 from supervisor.trees.keeper import TreeKeeper
-from supervisor.trees.rank_source import parse_rank_source
 from supervisor.watch.cpuset import Replanner
 from supervisor.watch.irqs import IrqKeeper
 from supervisor.watch.loop import CheckLoop
@@ -307,9 +306,7 @@ class Daemon:
             else:
                 adopters[spec.key] = AdoptRunner(self.rt, spec, nodes, self.adopt_executor)
                 runners.append(adopters[spec.key])
-        adopter = Adopter(
-            self.rt, adopters, [parse_rank_source(s) for s in workers.rank_from], self.placement
-        )
+        adopter = Adopter(self.rt, adopters, workers.rank_from, self.placement)
         return runners, adopter
 
     def _cgroup_dir(self, key: ProcKey) -> str | None:

@@ -13,6 +13,7 @@ import pytest
 from supervisor.config import ApiConfig
 from supervisor.cpulist import format_cpulist
 from supervisor.serve.documents import placement_doc
+from supervisor.serve.listen import parse_listen
 from supervisor.serve.status import render_status, status_command
 from supervisor.state import Finding
 from tests.support.api_fixture import ServerThread, realistic_snapshot
@@ -22,7 +23,7 @@ from tests.support.daemon_support import free_port, run_supervisor
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
     sock = tmp_path_factory.mktemp("status") / "api.sock"
-    config = ApiConfig(listen="127.0.0.1:0", unix_socket=str(sock))
+    config = ApiConfig(listen=parse_listen("127.0.0.1:0"), unix_socket=str(sock))
     with ServerThread(realistic_snapshot(), config) as srv:
         yield srv
 

@@ -276,7 +276,9 @@ async def _serve(listen: str, interval_s: float) -> None:
     snap = realistic_snapshot()
     store = StateStore(snap)
     store.emit("spawn", 0, "spawned rank 0", pid=snap.processes[0].pid)
-    server = ApiServer(store, RecordingActions(("engine", 0, 1, 2, 3)), ApiConfig(listen=listen))
+    server = ApiServer(
+        store, RecordingActions(("engine", 0, 1, 2, 3)), ApiConfig(listen=parse_listen(listen))
+    )
     await server.start()
     print(json.dumps({"addresses": list(server.addresses)}), flush=True)
     stop = asyncio.Event()
