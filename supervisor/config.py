@@ -3,41 +3,44 @@
 Every key is validated at load time; an unknown key or a bad value is one
 `ConfigError` that names the file and the key path ("restart.backoff_max_s").
 No environment is read here: visibility variables are resolved by the caller.
-Over 500 lines because it is the schema: each table's dataclass sits with its
-validator, so a key's type, default and check read in one place.
+The typed getters are in supervisor.config_table, the sections that build
+no dataclass here (commands, accounts, placement, threads) in
+supervisor.config_sections.
 """
 
 from __future__ import annotations
 
-import difflib
-import math
 import os
-import re
-import shlex
 import stat
-import string
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from fnmatch import fnmatchcase
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
+from supervisor.config_sections import (
+    check_exec_strings,
+    check_template,
+    load_account,
+    load_placement,
+    load_threads,
+)
+from supervisor.config_table import Table
 from supervisor.errors import ConfigError
 from supervisor.hostfs import SpecialFileError, read_regular_file_stat
-from supervisor.plan.placement import PlanSettings, Shortage, StrategySetting
-from supervisor.serve.listen import parse_listen
+from supervisor.plan.keys import ThreadRole
+from supervisor.plan.placement import PlanSettings
+from supervisor.serve.listen import Listen, parse_listen
+from supervisor.topology.accelerators import AUTO, PCI, SETTINGS, AcceleratorSetting
 from supervisor.topology.model import DiscoveryOptions
 from supervisor.topology.pci import normalize_bdf
 from supervisor.topology.visibility import visibility_env
-from supervisor.trees.rank_source import parse_rank_source
+from supervisor.trees.rank_source import RankSource, parse_rank_source
 
 RestartPolicy = Literal["always", "on-failure", "never"]
 DriftPolicy = Literal["observe", "enforce"]
-AcceleratorSetting = Literal["auto", "nvidia", "amd", "ascend", "pci", "cpu"]
 DEFAULT_LISTEN = "127.0.0.1:9477"
 MAX_CPU_RANKS = 1024  # stand-in ranks on a host without accelerators; more is a typo
 MIN_CHECK_INTERVAL_S = 0.05  # below this the check loop would only measure itself
-COMMAND_FIELDS = ("rank", "local_rank", "device_index", "bus_id", "world_size")
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,19 +67,7 @@ class ProcessConfig:
     # [workers] only: the engine spawns the workers and the supervisor adopts
     # them (DESIGN 3.6); `command` is then empty and `rank_from` names them.
     spawned_by: Literal["engine"] | None = None
-    rank_from: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class ThreadRole:
-    """Threads of `process` whose OS name (comm) matches `pattern` get `role`'s CPUs."""
-
-    role: str
-    process: Literal["engine", "workers"]
-    pattern: str  # fnmatch glob over /proc/<pid>/task/<tid>/comm (15 chars)
-    # Module-name prefixes: a ThreadPoolExecutor created in one of them is
-    # renamed `<role>-N`, sized and bound by the start-up hook (supervisor.hook).
-    executors: tuple[str, ...] = ()
+    rank_from: tuple[RankSource, ...] = ()  # parsed; str() gives the config's text back
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +112,8 @@ class DriftConfig:
 
 @dataclass(frozen=True, slots=True)
 class ApiConfig:
-    listen: str = DEFAULT_LISTEN  # "HOST:PORT" or "unix:/path"
+    # "HOST:PORT" or "unix:/path", parsed at load time (the server binds it as is)
+    listen: Listen = field(default_factory=lambda: parse_listen(DEFAULT_LISTEN))
     unix_socket: str | None = None  # an extra socket (mode 0600): changing calls need no token
     token_file: str | None = None
 
@@ -131,7 +123,7 @@ class Config:
     path: str | None
     engine: ProcessConfig | None
     workers: ProcessConfig
-    accelerator: AcceleratorSetting = "auto"
+    accelerator: AcceleratorSetting = AUTO
     devices: tuple[str, ...] = ()  # PCI addresses treated as accelerators, any vendor
     cpu_ranks: int = 1  # at least this many ranks on a host without accelerators
     visible_devices_env: str | None = None  # None: by accelerator kind
@@ -146,210 +138,21 @@ class Config:
     cgroup: Literal["auto", "off"] = "auto"
 
 
-T = TypeVar("T")
-
-
-class _Table:
-    """A TOML table being read: typed getters that name the key path on error,
-    and `done()` that rejects keys nobody asked for."""
-
-    def __init__(self, doc: Mapping[str, Any], path: str, file: str) -> None:
-        self.doc = doc
-        self.path = path
-        self.file = file
-        self.seen: set[str] = set()
-        self.known: set[str] = set()  # every key asked for, present or not: for suggestions
-
-    def where(self, key: str) -> str:
-        return f"{self.path}.{key}" if self.path else key
-
-    def fail(self, key: str, message: str) -> ConfigError:
-        return ConfigError(f"{self.file}: {self.where(key)}: {message}")
-
-    def has(self, key: str) -> bool:
-        self.known.add(key)
-        return key in self.doc
-
-    def _asked(self, key: str) -> bool:
-        """Note `key` as a known key; True when the document holds it."""
-        self.known.add(key)
-        return key in self.doc
-
-    def _get(self, key: str, kinds: tuple[type, ...], expected: str) -> Any:
-        self.seen.add(key)
-        value = self.doc[key]
-        # bool is an int in Python; a TOML `true` is never a number here.
-        if isinstance(value, bool) and bool not in kinds:
-            raise self.fail(key, f"expected {expected}, got {value!r}")
-        if not isinstance(value, kinds):
-            raise self.fail(key, f"expected {expected}, got {value!r}")
-        return value
-
-    def text(self, key: str, default: T) -> str | T:
-        if not self._asked(key):
-            return default
-        value: str = self._get(key, (str,), "a string")
-        return value
-
-    def flag(self, key: str, default: bool) -> bool:
-        if not self._asked(key):
-            return default
-        value: bool = self._get(key, (bool,), "true or false")
-        return value
-
-    def integer(self, key: str, default: int, minimum: int = 0, maximum: int | None = None) -> int:
-        if not self._asked(key):
-            return default
-        value: int = self._get(key, (int,), "an integer")
-        if value < minimum:
-            raise self.fail(key, f"must be >= {minimum}, got {value}")
-        if maximum is not None and value > maximum:
-            raise self.fail(key, f"must be <= {maximum}, got {value}")
-        return value
-
-    def number(
-        self, key: str, default: float, minimum: float = 0.0, *, strict: bool = False
-    ) -> float:
-        if not self._asked(key):
-            return default
-        value = float(self._get(key, (int, float), "a number"))
-        if not math.isfinite(value):  # TOML allows nan and inf; no duration is either
-            raise self.fail(key, f"must be a finite number, got {value}")
-        if value < minimum or (strict and value == minimum):
-            bound = ">" if strict else ">="
-            raise self.fail(key, f"must be {bound} {minimum}, got {value}")
-        return value
-
-    def choice(self, key: str, default: T, choices: tuple[str, ...]) -> T:
-        if not self._asked(key):
-            return default
-        value = self._get(key, (str,), "a string")
-        if value not in choices:
-            raise self.fail(key, f"must be one of {', '.join(choices)}; got {value!r}")
-        return value  # type: ignore[no-any-return]
-
-    def str_list(self, key: str) -> tuple[str, ...]:
-        if not self._asked(key):
-            return ()
-        value = self._get(key, (list,), "a list of strings")
-        for i, item in enumerate(value):
-            if not isinstance(item, str):
-                raise self.fail(key, f"item {i} must be a string, got {item!r}")
-        return tuple(value)
-
-    def command(self, key: str) -> tuple[str, ...]:
-        """A command as a list of strings or one shell-quoted string; required."""
-        if not self._asked(key):
-            raise self.fail(key, "is required")
-        raw = self._get(key, (str, list), "a list of strings or a string")
-        if isinstance(raw, str):
-            try:
-                argv = tuple(shlex.split(raw))
-            except ValueError as err:
-                raise self.fail(key, f"cannot split {raw!r}: {err}") from None
-        else:
-            argv = self.str_list(key)
-        if not argv or not argv[0]:
-            raise self.fail(key, "must not be empty")
-        return argv
-
-    def table(self, key: str) -> _Table:
-        value = self._get(key, (dict,), "a table") if self._asked(key) else {}
-        self.seen.add(key)
-        return _Table(value, self.where(key), self.file)
-
-    def str_map(self, key: str) -> dict[str, str]:
-        sub = self.table(key)
-        out = {name: sub.text(name, "") for name in sub.doc}
-        sub.done()
-        return out
-
-    def int_map(self, key: str, default: Mapping[str, int]) -> dict[str, int]:
-        if not self._asked(key):
-            return dict(default)
-        sub = self.table(key)
-        out = {name: sub.integer(name, 0) for name in sub.doc}
-        sub.done()
-        return out
-
-    def done(self) -> None:
-        unknown = sorted(set(self.doc) - self.seen)
-        if unknown:
-            raise self.fail(unknown[0], "unknown key" + suggest_key(unknown[0], self.known))
-
-
-def suggest_key(key: str, known: set[str]) -> str:
-    """The "; did you mean `x`?" tail naming the nearest known key, or "" (pure).
-
-    difflib's default cutoff (ratio >= 0.6) catches a dropped, doubled or
-    swapped letter (`stop_timout_s`) without suggesting unrelated keys.
-    """
-    close = difflib.get_close_matches(key, sorted(known), n=1)
-    return f"; did you mean `{close[0]}`?" if close else ""
-
-
-def _check_template(table: _Table, key: str, argv: tuple[str, ...]) -> None:
-    """Placeholders are plain `{name}`: no attribute, index, conversion or format
-    spec (`{rank:>99999999}` would allocate at every spawn)."""
-    allowed = ", ".join("{" + n + "}" for n in COMMAND_FIELDS)
-    for word in argv:
-        try:
-            fields = list(string.Formatter().parse(word))
-        except ValueError as err:
-            raise table.fail(
-                key, f"bad placeholder in {word!r}: {err}; allowed: {allowed}"
-            ) from None
-        for _, name, spec, conversion in fields:
-            if name is None:
-                continue
-            if name not in COMMAND_FIELDS or spec or conversion:
-                shown = "{" + name + ("!" + conversion if conversion else "")
-                shown += (":" + spec if spec else "") + "}"
-                raise table.fail(key, f"bad placeholder {shown} in {word!r}; allowed: {allowed}")
-
-
-def _check_exec_strings(t: _Table, argv: tuple[str, ...], env: Mapping[str, str]) -> None:
-    """What execve(2) cannot pass: a NUL ends a C string, so the child would get
-    another argv than the config says (the spawn failed, and nothing said so);
-    an env key that is empty or holds `=` is not a variable (environ(7))."""
-    for i, word in enumerate(argv):
-        if "\0" in word:
-            raise t.fail("command", f"item {i} contains a NUL byte: {word!r}")
-    for name, value in env.items():
-        if not name or "=" in name or "\0" in name:
-            raise t.fail("env", f"bad variable name {name!r}: empty, or holds '=' or a NUL")
-        if "\0" in value:
-            raise t.fail(f"env.{name}", f"contains a NUL byte: {value!r}")
-
-
-def _process(top: _Table, key: str, *, template: bool) -> ProcessConfig:
+def _process(top: Table, key: str, *, template: bool) -> ProcessConfig:
     t = top.table(key)
     if template and t.has("spawned_by"):
         return _adopted_workers(t)
     argv = t.command("command")
     if template:
-        _check_template(t, "command", argv)
-    user, group = _account(t)
+        check_template(t, "command", argv)
+    user, group = load_account(t)
     env = t.str_map("env")
-    _check_exec_strings(t, argv, env)
+    check_exec_strings(t, argv, env)
     t.done()
     return ProcessConfig(argv, env, user=user, group=group)
 
 
-def _account(t: _Table) -> tuple[str | None, str | None]:
-    """`user` and `group` of [engine] or [workers]: names or numbers, looked up at start."""
-    user = t.text("user", None)
-    group = t.text("group", None)
-    if user == "":
-        raise t.fail("user", "must not be empty (leave it out to keep the supervisor's user)")
-    if group is not None and user is None:
-        raise t.fail("group", "needs `user` too (the group of which account?)")
-    if group == "":
-        raise t.fail("group", "must not be empty (leave it out for the user's primary group)")
-    return user, group
-
-
-def _adopted_workers(t: _Table) -> ProcessConfig:
+def _adopted_workers(t: Table) -> ProcessConfig:
     """[workers] spawned_by = "engine" with rank_from = [...] (DESIGN 3.6)."""
     t.choice("spawned_by", None, ("engine",))
     if t.has("command"):
@@ -358,20 +161,21 @@ def _adopted_workers(t: _Table) -> ProcessConfig:
         raise t.fail(
             "rank_from", 'is required with spawned_by = "engine" (e.g. ["env:LOCAL_RANK"])'
         )
-    sources = t.str_list("rank_from")
-    if not sources:
+    texts = t.str_list("rank_from")
+    if not texts:
         raise t.fail("rank_from", "must name at least one source")
-    for i, text in enumerate(sources):
+    sources: list[RankSource] = []
+    for i, text in enumerate(texts):
         try:
-            parse_rank_source(text)
+            sources.append(parse_rank_source(text))
         except ValueError as err:
             raise t.fail("rank_from", f"item {i}: {err}") from None
     env = t.str_map("env")
     t.done()
-    return ProcessConfig((), env, "engine", sources)
+    return ProcessConfig((), env, "engine", tuple(sources))
 
 
-def _ready(t: _Table) -> ReadyProbe | None:
+def _ready(t: Table) -> ReadyProbe | None:
     if not t.doc:
         t.done()
         return None
@@ -405,92 +209,7 @@ def check_listen(where: str, listen: str) -> str:
     return listen
 
 
-def _placement(t: _Table) -> PlanSettings:
-    defaults = PlanSettings()
-    engine = t.table("engine")
-    on_shortage: Shortage | None = t.choice("on_shortage", None, ("error", "merge", "share"))
-    strategy: StrategySetting = t.choice(
-        "strategy", defaults.strategy, ("auto", "numa-affine", "global-slice")
-    )
-    settings = PlanSettings(
-        strategy=strategy,
-        rank_roles=t.int_map("rank_roles", defaults.rank_roles),
-        min_main_cpus=t.integer("min_main_cpus", defaults.min_main_cpus, 1),
-        engine=engine.flag("enabled", True),
-        engine_main_cpus=engine.integer("main_cpus", defaults.engine_main_cpus, 1),
-        engine_roles=engine.int_map("roles", defaults.engine_roles),
-        reserve_hidden=t.flag("reserve_hidden", defaults.reserve_hidden),
-        on_shortage=on_shortage,
-        devices_per_rank=t.integer("devices_per_rank", defaults.devices_per_rank, 1),
-    )
-    engine.done()
-    t.done()
-    main_sized = "`main` is not sized: it holds every CPU no other role takes"
-    if "main" in settings.rank_roles:
-        raise t.fail("rank_roles", main_sized)
-    if "main" in settings.engine_roles:
-        raise engine.fail("roles", main_sized + " (size it with main_cpus)")
-    return settings
-
-
-# An `executors` prefix is a dotted module name ("vllm.v1.structured_output").
-_MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
-# The hook names pool threads "<role>-N" and comm keeps 15 bytes: a role of at
-# most 12 keeps "-NN" visible; its characters must be literal in a glob.
-_HOOK_ROLE = re.compile(r"[A-Za-z0-9_]{1,12}")
-
-
-def _executors(sub: _Table, role: str, pattern: str | None) -> tuple[tuple[str, ...], str | None]:
-    """`executors` of a [threads.*] table, validated, and the pattern its role gets."""
-    executors = sub.str_list("executors")
-    if not sub.has("executors"):
-        return executors, pattern
-    if not executors:
-        raise sub.fail("executors", "must name at least one module prefix")
-    for i, prefix in enumerate(executors):
-        if not _MODULE_NAME.fullmatch(prefix):
-            raise sub.fail(
-                "executors",
-                f"item {i}: expected a module name like vllm.v1.structured_output, got {prefix!r}",
-            )
-    if not _HOOK_ROLE.fullmatch(role):
-        raise sub.fail(
-            "role" if sub.has("role") else "executors",
-            f"role {role!r} names the hook's threads ({role}-N, 15 bytes kept): "
-            "use at most 12 letters, digits or _",
-        )
-    hook_glob = f"{role}-[0-9]*"
-    if pattern is None:
-        return executors, hook_glob
-    if not fnmatchcase(f"{role}-0", pattern):
-        raise sub.fail(
-            "pattern",
-            f"{pattern!r} does not match the hook's thread names ({role}-0, {role}-1, ...); "
-            f"leave pattern out (it defaults to {hook_glob!r}) or widen it",
-        )
-    return executors, pattern
-
-
-def _threads(t: _Table) -> tuple[ThreadRole, ...]:
-    roles: list[ThreadRole] = []
-    # File order, not sorted: the first matching pattern wins, as the
-    # operator wrote them (tomllib keeps table order).
-    for name in t.doc:
-        sub = t.table(name)
-        process = sub.choice("process", None, ("engine", "workers"))
-        if process is None:
-            raise sub.fail("process", "is required (engine or workers)")
-        role = sub.text("role", name)
-        executors, pattern = _executors(sub, role, sub.text("pattern", None))
-        if not pattern:
-            raise sub.fail("pattern", "is required (a glob over the thread name)")
-        roles.append(ThreadRole(role, process, pattern, executors))
-        sub.done()
-    t.done()
-    return tuple(roles)
-
-
-def _drift(t: _Table) -> DriftConfig:
+def _drift(t: Table) -> DriftConfig:
     d = DriftConfig()
     policy = dict(d.policy)
     sub = t.table("policy")
@@ -517,14 +236,12 @@ def _drift(t: _Table) -> DriftConfig:
 
 def parse_config(doc: Mapping[str, Any], file: str = "<config>") -> Config:
     """Validate a parsed TOML document into a Config (pure)."""
-    top = _Table(doc, "", file)
+    top = Table(doc, "", file)
     engine = _process(top, "engine", template=False) if top.has("engine") else None
     if not top.has("workers"):
         raise top.fail("workers", "is required (the worker command template)")
     workers = _process(top, "workers", template=True)
-    accelerator: AcceleratorSetting = top.choice(
-        "accelerator", "auto", ("auto", "nvidia", "amd", "ascend", "pci", "cpu")
-    )
+    accelerator: AcceleratorSetting = top.choice("accelerator", AUTO, SETTINGS)
     devices = top.str_list("devices")
     normalized = []
     for i, text in enumerate(devices):
@@ -535,8 +252,8 @@ def parse_config(doc: Mapping[str, Any], file: str = "<config>") -> Config:
             )
         normalized.append(bdf)
     devices = tuple(normalized)
-    if accelerator == "pci" and not devices:
-        raise top.fail("devices", 'accelerator = "pci" needs at least one PCI address here')
+    if accelerator == PCI.name and not devices:
+        raise top.fail("devices", f'accelerator = "{PCI.name}" needs at least one PCI address here')
     restart_t = top.table("restart")
     r = RestartConfig()
     restart = RestartConfig(
@@ -567,8 +284,7 @@ def parse_config(doc: Mapping[str, Any], file: str = "<config>") -> Config:
     )
     irq_t.done()
     api_t = top.table("api")
-    listen = api_t.text("listen", DEFAULT_LISTEN)
-    check_listen(f"{file}: api.listen", listen)
+    listen = parse_listen(api_t.text("listen", DEFAULT_LISTEN), f"{file}: api.listen")
     api = ApiConfig(listen, api_t.text("unix_socket", None), api_t.text("token_file", None))
     api_t.done()
     cfg = Config(
@@ -580,11 +296,13 @@ def parse_config(doc: Mapping[str, Any], file: str = "<config>") -> Config:
         cpu_ranks=top.integer("cpu_ranks", 1, 1, MAX_CPU_RANKS),
         visible_devices_env=top.text("visible_devices_env", None),
         # The [irq] table's part in the plan: IRQs are planned only when bound.
-        placement=replace(_placement(top.table("placement")), irqs=irq.enabled, irq_nic=irq.nic),
+        placement=replace(
+            load_placement(top.table("placement")), irqs=irq.enabled, irq_nic=irq.nic
+        ),
         ready=_ready(top.table("ready")),
         restart=restart,
         stop_timeout_s=top.number("stop_timeout_s", 10.0, 0.0, strict=True),
-        threads=_threads(top.table("threads")),
+        threads=load_threads(top.table("threads")),
         irq=irq,
         drift=_drift(top.table("drift")),
         api=api,

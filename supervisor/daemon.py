@@ -38,6 +38,7 @@ from supervisor.errors import ConfigError, SupervisorError
 from supervisor.events import Recorder
 from supervisor.hostfs import HostFS
 from supervisor.logs import format_fields, setup_logging
+from supervisor.plan.keys import ProcKey, key_label
 from supervisor.plan.placement import Placement
 from supervisor.plan.planner import plan
 from supervisor.plan.render import render_plan_table
@@ -49,13 +50,13 @@ from supervisor.serve.server import ApiServer
 from supervisor.service.cgroups import ManagedCgroups, cgroups_for, instance_suffix, remove_cgroups
 from supervisor.service.instance_lock import hold_instance_lock
 from supervisor.service.sdnotify import Notifier, watchdog_interval_s
-from supervisor.state import ProcessStatus, ProcKey, Snapshot, StateStore, key_label
+from supervisor.state import ProcessStatus, Snapshot, StateStore
+from supervisor.topology.accelerators import CPU
 from supervisor.topology.discover import read_topology, reread_cpus
 from supervisor.topology.model import Topology
 from supervisor.trees.adopt import Adopter, AdoptRunner
 from supervisor.trees.guardian import Guardian
 from supervisor.trees.keeper import TreeKeeper
-from supervisor.trees.rank_source import parse_rank_source
 from supervisor.watch.cpuset import Replanner
 from supervisor.watch.irqs import IrqKeeper
 from supervisor.watch.loop import CheckLoop
@@ -124,7 +125,7 @@ class Daemon:
         self.trees: TreeKeeper | None = None
         self.adopt_executor: ThreadPoolExecutor | None = None  # binds of adoptions
         self.server: Server | None = None
-        kind = placement.ranks[0].device.kind if placement.ranks else "cpu"
+        kind = placement.ranks[0].device.kind if placement.ranks else CPU.name
         # Who engines and workers run as, looked up once: a typo is exit 2.
         self.accounts = users.resolve_accounts(config)
         specs = self.specs_for(placement, sys.executable)
@@ -306,9 +307,7 @@ class Daemon:
             else:
                 adopters[spec.key] = AdoptRunner(self.rt, spec, nodes, self.adopt_executor)
                 runners.append(adopters[spec.key])
-        adopter = Adopter(
-            self.rt, adopters, [parse_rank_source(s) for s in workers.rank_from], self.placement
-        )
+        adopter = Adopter(self.rt, adopters, workers.rank_from, self.placement)
         return runners, adopter
 
     def _cgroup_dir(self, key: ProcKey) -> str | None:

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from supervisor.cpulist import format_cpulist
 from supervisor.logs import format_fields
+from supervisor.plan.keys import ProcKey, key_label
 from supervisor.state import (
     HOST_LABEL,
     BindTarget,
@@ -25,10 +26,8 @@ from supervisor.state import (
     EventKind,
     Finding,
     ProcessState,
-    ProcKey,
     RebindReason,
     StateStore,
-    key_label,
 )
 
 log = logging.getLogger("placement_supervisor.checker")

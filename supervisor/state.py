@@ -15,11 +15,10 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Literal, get_args
 
+from supervisor.plan.keys import ProcKey, key_label
 from supervisor.plan.placement import Placement
+from supervisor.topology.accelerators import CPU
 from supervisor.topology.model import Topology
-
-ProcKey = int | Literal["engine"]
-"""A rank number, or "engine"."""
 
 ProcessState = Literal["starting", "running", "backoff", "failed", "stopped", "waiting"]
 MemPolicyStep = Literal["bind", "preferred", "none"]
@@ -58,11 +57,6 @@ EVENTS_KEPT = 1000
 # The counter label of failures that belong to no process (the instance
 # cgroup, an IRQ re-plan); metrics export them apart from `rank` ones.
 HOST_LABEL = "supervisor"
-
-
-def key_label(key: ProcKey) -> str:
-    """The `rank` label of metrics and events: the rank number, or "engine"."""
-    return str(key)
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,7 +213,7 @@ class Snapshot:
     events: tuple[Event, ...] = ()
     started_at: float = 0.0
     stopping: bool = False
-    accelerator_kind: str = "cpu"
+    accelerator_kind: str = CPU.name
     config_path: str | None = None
     # drift.local_memory_threshold, exported for the alert that compares the
     # ratio with it; None where no config made the snapshot (tests).

@@ -8,6 +8,7 @@ import pytest
 
 from supervisor.config import check_listen, load_config, parse_config
 from supervisor.errors import ConfigError
+from supervisor.serve.listen import Listen
 
 MINIMAL = {"workers": {"command": ["python3", "-m", "w", "--rank", "{rank}"]}}
 
@@ -26,7 +27,7 @@ def test_minimal_config_gets_defaults() -> None:
     assert cfg.restart.policy == "on-failure"
     assert cfg.placement.rank_roles == {"irq": 1, "comm": 1}
     assert cfg.placement.engine_roles == {"so_compiler": 4}
-    assert cfg.api.listen == "127.0.0.1:9477"
+    assert cfg.api.listen == Listen(host="127.0.0.1", port=9477)  # parsed at load time
     assert cfg.drift.policy["memory_locality"] == "observe"
     assert cfg.drift.policy["thread_affinity"] == "enforce"
 
@@ -142,7 +143,7 @@ token_file = "/etc/ps/token"
     assert cfg.threads[0].role == "so_compiler" and cfg.threads[0].process == "engine"
     assert cfg.drift.policy["memory_locality"] == "enforce"
     assert cfg.drift.policy["irq_affinity"] == "enforce"
-    assert cfg.api.listen == "unix:/run/ps.sock"
+    assert cfg.api.listen == Listen(path="/run/ps.sock")
 
 
 @pytest.mark.parametrize(

@@ -26,10 +26,11 @@ from supervisor.config import Config, ReadyProbe, parse_config
 from supervisor.cpulist import format_cpulist
 from supervisor.daemon import Daemon, DaemonActions, prepare, run_loop
 from supervisor.hostfs import HostFS
+from supervisor.plan.keys import ProcKey
 from supervisor.plan.placement import DeviceRef, Placement, RankPlacement, Slot
 from supervisor.run.probe import wait_ready
 from supervisor.run.spec import build_specs, child_env, resolve_python, worker_argv
-from supervisor.state import ProcessStatus, ProcKey
+from supervisor.state import ProcessStatus
 from supervisor.worker import SLOT_ENV, parse_slot_env
 from tests.support.children import report_of, reports, status_field, write_child
 from tests.support.daemon_support import child_config, free_port, until

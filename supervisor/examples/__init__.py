@@ -8,8 +8,6 @@ kind plans on (named in discovery's "no devices were found" error).
 
 from __future__ import annotations
 
-EXAMPLE_FOR_KIND: dict[str, str] = {
-    "nvidia": "dgx-h100",
-    "amd": "mi300x",
-    "ascend": "ascend-16npu",
-}
+from supervisor.topology.accelerators import KINDS
+
+EXAMPLE_FOR_KIND: dict[str, str] = {k.name: k.example for k in KINDS if k.example is not None}

@@ -15,7 +15,7 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from supervisor.config import ThreadRole
+from supervisor.plan.keys import ThreadRole
 
 HOOK_ENV = "PLACEMENT_SUPERVISOR_HOOK"
 # Only sitecustomize.py lives here: anything else in a PYTHONPATH directory

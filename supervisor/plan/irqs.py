@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any
 
+from supervisor.plan.keys import ProcKey
 from supervisor.plan.placement import (
     DeviceRef,
     IrqAssignment,
@@ -22,7 +23,7 @@ from supervisor.plan.placement import (
     PlanSettings,
     RankPlacement,
 )
-from supervisor.state import ProcKey
+from supervisor.topology.accelerators import CPU
 from supervisor.topology.model import Device, Nic, Topology
 
 # Sort keys for "unknown": after every real SLIT distance (those are 10..255,
@@ -191,7 +192,7 @@ def plan_irqs(
             if ref.bus_id is not None:
                 device_bdfs.add(ref.bus_id)
             dev = _find_device(topology, ref)
-            if dev is None or dev.kind == "cpu":
+            if dev is None or dev.kind == CPU.name:
                 continue
             if dev.bdf is not None:
                 device_bdfs.add(dev.bdf)

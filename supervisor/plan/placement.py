@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from supervisor.topology.model import DeviceKind
+from supervisor.topology.accelerators import DeviceKind
 
 PLAN_VERSION = 1
 Strategy = Literal["numa-affine", "global-slice", "mixed", "shared"]

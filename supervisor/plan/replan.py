@@ -18,9 +18,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from supervisor.errors import PlanError
+from supervisor.plan.keys import ProcKey
 from supervisor.plan.placement import Placement, PlanSettings, Shortage, Slot
 from supervisor.plan.planner import plan
-from supervisor.state import ProcKey
 from supervisor.topology.model import Topology
 
 

@@ -21,10 +21,9 @@ from dataclasses import dataclass, field, replace
 from fnmatch import fnmatchcase
 from typing import Literal
 
-from supervisor.config import ThreadRole
+from supervisor.plan.keys import ProcessKind, ThreadRole
 from supervisor.plan.placement import Slot
 
-ProcessKind = Literal["engine", "workers"]
 ThreadVerdict = Literal["ok", "pinned", "drift"]
 DEFAULT_ROLE = "main"
 COMM_MAX_CHARS = 15  # TASK_COMM_LEN - 1 (prctl(2) PR_SET_NAME)

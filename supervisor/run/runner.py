@@ -30,13 +30,14 @@ from supervisor.errors import KernelError, reason_of_errno
 from supervisor.events import Recorder
 from supervisor.hostfs import HostFS
 from supervisor.logs import format_fields
+from supervisor.plan.keys import ProcKey, key_label
 from supervisor.plan.placement import Slot
 from supervisor.procfs.stat import read_proc_stat
 from supervisor.run.probe import describe_probe, wait_ready
 from supervisor.run.procs import ChildProcess, read_until_eof, spawn
 from supervisor.run.restart import RestartHistory, RunOutcome, decide_restart
 from supervisor.run.spec import ChildSpec
-from supervisor.state import BindTarget, ProcessState, ProcessStatus, ProcKey, StateStore, key_label
+from supervisor.state import BindTarget, ProcessState, ProcessStatus, StateStore
 
 log = logging.getLogger("placement_supervisor.runner")
 

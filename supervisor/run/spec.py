@@ -10,39 +10,18 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from supervisor.config import Config, ProcessConfig
 from supervisor.hook import hook_env, hook_roles
+from supervisor.plan.keys import ProcKey
 from supervisor.plan.placement import Placement, RankPlacement, Slot
 from supervisor.service.sdnotify import NOTIFY_VARS
-from supervisor.state import ProcKey
-from supervisor.topology.model import DeviceKind
+from supervisor.topology.accelerators import BY_NAME, DeviceKind
 from supervisor.worker import SLOT_ENV, slot_env_value
 
 if TYPE_CHECKING:
     from supervisor.run.users import Account
-
-# The variable that tells a worker which device(s) it drives, per kind, as in
-# DeepInfer's assign_visible_devices. `cpu` stand-ins and config-named `pci`
-# devices have none unless `visible_devices_env` names one.
-VISIBLE_DEVICES_VAR: Mapping[DeviceKind, str] = MappingProxyType(
-    {
-        "nvidia": "CUDA_VISIBLE_DEVICES",
-        "ascend": "ASCEND_RT_VISIBLE_DEVICES",
-        "amd": "HIP_VISIBLE_DEVICES",
-    }
-)
-# Defaults that only apply where the operator's environment (or the config)
-# leaves them unset.
-KIND_ENV_DEFAULTS: Mapping[DeviceKind, Mapping[str, str]] = MappingProxyType(
-    {
-        # CUDA numbers devices fastest-first unless told otherwise; the index
-        # we pass is the PCI-order index nvidia-smi and /proc/driver use.
-        "nvidia": MappingProxyType({"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}),
-    }
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,23 +36,31 @@ class ChildSpec:
 
 
 def visible_devices_var(kind: DeviceKind, override: str | None) -> str | None:
-    """The variable naming a rank's devices: the config's, else the kind's, else none."""
+    """The variable naming a rank's devices: the config's, else the kind's
+    (`worker_var`, as in DeepInfer's assign_visible_devices), else none: `cpu`
+    stand-ins and config-named `pci` devices have none."""
     if override:
         return override
-    return VISIBLE_DEVICES_VAR.get(kind)
+    record = BY_NAME.get(kind)
+    return None if record is None else record.worker_var
 
 
 def visible_value(rank: RankPlacement, var: str, base_env: Mapping[str, str]) -> str:
     """The rank's own device(s), as the worker's visibility variable names them.
 
     By index (PCI bus order, with CUDA_DEVICE_ORDER=PCI_BUS_ID by default);
-    by UUID where the operator's CUDA_VISIBLE_DEVICES names GPUs by UUID,
+    by UUID where the operator's list in `var` (one of the kind's visibility
+    variables that takes UUIDs, CUDA_VISIBLE_DEVICES) names devices by UUID,
     because a UUID means the same GPU whatever CUDA_DEVICE_ORDER says. The
     rank itself is the device's place in the operator's list (DESIGN 3.3).
     """
     devices = rank.all_devices
-    listed = base_env.get(var, "") if var == "CUDA_VISIBLE_DEVICES" else ""
-    by_uuid = any(e.strip().upper().startswith("GPU-") for e in listed.split(","))
+    record = BY_NAME.get(rank.device.kind)
+    prefix = None if record is None or var not in record.visibility else record.uuid_prefix
+    listed = base_env.get(var, "") if prefix is not None else ""
+    by_uuid = prefix is not None and any(
+        e.strip().upper().startswith(prefix) for e in listed.split(",")
+    )
     if by_uuid and all(d.uuid for d in devices):
         return ",".join(str(d.uuid) for d in devices)
     return ",".join(str(d.index) for d in devices)
@@ -174,17 +161,19 @@ def _rank_spec(
     world_size: int,
     base_env: Mapping[str, str],
 ) -> ChildSpec:
-    kind = rank.device.kind
+    record = BY_NAME.get(rank.device.kind)
     forced = {SLOT_ENV: slot_env_value(rank.rank, rank.slot.to_doc())}
     drop: list[str] = []
-    var = visible_devices_var(kind, config.visible_devices_env)
+    var = visible_devices_var(rank.device.kind, config.visible_devices_env)
     if var is not None:
         forced[var] = visible_value(rank, var, base_env)
-        if kind == "amd" and var == "HIP_VISIBLE_DEVICES":
+        if record is not None and var == record.worker_var:
             # HIP indexes into what ROCR_VISIBLE_DEVICES leaves; our index is
             # over all devices, so the operator's ROCR filter must not apply.
-            drop.append("ROCR_VISIBLE_DEVICES")
-    defaults = dict(KIND_ENV_DEFAULTS.get(kind, {}))
+            drop.extend(record.worker_drops)
+    # Defaults apply only where the operator's environment (or the config)
+    # leaves them unset.
+    defaults = dict({} if record is None else record.worker_defaults)
     defaults.update(workers.env)
     env = child_env(base_env, defaults, forced, drop)
     return ChildSpec(rank.rank, worker_argv(workers.command, rank, world_size), env, rank.slot)

@@ -13,8 +13,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from supervisor import __version__
+from supervisor.plan.keys import ProcKey, key_label
 from supervisor.plan.placement import Placement, RankPlacement, Slot
-from supervisor.state import Observation, ProcessStatus, ProcKey, Snapshot, key_label
+from supervisor.state import Observation, ProcessStatus, Snapshot
 from supervisor.topology.model import Topology
 from supervisor.topology.render import topology_to_doc
 

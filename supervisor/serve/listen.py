@@ -1,7 +1,8 @@
 """The API's address: "HOST:PORT" or "unix:PATH", parsed for both ends (pure, no I/O).
 
 The server (`supervisor.serve.server`) binds it; the client (`supervisor.serve.status`) connects
-to it. `config.check_listen` validates the same syntax at load time.
+to it. The config keeps the parsed `Listen` (api.listen); `config.check_listen`
+validates a --listen value with the same parser.
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from prometheus_client.core import (
 )
 
 from supervisor import __version__
+from supervisor.plan.keys import ProcKey, key_label
 from supervisor.plan.placement import Placement
 from supervisor.serve.documents import process_keys, readiness
 from supervisor.serve.exposition import FamilyTable, SnapshotCollector
@@ -47,10 +48,8 @@ from supervisor.state import (
     Observation,
     ProcessState,
     ProcessStatus,
-    ProcKey,
     SelfUsage,
     StateStore,
-    key_label,
 )
 
 PROCESS_STATES: tuple[str, ...] = get_args(ProcessState)

@@ -19,6 +19,7 @@ from aiohttp import web
 from prometheus_client.exposition import choose_encoder
 
 from supervisor.errors import SupervisorError
+from supervisor.plan.keys import ProcKey
 from supervisor.serve.documents import (
     PlacementRenderer,
     dumps,
@@ -29,7 +30,7 @@ from supervisor.serve.documents import (
 )
 from supervisor.serve.exposition import SnapshotCollector
 from supervisor.serve.openapi import Param, Route, openapi_doc
-from supervisor.state import EVENTS_KEPT, ProcKey, StateStore
+from supervisor.state import EVENTS_KEPT, StateStore
 from supervisor.topology.model import Topology
 
 DEFAULT_STALE_AFTER_S = 30.0

@@ -186,8 +186,7 @@ class ApiServer:
         stale_after_s: float = DEFAULT_STALE_AFTER_S,
         self_usage_interval_s: float | None = SELF_USAGE_INTERVAL_S,
     ) -> None:
-        where = "--listen" if listen is not None else "api.listen"
-        self._listen = parse_listen(listen if listen is not None else config.listen, where)
+        self._listen = config.listen if listen is None else parse_listen(listen, "--listen")
         self._store = store
         self._config = config
         self._self_usage_interval_s = self_usage_interval_s

@@ -86,7 +86,7 @@ def _where(args: Any) -> Listen:
         # The unix socket, when configured, works even with TCP bound elsewhere.
         if api.unix_socket is not None:
             return Listen(path=api.unix_socket)
-        return parse_listen(api.listen, f"{config_path}: api.listen")
+        return api.listen
     return parse_listen(DEFAULT_LISTEN)
 
 

@@ -20,8 +20,8 @@ from supervisor.config import Config
 from supervisor.errors import ConfigError, KernelError
 from supervisor.hostfs import HostFS
 from supervisor.logs import format_fields
+from supervisor.plan.keys import ProcKey, key_label
 from supervisor.plan.placement import Slot
-from supervisor.state import ProcKey, key_label
 from supervisor.trees.guardian import sweep_leftovers
 
 log = logging.getLogger("placement_supervisor.daemon")

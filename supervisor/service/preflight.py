@@ -125,7 +125,7 @@ def check_config(
         problem = check_token_file(f"{file}: api.token_file", config.api.token_file)
         if problem is not None:
             problems.append(problem)
-    api = parse_listen(listen or config.api.listen, "api.listen")
+    api = parse_listen(listen, "api.listen") if listen else config.api.listen
     if api.path is None and api.host is not None:
         where = "--listen" if listen else f"{file}: api.listen"
         problem = check_port_free(where, api.host, api.port)

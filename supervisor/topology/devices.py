@@ -1,9 +1,9 @@
-"""Accelerators and stand-ins: NVIDIA, AMD, Ascend, config-named PCI, CPU nodes (reads via HostFS).
+"""Accelerators and stand-ins: each registry kind, config-named PCI, CPU nodes (reads via HostFS).
 
-No accelerator library is loaded: NVIDIA GPUs come from the driver's procfs
-(/proc/driver/nvidia/gpus/<bdf>/information), AMD and Ascend from PCI ids and
-their compute drivers, Ascend NUMA folding from /sys/class/ubcore. Devices
-come back with `visible=True`; `visibility.apply_visibility` narrows them.
+No accelerator library is loaded: a kind (supervisor.topology.accelerators)
+is found by its driver's procfs, by PCI ids, classes and driver, or by its
+device nodes, its NUMA nodes folded from a sysfs class where it has one.
+Devices come back with `visible=True`; `visibility.apply_visibility` narrows them.
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ from dataclasses import dataclass, replace
 
 from supervisor.errors import TopologyError
 from supervisor.hostfs import HostFS
+from supervisor.topology.accelerators import CPU, PCI, AcceleratorKind, DeviceKind, DeviceNode
 from supervisor.topology.cpus import parse_int_text
-from supervisor.topology.model import Device, DeviceKind, Node
+from supervisor.topology.model import Device, Node
 from supervisor.topology.pci import (
     BDF_RE,
     PCI_DIR,
@@ -23,13 +24,6 @@ from supervisor.topology.pci import (
     read_pci_id,
     resolve_locality,
 )
-
-NVIDIA_GPUS = "proc/driver/nvidia/gpus"
-UBCORE = "sys/class/ubcore"
-
-VENDOR_NVIDIA = 0x10DE
-VENDOR_AMD = 0x1002
-VENDOR_HUAWEI = 0x19E5
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,13 +50,10 @@ def parse_nvidia_information(text: str) -> NvidiaInfo:
     )
 
 
-def _dev_indices(fs: HostFS, prefix: str) -> list[int]:
-    """N of every /dev/<prefix>N (listing /dev, so snapshots carry the names)."""
-    return sorted(
-        int(name[len(prefix) :])
-        for name in fs.listdir("dev")
-        if name.startswith(prefix) and name[len(prefix) :].isdigit()
-    )
+def _node_numbers(fs: HostFS, node: DeviceNode) -> list[int]:
+    """N of every <dir>/<prefix>N (listing the directory, so snapshots carry the names)."""
+    numbers = (node.number_of(name) for name in fs.listdir(node.dir))
+    return sorted(n for n in numbers if n is not None)
 
 
 def _pci_device(
@@ -91,76 +82,94 @@ def _pci_device(
     return device, where.warning
 
 
-def read_nvidia(fs: HostFS, nodes: tuple[Node, ...]) -> tuple[tuple[Device, ...], tuple[str, ...]]:
-    """NVIDIA GPUs, indexed in PCI bus order.
+Found = list[tuple[Device, str | None]]  # each device with the warning it came with
+
+
+def _from_driver_dir(fs: HostFS, kind: AcceleratorKind, nodes: tuple[Node, ...]) -> Found:
+    """Devices of the driver's procfs, indexed in PCI bus order.
 
     Index = position in sorted bus id order: the order of the driver's minor
     numbers and of CUDA with CUDA_DEVICE_ORDER=PCI_BUS_ID, which deployments
-    that use indices in CUDA_VISIBLE_DEVICES set. (CUDA's own default,
+    that use indices in the visibility variable set. (CUDA's own default,
     FASTEST_FIRST, only differs on hosts mixing GPU models.)
     """
-    warnings: list[str] = []
-    devices: list[Device] = []
-    entries = [e for e in fs.listdir(NVIDIA_GPUS) if BDF_RE.fullmatch(e)]
+    assert kind.driver_dir is not None
+    found: Found = []
+    entries = [e for e in fs.listdir(kind.driver_dir) if BDF_RE.fullmatch(e)]
     for index, entry in enumerate(sorted(e.lower() for e in entries)):
-        rel = f"{NVIDIA_GPUS}/{entry}/information"
+        rel = f"{kind.driver_dir}/{entry}/information"
         info = parse_nvidia_information(fs.read_required(rel, "NVIDIA GPU information"))
         pid = read_pci_id(fs, entry)
         if pid is None:
-            warnings.append(f"nvidia{index} {entry}: no {PCI_DIR}/{entry}: NUMA node unknown")
-            devices.append(
-                Device("nvidia", index, entry, None, "unknown", uuid=info.uuid, name=info.model)
+            device = Device(
+                kind.name, index, entry, None, "unknown", uuid=info.uuid, name=info.model
+            )
+            found.append(
+                (device, f"{device.label} {entry}: no {PCI_DIR}/{entry}: NUMA node unknown")
             )
             continue
-        device, warning = _pci_device(
-            fs, "nvidia", index, pid, nodes, uuid=info.uuid, name=info.model
-        )
-        devices.append(device)
-        if warning:
-            warnings.append(warning)
-    if devices:
-        return tuple(devices), tuple(warnings)
-    # Fallback: device nodes only (driver procfs hidden, e.g. in some containers).
-    minors = _dev_indices(fs, "nvidia")
-    for index, minor in enumerate(minors):
-        warnings.append(
-            f"nvidia{index}: only dev/nvidia{minor} found (no {NVIDIA_GPUS}): "
+        found.append(_pci_device(fs, kind.name, index, pid, nodes, uuid=info.uuid, name=info.model))
+    return found
+
+
+def _from_pci(
+    fs: HostFS, kind: AcceleratorKind, scan: tuple[PciId, ...], nodes: tuple[Node, ...]
+) -> tuple[Found, str | None]:
+    """Devices of the PCI scan by the kind's vendor, class and driver, in PCI bus
+    order (the order the vendors' runtimes enumerate, e.g. ROCm's KFD topology);
+    none, with a warning, when the node the kind needs is missing."""
+    assert kind.pci is not None
+    candidates = [p for p in scan if kind.is_device(p.vendor, p.class_code)]
+    wanted_driver = kind.pci.driver
+    pci = [p for p in candidates if wanted_driver is None or _driver(fs, p.bdf) == wanted_driver]
+    if pci and kind.needs_node is not None:
+        where, _, name = kind.needs_node.rpartition("/")
+        if name not in fs.listdir(where):
+            compute = wanted_driver or kind.name
+            return [], (
+                f"{kind.name} devices found but no {kind.needs_node}: "
+                f"{compute} compute not available, ignoring them"
+            )
+    return [_pci_device(fs, kind.name, index, pid, nodes) for index, pid in enumerate(pci)], None
+
+
+def _from_nodes(fs: HostFS, kind: AcceleratorKind, *, warn: bool) -> Found:
+    """Devices by their device nodes alone: bus id and NUMA node unknown."""
+    assert kind.node_fallback is not None
+    node = kind.node_fallback
+    found: Found = []
+    for index, number in enumerate(_node_numbers(fs, node)):
+        device = Device(kind.name, index, None, None, "unknown")
+        source = kind.driver_dir or "PCI function"
+        warning = (
+            f"{device.label}: only {node.dir}/{node.prefix}{number} found (no {source}): "
             "bus id and NUMA node unknown, planning it by global slice"
         )
-        devices.append(Device("nvidia", index, None, None, "unknown"))
-    return tuple(devices), tuple(warnings)
+        found.append((device, warning if warn else None))
+    return found
 
 
-def is_amd_compute(pid: PciId, driver: str | None) -> bool:
-    """An AMD GPU that ROCm can use: a display-other (0x0380) or processing
-    accelerator (0x12) class function bound to amdgpu. BMC display chips and
-    unbound display functions are not."""
-    klass = pid.class_code >> 8
-    return (
-        pid.vendor == VENDOR_AMD and (klass == 0x0380 or klass >> 8 == 0x12) and driver == "amdgpu"
-    )
-
-
-def read_amd(
-    fs: HostFS, scan: tuple[PciId, ...], nodes: tuple[Node, ...]
+def read_kind(
+    fs: HostFS, kind: AcceleratorKind, scan: tuple[PciId, ...], nodes: tuple[Node, ...]
 ) -> tuple[tuple[Device, ...], tuple[str, ...]]:
-    """AMD GPUs in PCI bus order (the KFD topology order ROCm enumerates)."""
-    candidates = [
-        p
-        for p in scan
-        if p.vendor == VENDOR_AMD and ((p.class_code >> 8) == 0x0380 or p.class_code >> 16 == 0x12)
-    ]
-    found = [p for p in candidates if is_amd_compute(p, _driver(fs, p.bdf))]
-    if found and "kfd" not in fs.listdir("dev"):
-        return (), ("AMD GPUs found but no dev/kfd: amdgpu compute not available, ignoring them",)
-    devices: list[Device] = []
-    warnings: list[str] = []
-    for index, pid in enumerate(found):
-        device, warning = _pci_device(fs, "amd", index, pid, nodes)
-        devices.append(device)
-        if warning:
-            warnings.append(warning)
-    return tuple(devices), tuple(warnings)
+    """The devices of one registry kind on the host, with warnings.
+
+    By the driver's procfs, else the PCI scan (`scan`), else the kind's device
+    nodes (the driver procfs or PCI functions hidden, e.g. in some containers);
+    NUMA nodes from the kind's sysfs class where it has one.
+    """
+    found: Found = []
+    if kind.driver_dir is not None:
+        found = _from_driver_dir(fs, kind, nodes)
+    elif kind.pci is not None:
+        found, refusal = _from_pci(fs, kind, scan, nodes)
+        if refusal is not None:
+            return (), (refusal,)
+    if not found and kind.node_fallback is not None:
+        found = _from_nodes(fs, kind, warn=kind.numa_class is None)
+    if kind.numa_class is not None and found:
+        return _fold_class_nodes(fs, kind.numa_class, found, nodes)
+    return tuple(d for d, _ in found), tuple(w for _, w in found if w)
 
 
 def _driver(fs: HostFS, bdf: str) -> str | None:
@@ -168,14 +177,15 @@ def _driver(fs: HostFS, bdf: str) -> str | None:
     return None if link is None else link.rstrip("/").rsplit("/", 1)[-1]
 
 
-def read_ubcore_nodes(fs: HostFS) -> list[int]:
-    """Raw (unfolded) NUMA nodes of the usable ubcore entries, in entry order.
+def read_class_nodes(fs: HostFS, cls: str) -> list[int]:
+    """Raw (unfolded) NUMA nodes of the usable entries of sysfs class `cls`
+    (ubcore), in entry order.
 
     Entries whose device/ub_totalues is 0 have no usable unit and are skipped.
     """
     raw_nodes: list[int] = []
-    for name in sorted(fs.listdir(UBCORE), key=natural_key):
-        d = f"{UBCORE}/{name}/device"
+    for name in sorted(fs.listdir(cls), key=natural_key):
+        d = f"{cls}/{name}/device"
         total = fs.read_optional(f"{d}/ub_totalues")
         if total is None or parse_int_text(total, f"{d}/ub_totalues", "ub_totalues") == 0:
             continue
@@ -190,24 +200,16 @@ def fold_ascend_node(raw: int, index: int) -> int:
     return (raw // 2) * 2 + index % 2
 
 
-def read_ascend(
-    fs: HostFS, scan: tuple[PciId, ...], nodes: tuple[Node, ...]
+def _fold_class_nodes(
+    fs: HostFS, cls: str, found: Found, nodes: tuple[Node, ...]
 ) -> tuple[tuple[Device, ...], tuple[str, ...]]:
-    """Ascend NPUs: PCI 19e5 processing accelerators, else dev/davinciN nodes."""
+    """`found` with the NUMA nodes the sysfs class gives, where they fold to online nodes."""
     warnings: list[str] = []
-    pci = [p for p in scan if p.vendor == VENDOR_HUAWEI and p.class_code >> 16 == 0x12]
-    found = [_pci_device(fs, "ascend", index, pid, nodes) for index, pid in enumerate(pci)]
-    if not found:
-        found = [
-            (Device("ascend", i, None, None, "unknown"), None) for i in _dev_indices(fs, "davinci")
-        ]
-    if not found:
-        return (), ()
-    raw_nodes: list[int | None] = list(read_ubcore_nodes(fs))
+    raw_nodes: list[int | None] = list(read_class_nodes(fs, cls))
     node_ids = {n.id for n in nodes}
     if raw_nodes and len(raw_nodes) != len(found):
         warnings.append(
-            f"{len(raw_nodes)} usable {UBCORE} entries for {len(found)} NPUs: "
+            f"{len(raw_nodes)} usable {cls} entries for {len(found)} NPUs: "
             "ignoring ubcore NUMA nodes"
         )
         raw_nodes = []
@@ -243,7 +245,7 @@ def read_config_pci(
                 f"config device {bdf!r} not found: no {PCI_DIR}/{bdf.lower()}/vendor",
                 f"{PCI_DIR}/{bdf.lower()}",
             )
-        device, warning = _pci_device(fs, "pci", index, pid, nodes)
+        device, warning = _pci_device(fs, PCI.name, index, pid, nodes)
         devices.append(device)
         if warning:
             warnings.append(warning)
@@ -259,6 +261,8 @@ def cpu_standins(
     if not usable:
         # No node lists an allowed CPU (garbled or missing node cpulists):
         # stand-ins of unknown locality, which the planner slices globally.
-        return tuple(Device("cpu", i, None, None, "unknown") for i in range(max(1, cpu_ranks)))
+        return tuple(Device(CPU.name, i, None, None, "unknown") for i in range(max(1, cpu_ranks)))
     count = max(len(usable), cpu_ranks)
-    return tuple(Device("cpu", i, None, usable[i % len(usable)], "numa_node") for i in range(count))
+    return tuple(
+        Device(CPU.name, i, None, usable[i % len(usable)], "numa_node") for i in range(count)
+    )

@@ -12,22 +12,16 @@ from collections import defaultdict
 from dataclasses import replace
 
 from supervisor.errors import TopologyError
-from supervisor.examples import EXAMPLE_FOR_KIND
 from supervisor.hostfs import HostFS
+from supervisor.topology.accelerators import AUTO, BY_NAME, CPU, DISCOVERED, PCI
 from supervisor.topology.cgroup import read_allowed
 from supervisor.topology.cpus import read_cpu_masks, read_cpus
-from supervisor.topology.devices import (
-    cpu_standins,
-    read_amd,
-    read_ascend,
-    read_config_pci,
-    read_nvidia,
-)
+from supervisor.topology.devices import cpu_standins, read_config_pci, read_kind
 from supervisor.topology.interrupts import assign_irqs, read_interrupts
 from supervisor.topology.model import Device, DiscoveryOptions, Node, Topology, device_order
 from supervisor.topology.nics import read_nics
 from supervisor.topology.numa import node_of_cpus, read_nodes
-from supervisor.topology.pci import scan_pci
+from supervisor.topology.pci import PciId, scan_pci
 from supervisor.topology.visibility import apply_visibility
 
 
@@ -46,7 +40,7 @@ class NoDevicesError(TopologyError):
         self.root = root
         where = f"in example {example}" if example else f"under {root}"
         message = f"accelerator = {kind!r} but no {kind} devices were found {where}"
-        suggestion = EXAMPLE_FOR_KIND.get(kind)
+        suggestion = BY_NAME[kind].example if kind in BY_NAME else None
         if suggestion is not None and suggestion != example:
             if example:
                 lead = "this config plans on"
@@ -70,24 +64,22 @@ def _read_devices(
     wanted = options.accelerator
     devices: list[Device] = []
     warnings: list[str] = []
-    if wanted in ("auto", "nvidia"):
-        found, warn = read_nvidia(fs, nodes)
+    scan: tuple[PciId, ...] | None = None  # read once, and only when a wanted kind needs it
+    for kind in DISCOVERED:
+        if wanted not in (AUTO, kind.name):
+            continue
+        if kind.pci is not None and scan is None:
+            scan = scan_pci(fs)
+        found, warn = read_kind(fs, kind, scan or (), nodes)
         devices += found
         warnings += warn
-    if wanted in ("auto", "amd", "ascend"):
-        scan = scan_pci(fs)
-        for kind, reader in (("amd", read_amd), ("ascend", read_ascend)):
-            if wanted in ("auto", kind):
-                found, warn = reader(fs, scan, nodes)
-                devices += found
-                warnings += warn
-    if wanted in ("auto", "pci"):
-        if wanted == "pci" and not options.pci_devices:
-            raise TopologyError("accelerator = 'pci' but the config names no PCI devices")
+    if wanted in (AUTO, PCI.name):
+        if wanted == PCI.name and not options.pci_devices:
+            raise TopologyError(f"accelerator = {PCI.name!r} but the config names no PCI devices")
         found, warn = read_config_pci(fs, options.pci_devices, nodes)
         devices += found
         warnings += warn
-    if wanted not in ("auto", "cpu") and not devices:
+    if wanted not in (AUTO, CPU.name) and not devices:
         raise NoDevicesError(wanted, fs.root)
     if not devices:
         devices += cpu_standins(nodes, allowed_cpus, options.cpu_ranks)

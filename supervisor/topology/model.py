@@ -12,9 +12,7 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Literal
 
-DeviceKind = Literal["nvidia", "amd", "ascend", "pci", "cpu"]
-"""`pci`: a device named by address in the config; `cpu`: a NUMA node standing
-in for a device on a host without accelerators (the demo)."""
+from supervisor.topology.accelerators import AUTO, AcceleratorSetting, DeviceKind, kind_rank
 
 Locality = Literal["numa_node", "local_cpulist", "ubcore", "config", "unknown"]
 """Where a device's NUMA node came from; `unknown` means plan by global slice."""
@@ -107,15 +105,14 @@ class Device:
         return f"{self.kind}{self.index}"
 
 
-# Devices order by kind, then index: accelerators before config-named PCI
-# devices before CPU stand-ins. Discovery lists them so; ranks follow the
-# visibility list within a kind (rank_order).
-KIND_ORDER: dict[str, int] = {"nvidia": 0, "amd": 1, "ascend": 2, "pci": 3, "cpu": 4}
+# Devices order by kind (the registry's order: accelerators before
+# config-named PCI devices before CPU stand-ins), then index. Discovery lists
+# them so; ranks follow the visibility list within a kind (rank_order).
 
 
 def device_order(device: Device) -> tuple[int, int]:
-    """Sort key of devices on the host: kind (KIND_ORDER), then index (PCI bus order)."""
-    return (KIND_ORDER.get(device.kind, len(KIND_ORDER)), device.index)
+    """Sort key of devices on the host: kind (accelerators.KINDS), then index (PCI bus order)."""
+    return (kind_rank(device.kind), device.index)
 
 
 def rank_order(device: Device) -> tuple[int, int, int]:
@@ -123,7 +120,7 @@ def rank_order(device: Device) -> tuple[int, int, int]:
     (DESIGN 3.3: rank r drives the r-th device of the list), then index; a
     device without an ordinal counts by its index (PCI bus order)."""
     ordinal = device.index if device.ordinal is None else device.ordinal
-    return (KIND_ORDER.get(device.kind, len(KIND_ORDER)), ordinal, device.index)
+    return (kind_rank(device.kind), ordinal, device.index)
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,7 +177,7 @@ class DiscoveryOptions:
     caller read them; discovery never reads os.environ itself.
     """
 
-    accelerator: Literal["auto", "nvidia", "amd", "ascend", "pci", "cpu"] = "auto"
+    accelerator: AcceleratorSetting = AUTO
     pci_devices: tuple[str, ...] = ()  # config `devices = [...]`: any vendor, by address
     cpu_ranks: int = 1  # without accelerators: at least this many `cpu` stand-in devices
     env: tuple[tuple[str, str], ...] = ()

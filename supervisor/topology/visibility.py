@@ -2,11 +2,10 @@
 
 DESIGN 3.1: unset = all; empty or "-1" = none; else comma-separated indices
 into the kind's devices (NVIDIA also "GPU-<uuid>", any unique prefix, as
-CUDA accepts). A negative entry ends the list, as in CUDA (entries after it
-are ignored). AMD: ROCR_VISIBLE_DEVICES selects first and
-HIP_VISIBLE_DEVICES indexes into what ROCR left, as the ROCm docs describe.
-The list is ordered: its order is the device ordinal the engine sees, and
-so the rank order (DESIGN 3.3).
+CUDA accepts). A negative entry ends the list, as in CUDA. A kind's
+variables (accelerators.AcceleratorKind.visibility) apply in order, each
+indexing into what the ones before it left. The list's order is the device
+ordinal the engine sees, and so the rank order (DESIGN 3.3).
 """
 
 from __future__ import annotations
@@ -15,23 +14,11 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 from supervisor.errors import TopologyError
-from supervisor.topology.model import Device, DeviceKind
+from supervisor.topology.accelerators import BY_NAME, VISIBILITY_VARIABLES
+from supervisor.topology.model import Device
 
-VARIABLES: dict[DeviceKind, tuple[str, ...]] = {
-    "nvidia": ("CUDA_VISIBLE_DEVICES",),
-    "amd": ("ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES"),
-    "ascend": ("ASCEND_RT_VISIBLE_DEVICES",),
-}
-
-
-# The variables with the CUDA meaning of DESIGN 3.1. Discovery never reads
-# os.environ itself: the CLI and the daemon hand these over.
-VISIBILITY_VARIABLES = (
-    "CUDA_VISIBLE_DEVICES",
-    "ASCEND_RT_VISIBLE_DEVICES",
-    "HIP_VISIBLE_DEVICES",
-    "ROCR_VISIBLE_DEVICES",
-)
+# VISIBILITY_VARIABLES have the CUDA meaning of DESIGN 3.1. Discovery never
+# reads os.environ itself: the CLI and the daemon hand them over.
 
 
 def visibility_env(environ: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
@@ -39,7 +26,9 @@ def visibility_env(environ: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
     return tuple(sorted((k, environ[k]) for k in VISIBILITY_VARIABLES if k in environ))
 
 
-def _resolve_entry(entry: str, var: str, value: str, devices: list[Device]) -> Device:
+def _resolve_entry(
+    entry: str, var: str, value: str, devices: list[Device], uuid_prefix: str | None
+) -> Device:
     if entry.isdigit():
         pos = int(entry)
         if pos >= len(devices):
@@ -48,7 +37,7 @@ def _resolve_entry(entry: str, var: str, value: str, devices: list[Device]) -> D
                 f"{devices[0].kind if devices else ''} devices are visible to it"
             )
         return devices[pos]
-    if entry.upper().startswith("GPU-") and var == "CUDA_VISIBLE_DEVICES":
+    if uuid_prefix is not None and entry.upper().startswith(uuid_prefix):
         matches = [d for d in devices if d.uuid and d.uuid.lower().startswith(entry.lower())]
         if len(matches) == 1:
             return matches[0]
@@ -57,8 +46,11 @@ def _resolve_entry(entry: str, var: str, value: str, devices: list[Device]) -> D
     raise TopologyError(f"{var}={value!r}: {entry!r} is not a device index")
 
 
-def parse_visible(value: str, var: str, devices: list[Device]) -> list[Device]:
-    """The devices `value` selects from `devices`, in the order it names them."""
+def parse_visible(
+    value: str, var: str, devices: list[Device], uuid_prefix: str | None = None
+) -> list[Device]:
+    """The devices `value` selects from `devices`, in the order it names them
+    (by UUID too, for entries starting with `uuid_prefix`)."""
     body = value.strip()
     if body in {"", "-1"}:
         return []
@@ -67,7 +59,7 @@ def parse_visible(value: str, var: str, devices: list[Device]) -> list[Device]:
         entry = raw.strip()
         if entry.startswith("-"):
             break
-        device = _resolve_entry(entry, var, value, devices)
+        device = _resolve_entry(entry, var, value, devices, uuid_prefix)
         if device not in selected:
             selected.append(device)
     return selected
@@ -86,9 +78,11 @@ def apply_visibility(devices: tuple[Device, ...], env: Mapping[str, str]) -> tup
     ordinals: dict[tuple[str, int], int] = {}
     for kind in dict.fromkeys(d.kind for d in devices):
         pool = sorted((d for d in devices if d.kind == kind), key=lambda d: d.index)
-        for var in VARIABLES.get(kind, ()):
-            if var in env:
-                pool = parse_visible(env[var], var, pool)
+        record = BY_NAME.get(kind)
+        if record is not None:
+            for var in record.visibility:
+                if var in env:
+                    pool = parse_visible(env[var], var, pool, record.uuid_prefix)
         ordinals.update({(d.kind, d.index): pos for pos, d in enumerate(pool)})
     return tuple(
         replace(

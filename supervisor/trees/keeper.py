@@ -35,9 +35,10 @@ from types import MappingProxyType
 from supervisor.errors import KernelError
 from supervisor.hostfs import HostFS
 from supervisor.logs import format_fields
+from supervisor.plan.keys import ProcKey, key_label
 from supervisor.procfs.identity import ProcessId
 from supervisor.procfs.stat import read_proc_stat
-from supervisor.state import ProcKey, StateStore, TreeMember, key_label
+from supervisor.state import StateStore, TreeMember
 from supervisor.trees.guardian import Guardian
 from supervisor.trees.proc_events import ProcEvent, ProcEvents, open_proc_events
 from supervisor.trees.tree import (

@@ -14,16 +14,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 from supervisor.plan.placement import Placement
+from supervisor.topology.accelerators import CPU, device_index
 
 SourceKind = Literal["env", "cmdline", "device"]
-# Accelerator device nodes a worker holds open: the number is the device index.
-# /dev/nvidiaN is the NVIDIA minor number, /dev/davinciN the Ascend NPU id,
-# /dev/dri/renderD(128+N) the N-th render node (AMD).
-DEVICE_NODES = (
-    (re.compile(r"^/dev/nvidia(\d+)$"), 0),
-    (re.compile(r"^/dev/davinci(\d+)$"), 0),
-    (re.compile(r"^/dev/dri/renderD(\d+)$"), 128),
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,14 +66,10 @@ class ProcFacts:
 
 
 def device_indexes(open_files: Sequence[str]) -> list[int]:
-    """Accelerator device indexes of the device nodes among `open_files` (pure)."""
-    found: list[int] = []
-    for path in open_files:
-        for pattern, base in DEVICE_NODES:
-            m = pattern.match(path)
-            if m is not None and int(m.group(1)) >= base:
-                found.append(int(m.group(1)) - base)
-    return sorted(set(found))
+    """Accelerator device indexes of the device nodes among `open_files` (pure):
+    each kind's `device_nodes` (accelerators), e.g. the NVIDIA minor number."""
+    found = (device_index(path) for path in open_files)
+    return sorted({i for i in found if i is not None})
 
 
 def resolve_rank(
@@ -125,5 +114,7 @@ def _integer(text: str | None, table: Mapping[int, int]) -> int | None:
 def rank_tables(placement: Placement) -> tuple[dict[int, int], dict[int, int]]:
     """(local rank -> rank, device index -> rank) of the plan (pure)."""
     local = {r.local_rank: r.rank for r in placement.ranks}
-    devices = {d.index: r.rank for r in placement.ranks for d in r.all_devices if d.kind != "cpu"}
+    devices = {
+        d.index: r.rank for r in placement.ranks for d in r.all_devices if d.kind != CPU.name
+    }
     return local, devices

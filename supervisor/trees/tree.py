@@ -21,10 +21,11 @@ from dataclasses import dataclass, replace
 
 from supervisor.hostfs import HostFS
 from supervisor.logs import format_fields
+from supervisor.plan.keys import ProcKey
 from supervisor.procfs.files import read_cmdline
 from supervisor.procfs.identity import ProcessId
 from supervisor.procfs.stat import ProcStat, parse_proc_stat
-from supervisor.state import ProcKey, StateStore, TreeMember
+from supervisor.state import StateStore, TreeMember
 
 CMDLINE_MAX_CHARS = 512  # /placement shows this much of a member's command line
 

@@ -26,10 +26,10 @@ from supervisor.cpulist import format_cpulist
 from supervisor.errors import Gone, KernelError, translate_oserror
 from supervisor.hostfs import HostFS
 from supervisor.logs import format_fields
+from supervisor.plan.keys import ProcKey, key_label
 from supervisor.plan.placement import Slot
 from supervisor.plan.replan import AllowedSet
 from supervisor.procfs.identity import is_leader_since, is_thread_of
-from supervisor.state import ProcKey, key_label
 from supervisor.watch.decide import Decision, MemoryMove, ThreadBind
 from supervisor.watch.scan import IrqKeeperLike
 from supervisor.watch.settle import Outcome, Outcomes

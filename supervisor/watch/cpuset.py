@@ -31,9 +31,10 @@ from dataclasses import dataclass
 from supervisor.cpulist import format_cpulist
 from supervisor.errors import KernelError, SupervisorError
 from supervisor.events import Recorder
+from supervisor.plan.keys import ProcKey, key_label
 from supervisor.plan.placement import Placement, PlanSettings, Slot
 from supervisor.plan.replan import AllowedSet, changed_keys, replan, same_processes, slots_by_key
-from supervisor.state import ProcKey, StateStore, key_label
+from supervisor.state import StateStore
 from supervisor.topology.model import Topology
 from supervisor.watch.apply import Applier
 from supervisor.watch.scan import IrqKeeperLike

@@ -27,16 +27,15 @@ from typing import Any, Literal
 
 from supervisor.config import DriftConfig, DriftPolicy
 from supervisor.cpulist import format_cpulist
+from supervisor.plan.keys import ProcKey, key_label
 from supervisor.plan.placement import Slot
 from supervisor.state import (
     DRIFT_KINDS,
     DriftKind,
     Finding,
     Observation,
-    ProcKey,
     RebindReason,
     ThreadObservation,
-    key_label,
 )
 from supervisor.watch.drift import apply_policy, diff, target_id
 

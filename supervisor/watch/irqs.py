@@ -35,8 +35,9 @@ from supervisor.cpulist import format_cpulist
 from supervisor.errors import Denied, KernelError
 from supervisor.hostfs import HostFS
 from supervisor.logs import format_fields
+from supervisor.plan.keys import ProcKey, key_label
 from supervisor.plan.placement import IrqAssignment, Placement
-from supervisor.state import EventKind, IrqObservation, ProcKey, key_label
+from supervisor.state import EventKind, IrqObservation
 from supervisor.watch.drift import irq_drifted
 from supervisor.watch.observe import read_irq_delivery
 

@@ -23,25 +23,20 @@ from concurrent.futures import Executor
 from typing import Any
 
 from supervisor.bind.binder import Binder
-from supervisor.config import DriftConfig, ThreadRole
+from supervisor.config import DriftConfig
 from supervisor.errors import SupervisorError
 from supervisor.events import Recorder
 from supervisor.hostfs import HostFS
 from supervisor.logs import format_fields
+from supervisor.plan.keys import ProcessKind, ProcKey, ThreadRole, key_label
 from supervisor.plan.placement import Slot
 from supervisor.plan.replan import (
     AllowedSet,
     allowed_of,
     mems_changed,
 )
-from supervisor.plan.threads import (
-    DEFAULT_THREAD_ROLES,
-    ProcessKind,
-    RoleMatcher,
-    role_kinds,
-    with_engine_roles,
-)
-from supervisor.state import Finding, Observation, ProcessStatus, ProcKey, StateStore, key_label
+from supervisor.plan.threads import DEFAULT_THREAD_ROLES, RoleMatcher, role_kinds, with_engine_roles
+from supervisor.state import Finding, Observation, ProcessStatus, StateStore
 from supervisor.watch.apply import Applier, CgroupsLike
 from supervisor.watch.cpuset import Moved, Replanner, Replanning
 from supervisor.watch.decide import Cause, Decision, Policy, Seen, after_replan, decide

@@ -17,12 +17,12 @@ from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Literal
 
-from supervisor.config import ThreadRole
 from supervisor.cpulist import parse_cpulist
 from supervisor.errors import Gone, translate_oserror
 from supervisor.hostfs import HostFS
+from supervisor.plan.keys import ProcessKind, ThreadRole
 from supervisor.plan.placement import Slot
-from supervisor.plan.threads import LiveThread, ProcessKind, RoleMatcher
+from supervisor.plan.threads import LiveThread, RoleMatcher
 from supervisor.procfs.files import list_tids, parse_status_thread
 from supervisor.procfs.identity import read_thread_start
 from supervisor.procfs.numa_maps import read_numa_maps

@@ -14,7 +14,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from supervisor.events import Recorder
-from supervisor.state import Finding, Observation, ProcKey, key_label
+from supervisor.plan.keys import ProcKey, key_label
+from supervisor.state import Finding, Observation
 from supervisor.watch.decide import Decision
 from supervisor.watch.scan import Supervised
 from supervisor.watch.settle import Outcomes, Settled, drift_outcomes

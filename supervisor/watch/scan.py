@@ -23,15 +23,15 @@ from supervisor.bind.cgroup import CgroupManager, ProcessCgroup
 from supervisor.errors import Gone, KernelError, SupervisorError
 from supervisor.events import FactLike
 from supervisor.hostfs import HostFS
+from supervisor.plan.keys import ProcessKind, ProcKey
 from supervisor.plan.placement import Placement, Slot
 from supervisor.plan.replan import AllowedSet, normalize_allowed
-from supervisor.plan.threads import ProcessKind, RoleMatcher, role_kinds
+from supervisor.plan.threads import RoleMatcher, role_kinds
 from supervisor.procfs.identity import is_leader_since
 from supervisor.state import (
     IrqObservation,
     Observation,
     ProcessStatus,
-    ProcKey,
     ThreadObservation,
     TreeMember,
 )

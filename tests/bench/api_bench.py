@@ -39,6 +39,7 @@ from prometheus_client.exposition import choose_encoder
 
 from supervisor.config import ApiConfig
 from supervisor.serve.documents import PlacementRenderer
+from supervisor.serve.listen import parse_listen
 from supervisor.serve.metrics import build_collector
 from supervisor.serve.server import ApiServer
 from supervisor.state import StateStore
@@ -160,7 +161,7 @@ async def _bench(requests: int, clients: int, rounds: int) -> list[tuple[str, di
     snap = synthetic_snapshot(RANKS, THREADS)
     store = StateStore(snap)
     actions = RecordingActions(tuple(r.rank for r in snap.placement.ranks))
-    server = ApiServer(store, actions, ApiConfig(listen="127.0.0.1:0"))
+    server = ApiServer(store, actions, ApiConfig(listen=parse_listen("127.0.0.1:0")))
 
     # Bodies of the same size as the endpoints' (their first render): what is
     # left of a gap to these is the handler, not moving more bytes.

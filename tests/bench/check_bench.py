@@ -29,8 +29,8 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 
-from supervisor.config import ThreadRole
 from supervisor.hostfs import HostFS
+from supervisor.plan.keys import ThreadRole
 from supervisor.plan.placement import Slot
 from supervisor.plan.threads import RoleMatcher
 from supervisor.procfs.numa_maps import read_numa_maps

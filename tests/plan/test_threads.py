@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.config import ThreadRole, load_config
+from supervisor.config import load_config
+from supervisor.plan.keys import ThreadRole
 from supervisor.plan.placement import Slot
 from supervisor.plan.threads import (
     DEFAULT_THREAD_ROLES,

@@ -54,7 +54,7 @@ def test_every_shipped_config_loads(path: Path) -> None:
 def test_demo_config_is_what_the_readme_promises() -> None:
     config = load_config(str(CONFIGS / "demo.toml"))
     assert config.accelerator == "auto" and config.cpu_ranks == 2
-    assert config.api.listen == "127.0.0.1:9477"
+    assert str(config.api.listen) == "127.0.0.1:9477"
     roles = {(t.role, t.process, t.pattern) for t in config.threads}
     assert ("so_compiler", "engine", "so-compile-*") in roles
     assert ("comm", "workers", "comm*") in roles

@@ -22,9 +22,10 @@ from typing import Any
 
 import pytest
 
-from supervisor.config import ThreadRole, parse_config
+from supervisor.config import parse_config
 from supervisor.errors import ConfigError
 from supervisor.hook import HOOK_DIR, HOOK_ENV, hook_env, hook_roles
+from supervisor.plan.keys import ThreadRole
 from supervisor.plan.placement import Placement, Slot
 from supervisor.plan.threads import role_for_thread
 from supervisor.run.spec import build_specs

@@ -23,7 +23,7 @@ from supervisor.config import ApiConfig
 from supervisor.errors import ConfigError, SupervisorError
 from supervisor.plan.placement import Placement
 from supervisor.serve.documents import PlacementRenderer, placement_doc
-from supervisor.serve.listen import Listen
+from supervisor.serve.listen import Listen, parse_listen
 from supervisor.serve.server import ApiServer, ListenError
 from supervisor.serve.status import http_request
 from supervisor.state import Event, Observation, ProcessStatus, StateStore
@@ -43,7 +43,9 @@ def token_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, token_file: Path) -> Iterator[ServerThread]:
     sock = tmp_path_factory.mktemp("sock") / "api.sock"
-    config = ApiConfig(listen="127.0.0.1:0", unix_socket=str(sock), token_file=str(token_file))
+    config = ApiConfig(
+        listen=parse_listen("127.0.0.1:0"), unix_socket=str(sock), token_file=str(token_file)
+    )
     with ServerThread(realistic_snapshot(), config) as srv:
         yield srv
     # No handler may block the loop: the whole module ran in asyncio debug mode.
@@ -308,7 +310,7 @@ def test_unix_socket_needs_no_token(server: ServerThread) -> None:
 
 def test_without_a_token_file_tcp_changes_are_refused(tmp_path: Path) -> None:
     sock = tmp_path / "api.sock"
-    config = ApiConfig(listen="127.0.0.1:0", unix_socket=str(sock))
+    config = ApiConfig(listen=parse_listen("127.0.0.1:0"), unix_socket=str(sock))
     with ServerThread(realistic_snapshot(), config) as srv:
         for path in ("/rebind", "/ranks/0/restart"):
             code, _, doc = get(srv.tcp, path, method="POST", headers=bearer(TOKEN))
@@ -401,7 +403,7 @@ class _FailingActions:
 
 
 def test_action_errors_map_to_status_codes_without_tracebacks(tmp_path: Path) -> None:
-    config = ApiConfig(listen="127.0.0.1:0", unix_socket=str(tmp_path / "s"))
+    config = ApiConfig(listen=parse_listen("127.0.0.1:0"), unix_socket=str(tmp_path / "s"))
     secret = "internal detail /etc/shadow"
     with ServerThread(
         realistic_snapshot(), config, actions=_FailingActions(RuntimeError(secret))
@@ -500,13 +502,15 @@ def test_stale_socket_is_replaced_but_a_plain_file_is_not(tmp_path: Path) -> Non
 def test_unreadable_token_file_is_a_config_error(tmp_path: Path) -> None:
     missing = tmp_path / "missing"
     srv = ServerThread(
-        realistic_snapshot(), ApiConfig(listen="127.0.0.1:0", token_file=str(missing))
+        realistic_snapshot(), ApiConfig(listen=parse_listen("127.0.0.1:0"), token_file=str(missing))
     )
     with pytest.raises(ConfigError, match=r"missing: api\.token_file: cannot read"):
         srv.__enter__()
     empty = tmp_path / "empty"
     empty.write_text("\n")
-    srv = ServerThread(realistic_snapshot(), ApiConfig(listen="127.0.0.1:0", token_file=str(empty)))
+    srv = ServerThread(
+        realistic_snapshot(), ApiConfig(listen=parse_listen("127.0.0.1:0"), token_file=str(empty))
+    )
     with pytest.raises(ConfigError, match="empty"):
         srv.__enter__()
 
@@ -516,7 +520,7 @@ def test_processes_without_status_yet_are_shown_as_starting(tmp_path: Path) -> N
     snap = replace(
         snap, processes={"engine": ProcessStatus("engine", "running", pid=5)}, observed={}, drift={}
     )
-    with ServerThread(snap, ApiConfig(listen=f"unix:{tmp_path / 's'}")) as srv:
+    with ServerThread(snap, ApiConfig(listen=parse_listen(f"unix:{tmp_path / 's'}"))) as srv:
         where = Listen(path=str(tmp_path / "s"))
         _, _, body = http_request(where, "GET", "/placement")
         doc = json.loads(body)

@@ -16,6 +16,7 @@ from supervisor.config import ApiConfig
 from supervisor.cpulist import format_cpulist
 from supervisor.errors import EXIT_NOT_READY
 from supervisor.serve.documents import placement_doc
+from supervisor.serve.listen import parse_listen
 from supervisor.serve.status import render_status, status_command, status_exit_code
 from supervisor.state import Finding
 from tests.support.api_fixture import ServerThread, realistic_snapshot
@@ -35,7 +36,7 @@ from tests.support.daemon_support import (
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
     sock = tmp_path_factory.mktemp("status") / "api.sock"
-    config = ApiConfig(listen="127.0.0.1:0", unix_socket=str(sock))
+    config = ApiConfig(listen=parse_listen("127.0.0.1:0"), unix_socket=str(sock))
     with ServerThread(realistic_snapshot(), config) as srv:
         yield srv
 

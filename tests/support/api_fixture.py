@@ -29,6 +29,7 @@ from types import MappingProxyType
 from typing import Any, TypeVar
 
 from supervisor.config import ApiConfig
+from supervisor.plan.keys import ProcKey
 from supervisor.plan.placement import DeviceRef, Placement, PlanSettings, RankPlacement, Slot
 from supervisor.plan.planner import plan
 from supervisor.serve.listen import Listen, parse_listen
@@ -39,7 +40,6 @@ from supervisor.state import (
     IrqObservation,
     Observation,
     ProcessStatus,
-    ProcKey,
     Snapshot,
     StateStore,
     ThreadObservation,
@@ -277,7 +277,9 @@ async def _serve(listen: str, interval_s: float) -> None:
     snap = realistic_snapshot()
     store = StateStore(snap)
     store.emit("spawn", 0, "spawned rank 0", pid=snap.processes[0].pid)
-    server = ApiServer(store, RecordingActions(("engine", 0, 1, 2, 3)), ApiConfig(listen=listen))
+    server = ApiServer(
+        store, RecordingActions(("engine", 0, 1, 2, 3)), ApiConfig(listen=parse_listen(listen))
+    )
     await server.start()
     print(json.dumps({"addresses": list(server.addresses)}), flush=True)
     stop = asyncio.Event()

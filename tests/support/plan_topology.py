@@ -13,7 +13,8 @@ from typing import Literal
 
 from hypothesis import strategies as st
 
-from supervisor.topology.model import Allowed, Cpu, Device, DeviceKind, Node, Topology
+from supervisor.topology.accelerators import DeviceKind
+from supervisor.topology.model import Allowed, Cpu, Device, Node, Topology
 
 GIB = 1 << 30
 

@@ -25,7 +25,7 @@ from supervisor.config import parse_config
 from supervisor.errors import ConfigError
 from supervisor.hostfs import HostFS
 from supervisor.trees.adopt import read_proc_facts
-from supervisor.trees.rank_source import ProcFacts, parse_rank_source, resolve_rank
+from supervisor.trees.rank_source import ProcFacts, RankSource, parse_rank_source, resolve_rank
 from tests.support.children import thread_cpus
 from tests.support.daemon_support import (
     INSTANCE_ENV,
@@ -125,7 +125,13 @@ def test_config_adopted_workers() -> None:
     cfg = parse_config({"engine": {"command": ["e"]}, "workers": WORKERS})
     assert cfg.workers.spawned_by == "engine"
     assert cfg.workers.command == ()
-    assert cfg.workers.rank_from == ("env:LOCAL_RANK",)
+    # Parsed once, at load time: the daemon hands these very sources to the adopter.
+    assert cfg.workers.rank_from == (RankSource("env", name="LOCAL_RANK"),)
+    assert [str(s) for s in cfg.workers.rank_from] == ["env:LOCAL_RANK"]
+    sources = ["device", r"cmdline:TP(\d+)"]
+    cfg = parse_config({"engine": {"command": ["e"]}, "workers": {**WORKERS, "rank_from": sources}})
+    assert [s.kind for s in cfg.workers.rank_from] == ["device", "cmdline"]
+    assert [str(s) for s in cfg.workers.rank_from] == sources
 
 
 def test_read_proc_facts_from_a_fixture_tree(tmp_path: Path) -> None:

@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 
 from supervisor.hostfs import HostFS
+from supervisor.plan.keys import ProcKey
 from supervisor.plan.placement import Placement
-from supervisor.state import ProcKey, Snapshot, StateStore
+from supervisor.state import Snapshot, StateStore
 from supervisor.topology.discover import read_topology
 from supervisor.trees.keeper import FULL_PASS_EVERY, TreeKeeper
 from supervisor.trees.proc_events import ProcEvent, ProcEvents, open_proc_events, parse_proc_events

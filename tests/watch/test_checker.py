@@ -23,8 +23,8 @@ import uvloop
 from supervisor.config import Config, parse_config
 from supervisor.daemon import Daemon, prepare
 from supervisor.hostfs import HostFS
+from supervisor.plan.keys import ProcKey
 from supervisor.plan.placement import Placement, RankPlacement, Slot
-from supervisor.state import ProcKey
 from supervisor.watch.loop import CheckLoop
 from tests.support.children import NAMED_THREADS_CHILD, write_child
 from tests.support.daemon_support import DEMO_WORKER, free_port, merge_config, to_toml

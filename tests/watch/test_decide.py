@@ -15,8 +15,9 @@ from typing import Any
 
 import pytest
 
-from supervisor.config import DriftConfig, ThreadRole
+from supervisor.config import DriftConfig
 from supervisor.errors import translate_oserror
+from supervisor.plan.keys import ThreadRole
 from supervisor.plan.placement import Slot
 from supervisor.plan.threads import RoleMatcher
 from supervisor.state import IrqObservation, Observation, ThreadObservation

@@ -7,9 +7,10 @@ from types import MappingProxyType
 
 import pytest
 
-from supervisor.config import DriftConfig, ThreadRole
+from supervisor.config import DriftConfig
 from supervisor.cpulist import format_cpulist
 from supervisor.hostfs import HostFS
+from supervisor.plan.keys import ThreadRole
 from supervisor.plan.placement import Slot
 from supervisor.state import Finding, IrqObservation, Observation, ThreadObservation
 from supervisor.watch.drift import apply_policy, diff, irq_drifted, target_id

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.config import ThreadRole
 from supervisor.cpulist import parse_cpulist
 from supervisor.errors import Gone
 from supervisor.hostfs import HostFS
+from supervisor.plan.keys import ThreadRole
 from supervisor.plan.placement import Slot
 from supervisor.plan.threads import LiveThread
 from supervisor.procfs.files import parse_status_thread

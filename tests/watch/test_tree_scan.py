@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from supervisor.config import ThreadRole
+from supervisor.plan.keys import ThreadRole
 from supervisor.plan.placement import Slot
 from supervisor.plan.threads import RoleMatcher, role_kinds, with_engine_roles
 from tests.support.children import thread_cpus
