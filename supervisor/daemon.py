@@ -27,6 +27,7 @@ from dataclasses import replace
 from types import MappingProxyType
 from typing import Any, Protocol
 
+from supervisor.bind.fdlimit import FdLimit, raise_fd_limit
 from supervisor.config import (
     Config,
     check_listen,
@@ -576,6 +577,7 @@ def run_command(args: argparse.Namespace) -> int:
     """
     env = dict(os.environ)
     setup_logging(env)
+    _log_fd_limit(raise_fd_limit())
     if not getattr(args, "config", None):
         raise ConfigError("run: --config FILE is required")
     config = load_config(args.config)
@@ -609,6 +611,20 @@ def run_command(args: argparse.Namespace) -> int:
     )
     with lock:
         return run_loop(daemon.run())
+
+
+def _log_fd_limit(limit: FdLimit) -> None:
+    """One line at start: the soft RLIMIT_NOFILE the daemon runs with, and whence."""
+    log.info(
+        "fd limit %s",
+        format_fields(
+            soft_before=limit.soft_before,
+            soft=limit.soft,
+            hard=limit.hard,
+            error=limit.error,
+            action="raise" if limit.soft != limit.soft_before else "keep",
+        ),
+    )
 
 
 def run_loop(main: Awaitable[int]) -> int:
