@@ -577,7 +577,6 @@ def run_command(args: argparse.Namespace) -> int:
     """
     env = dict(os.environ)
     setup_logging(env)
-    _log_fd_limit(raise_fd_limit())
     if not getattr(args, "config", None):
         raise ConfigError("run: --config FILE is required")
     config = load_config(args.config)
@@ -586,6 +585,7 @@ def run_command(args: argparse.Namespace) -> int:
         check_listen("--listen", listen)
     if config.api.token_file is not None:
         read_token_file(config.api.token_file)  # a bad token file stops us before any spawn
+    _log_fd_limit(raise_fd_limit())  # before the API sizes its cap from it
     # Before any cgroup or process is touched: a second daemon of this config
     # (whatever its --listen) would share them. Held until this returns (the
     # kernel drops it at exit, however this process ends).
