@@ -230,6 +230,9 @@ class ApiProtocol(web.RequestHandler):
     async def finish_response(
         self, request: web.BaseRequest, resp: web.StreamResponse, start_time: float | None
     ) -> tuple[web.StreamResponse, bool]:
+        # An answer without the route's middleware (a 413 on Content-Length,
+        # an error answer) ends the request's header clock here.
+        self._stop_header_clock()
         try:
             return await super().finish_response(request, resp, start_time)
         finally:

@@ -201,3 +201,18 @@ def test_the_fd_budget_keeps_a_reserve_under_the_soft_limit() -> None:
     big = plan_fd_budget(60000, 65536)
     assert big.reserve_fds == 65536 // 4 and big.max_connections == 65536 - 65536 // 4
     assert plan_fd_budget(256, 100).max_connections == 1  # never none at all
+
+
+def test_a_413_before_the_body_is_read_stops_the_header_clock() -> None:
+    # aiohttp lingers body_timeout_s reading the unsent body, then closes:
+    # longer than the header clock, which must not fire meanwhile.
+    with serve(header_timeout_s=0.3, body_timeout_s=1.0, idle_timeout_s=30) as srv:
+        with socket.create_connection(addr(srv), timeout=10) as sock:
+            sock.sendall(b"POST /rebind HTTP/1.1\r\nHost: x\r\nContent-Length: 99999999\r\n\r\n")
+            head = sock.recv(65536)
+            assert head.startswith(b"HTTP/1.1 413")
+            started = time.monotonic()
+            read_all(sock)  # closed by the server after lingering
+            waited = time.monotonic() - started
+        assert waited >= 0.5  # the header clock's 0.3 s passed while the connection lived
+        assert counter(srv, "header_timeout") == 0
