@@ -41,6 +41,7 @@ DriftPolicy = Literal["observe", "enforce"]
 DEFAULT_LISTEN = "127.0.0.1:9477"
 MAX_CPU_RANKS = 1024  # stand-in ranks on a host without accelerators; more is a typo
 MIN_CHECK_INTERVAL_S = 0.05  # below this the check loop would only measure itself
+MAX_API_CONNECTIONS = 65536  # one fd each: more than any API client needs; more is a typo
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +117,13 @@ class ApiConfig:
     listen: Listen = field(default_factory=lambda: parse_listen(DEFAULT_LISTEN))
     unix_socket: str | None = None  # an extra socket (mode 0600): changing calls need no token
     token_file: str | None = None
+    # Open API connections at most (TCP and unix together); one more is
+    # answered 503 and closed. Lowered at start so that the file descriptors
+    # spawning and watching need stay free (supervisor.serve.guard).
+    max_connections: int = 256
+    header_timeout_s: float = 10.0  # first byte of a request to its last header line
+    body_timeout_s: float = 30.0  # a request body read to its end
+    idle_timeout_s: float = 60.0  # a keep-alive connection waiting for its next request
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,6 +242,21 @@ def _drift(t: Table) -> DriftConfig:
     return cfg
 
 
+def _api(t: Table, listen: Listen) -> ApiConfig:
+    d = ApiConfig()
+    api = ApiConfig(
+        listen,
+        t.text("unix_socket", None),
+        t.text("token_file", None),
+        max_connections=t.integer("max_connections", d.max_connections, 1, MAX_API_CONNECTIONS),
+        header_timeout_s=t.number("header_timeout_s", d.header_timeout_s, 0.0, strict=True),
+        body_timeout_s=t.number("body_timeout_s", d.body_timeout_s, 0.0, strict=True),
+        idle_timeout_s=t.number("idle_timeout_s", d.idle_timeout_s, 0.0, strict=True),
+    )
+    t.done()
+    return api
+
+
 def parse_config(doc: Mapping[str, Any], file: str = "<config>") -> Config:
     """Validate a parsed TOML document into a Config (pure)."""
     top = Table(doc, "", file)
@@ -285,8 +308,7 @@ def parse_config(doc: Mapping[str, Any], file: str = "<config>") -> Config:
     irq_t.done()
     api_t = top.table("api")
     listen = parse_listen(api_t.text("listen", DEFAULT_LISTEN), f"{file}: api.listen")
-    api = ApiConfig(listen, api_t.text("unix_socket", None), api_t.text("token_file", None))
-    api_t.done()
+    api = _api(api_t, listen)
     cfg = Config(
         path=file,
         engine=engine,

@@ -27,6 +27,7 @@ from dataclasses import replace
 from types import MappingProxyType
 from typing import Any, Protocol
 
+from supervisor.bind.fdlimit import FdLimit, raise_fd_limit
 from supervisor.config import (
     Config,
     check_listen,
@@ -584,6 +585,7 @@ def run_command(args: argparse.Namespace) -> int:
         check_listen("--listen", listen)
     if config.api.token_file is not None:
         read_token_file(config.api.token_file)  # a bad token file stops us before any spawn
+    _log_fd_limit(raise_fd_limit())  # before the API sizes its cap from it
     # Before any cgroup or process is touched: a second daemon of this config
     # (whatever its --listen) would share them. Held until this returns (the
     # kernel drops it at exit, however this process ends).
@@ -609,6 +611,20 @@ def run_command(args: argparse.Namespace) -> int:
     )
     with lock:
         return run_loop(daemon.run())
+
+
+def _log_fd_limit(limit: FdLimit) -> None:
+    """One line at start: the soft RLIMIT_NOFILE the daemon runs with, and whence."""
+    log.info(
+        "fd limit %s",
+        format_fields(
+            soft_before=limit.soft_before,
+            soft=limit.soft,
+            hard=limit.hard,
+            error=limit.error,
+            action="raise" if limit.soft != limit.soft_before else "keep",
+        ),
+    )
 
 
 def run_loop(main: Awaitable[int]) -> int:

@@ -57,6 +57,12 @@ EVENTS_KEPT = 1000
 # The counter label of failures that belong to no process (the instance
 # cgroup, an IRQ re-plan); metrics export them apart from `rank` ones.
 HOST_LABEL = "supervisor"
+# Why the API answered a request 4xx before any route saw it (supervisor.serve.guard):
+# a header line or the header block over its limit (431), a request line or header
+# the parser refused (400), headers or a body slower than api.header_timeout_s /
+# api.body_timeout_s (closed; 408 for the body).
+HttpBadReason = Literal["headers_too_large", "malformed", "header_timeout", "body_timeout"]
+HTTP_BAD_REASONS: tuple[HttpBadReason, ...] = get_args(HttpBadReason)
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,6 +190,9 @@ class Counters:
     unnamed_processes: int = 0  # engine-tree processes no rank_from source named
     process_read_failures: int = 0  # tree members whose /proc files could not be read
     cpuset_changes: int = 0
+    # The API's malformed or too slow requests (supervisor.serve.guard), by reason.
+    http_bad_requests: Mapping[str, int] = field(default_factory=dict)
+    http_connections_refused: int = 0  # over api.max_connections: answered 503, closed
     checks: int = 0
     check_seconds_sum: float = 0.0
     last_check_duration_s: float = 0.0
@@ -312,7 +321,9 @@ class StateStore:
 
     def count(
         self,
-        counter: Literal["bind_failures", "drift_events", "rebinds", "restarts", "adoptions"],
+        counter: Literal[
+            "bind_failures", "drift_events", "rebinds", "restarts", "adoptions", "http_bad_requests"
+        ],
         label: tuple[str, ...] | str,
         n: int = 1,
     ) -> None:

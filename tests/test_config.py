@@ -320,3 +320,43 @@ def test_a_window_or_a_backoff_alone_may_be_zero() -> None:
         parse_config({"workers": {"command": "w"}, "restart": restart})
     ready = {"tcp": "127.0.0.1:65535"}
     assert parse_config({"workers": {"command": "w"}, "engine": {"command": "e"}, "ready": ready})
+
+
+# -- [api] connection limits --------------------------------------------------------------
+
+
+def test_api_connection_limits_default_and_load(tmp_path: Path) -> None:
+    cfg = parse_config(MINIMAL, "x.toml")
+    assert cfg.api.max_connections == 256
+    assert (cfg.api.header_timeout_s, cfg.api.body_timeout_s, cfg.api.idle_timeout_s) == (
+        10.0,
+        30.0,
+        60.0,
+    )
+    text = (
+        '[workers]\ncommand = "w"\n[api]\nmax_connections = 32\n'
+        "header_timeout_s = 2.5\nbody_timeout_s = 4\nidle_timeout_s = 7\n"
+    )
+    api = load_config(write(tmp_path, text)).api
+    assert (api.max_connections, api.header_timeout_s, api.body_timeout_s) == (32, 2.5, 4.0)
+    assert api.idle_timeout_s == 7.0
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("max_connections = 0", "api.max_connections: must be >= 1, got 0"),
+        ("max_connections = 70000", "api.max_connections: must be <= 65536, got 70000"),
+        ('max_connections = "many"', "api.max_connections: expected an integer, got 'many'"),
+        ("max_connections = true", "api.max_connections: expected an integer, got True"),
+        ("max_connections = 2.5", "api.max_connections: expected an integer, got 2.5"),
+        ("header_timeout_s = 0", "api.header_timeout_s: must be > 0.0, got 0.0"),
+        ("body_timeout_s = -1", "api.body_timeout_s: must be > 0.0, got -1.0"),
+        ("idle_timeout_s = inf", "api.idle_timeout_s: must be a finite number, got inf"),
+        ("max_conections = 5", "api.max_conections: unknown key; did you mean `max_connections`?"),
+    ],
+)
+def test_bad_api_connection_limits_name_the_key(tmp_path: Path, line: str, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, f'[workers]\ncommand = "w"\n[api]\n{line}\n'))
+    assert str(info.value) == f"{tmp_path / 'c.toml'}: {message}"

@@ -8,6 +8,7 @@ caller, so the function is deterministic and tested without sleeping.
 
 from __future__ import annotations
 
+import errno
 import signal
 from dataclasses import dataclass, replace
 from typing import Literal
@@ -15,6 +16,13 @@ from typing import Literal
 from supervisor.config import RestartConfig
 
 RestartAction = Literal["restart", "stop", "fail"]
+# The process (EMFILE) or the host (ENFILE) is out of file descriptors (open(2)).
+FD_SHORTAGE = frozenset({errno.EMFILE, errno.ENFILE})
+
+
+def is_fd_shortage(err: BaseException) -> bool:
+    """An OSError that says "no file descriptor left", not "this command is broken"."""
+    return isinstance(err, OSError) and err.errno in FD_SHORTAGE
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +46,10 @@ class RunOutcome:
     ran_s: float  # from spawn to exit
     ended_at: float  # monotonic
     not_ready: bool = False  # the readiness probe gave up and the process was stopped
+    # The start failed for want of file descriptors (EMFILE/ENFILE): the host's
+    # fault, not the process's. Retried with the backoff whatever the policy,
+    # and never counted toward the crash loop.
+    no_fds: bool = False
 
     @property
     def failed(self) -> bool:
@@ -79,7 +91,9 @@ def record_outcome(
     # Under `always` a clean exit restarts too, so one that comes before the
     # run is stable counts toward the crash loop: else `exit 0` at once would
     # be restarted for ever (systemd's start limit counts every start alike).
-    if outcome.failed or (config.policy == "always" and not stable):
+    if outcome.no_fds:
+        pass  # nothing ran: no crash to count
+    elif outcome.failed or (config.policy == "always" and not stable):
         failures = (*failures, outcome.ended_at)
     return RestartHistory(attempt=attempt, failures=failures)
 
@@ -92,7 +106,10 @@ def decide_restart(
     - never: stop after a clean exit, fail after a failed one;
     - on-failure: stop after a clean exit, else restart;
     - always: restart after any exit.
-    A readiness timeout is a failed start. A restart that would make
+    A start that failed for want of file descriptors is retried after the
+    backoff under every policy and never counts toward the crash loop (the
+    descriptors come back; a held-down rank would not). A readiness timeout
+    is a failed start. A restart that would make
     `crash_loop_limit` failed starts (under `always`, clean exits before
     `stable_after_s` too) within `crash_loop_window_s` turns into fail: the
     process stays down (others keep running) until someone restarts it by hand.
@@ -101,6 +118,14 @@ def decide_restart(
     how = _describe(outcome.exit_code)
     if outcome.not_ready:
         how = f"not ready in time (stopped, {how})"
+    if outcome.no_fds:
+        delay = backoff_s(config, updated.attempt)
+        return RestartDecision(
+            "restart",
+            delay,
+            replace(updated, attempt=updated.attempt + 1),
+            "could not start: out of file descriptors (EMFILE/ENFILE)",
+        )
     if config.policy == "never" or (config.policy == "on-failure" and not outcome.failed):
         action: RestartAction = "fail" if outcome.failed else "stop"
         return RestartDecision(action, 0.0, updated, f"{how}, policy={config.policy}")

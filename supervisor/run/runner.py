@@ -33,9 +33,10 @@ from supervisor.logs import format_fields
 from supervisor.plan.keys import ProcKey, key_label
 from supervisor.plan.placement import Slot
 from supervisor.procfs.stat import read_proc_stat
+from supervisor.run import restart
 from supervisor.run.probe import describe_probe, wait_ready
 from supervisor.run.procs import ChildProcess, read_until_eof, spawn
-from supervisor.run.restart import RestartHistory, RunOutcome, decide_restart
+from supervisor.run.restart import RestartDecision, RestartHistory, RunOutcome, decide_restart
 from supervisor.run.spec import ChildSpec
 from supervisor.state import BindTarget, ProcessState, ProcessStatus, StateStore
 
@@ -192,15 +193,34 @@ class Runner:
                     await self._supervise()
                     return
                 except Exception as err:  # any bug, or an OSError of ours (EMFILE)
-                    # Isolated to this rank: reported as failed at once, held
-                    # down like a crash loop; the daemon and other ranks go on.
                     await self._reap_on_exit()
+                    if restart.is_fd_shortage(err):  # the host's state, not this rank's: back off
+                        self._spawn_failed(f"out of file descriptors: {err}", None)
+                        await self._back_off(RunOutcome(None, 0.0, time.monotonic(), no_fds=True))
+                        continue
+                    # Isolated to this rank: failed, held down; the daemon and other ranks go on.
                     self._runner_failed(err)
                     if not await self._hold_down():
                         return
                     self._manual_restart()
         finally:
             await self._reap_on_exit()
+
+    async def _back_off(self, outcome: RunOutcome) -> RestartDecision:
+        """The policy's decision on `outcome`; a restart waits its backoff first."""
+        decision = decide_restart(self.rt.config.restart, self.history, outcome)
+        self.history = decision.history
+        if decision.action != "restart":
+            return decision
+        restarts, delay_s = self.status.restarts + 1, decision.delay_s
+        self.set_status(
+            state="backoff", backoff_s=delay_s, next_start_at=time.time() + delay_s,
+            restarts=restarts, pid=None,
+        )  # fmt: skip
+        self.recorder.restart_scheduled(self.key, decision.reason, decision.delay_s, restarts)
+        if await self._wait_interrupt(decision.delay_s) and self.restart_requested:
+            self._manual_restart()
+        return decision
 
     def _runner_failed(self, err: Exception) -> None:
         reason = f"supervision error: {type(err).__name__}: {err}"
@@ -236,21 +256,16 @@ class Runner:
                 announced = True
                 self.set_status(state="stopped")
                 self.recorder.note(
-                    "not_started",
-                    self.key,
-                    f"{self.label}: not started: the engine is {engine_state}",
-                    log_message="not started",
-                    level=logging.WARNING,
-                    engine=engine_state,
-                    action="wait for engine",
-                )
+                    "not_started", self.key, f"{self.label}: not started: the engine is "
+                    f"{engine_state}", log_message="not started", level=logging.WARNING,
+                    engine=engine_state, action="wait for engine",
+                )  # fmt: skip
             await first_of(gate.next_change(), self.rt.stopping.wait())
         self.restart_requested = False  # a restart asked for while waiting: this is the start
         self.interrupt.clear()
         return not self.stopping
 
     async def _supervise(self) -> None:
-        cfg = self.rt.config.restart
         while not self.stopping:
             outcome = await self._run_once()
             if self.stopping:
@@ -258,22 +273,8 @@ class Runner:
             if self.restart_requested:
                 self._manual_restart()
                 continue
-            decision = decide_restart(cfg, self.history, outcome)
-            self.history = decision.history
+            decision = await self._back_off(outcome)
             if decision.action == "restart":
-                restarts = self.status.restarts + 1
-                self.set_status(
-                    state="backoff",
-                    backoff_s=decision.delay_s,
-                    next_start_at=time.time() + decision.delay_s,
-                    restarts=restarts,
-                    pid=None,
-                )
-                self.recorder.restart_scheduled(
-                    self.key, decision.reason, decision.delay_s, restarts
-                )
-                if await self._wait_interrupt(decision.delay_s) and self.restart_requested:
-                    self._manual_restart()
                 continue
             state: ProcessState = "failed" if decision.action == "fail" else "stopped"
             self.set_status(state=state, pid=None, backoff_s=0.0, next_start_at=None)
@@ -347,10 +348,8 @@ class Runner:
 
     async def _stop_child(self, child: ChildProcess, why: str) -> int:
         timeout_s = self.rt.config.stop_timeout_s
-        log.info(
-            "stopping %s",
-            format_fields(rank=self.label, pid=child.pid, why=why, timeout_s=f"{timeout_s:g}"),
-        )
+        fields = format_fields(rank=self.label, pid=child.pid, why=why, timeout_s=f"{timeout_s:g}")
+        log.info("stopping %s", fields)
         if self.rt.trees is not None:
             # TERM reaches the child's group; its setsid descendants get theirs here.
             self.rt.trees.signal_tree(self.key, signal.SIGTERM)
@@ -453,7 +452,7 @@ class Runner:
             except (KernelError, OSError) as err:
                 reason = err.reason if isinstance(err, KernelError) else reason_of_errno(err.errno)
                 self.record_bind_failure("cgroup", reason, str(err))
-        read_fd, write_fd = os.pipe()
+        read_fd, write_fd = os.pipe()  # EMFILE here: run() retries after the backoff
         argv = shim_argv(
             self.rt.python,
             spec.slot.cpus,
@@ -473,6 +472,8 @@ class Runner:
         except OSError as err:
             os.close(read_fd)
             os.close(write_fd)
+            if restart.is_fd_shortage(err):
+                raise  # not the command's fault: run() retries after the backoff
             self._spawn_failed(f"cannot start {argv[0]}: {err.strerror or err}", None)
             return None
         os.close(write_fd)

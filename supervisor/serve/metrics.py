@@ -41,6 +41,7 @@ from supervisor.serve.exposition import FamilyTable, SnapshotCollector
 from supervisor.state import BIND_REASONS as ALL_BIND_REASONS
 from supervisor.state import (
     HOST_LABEL,
+    HTTP_BAD_REASONS,
     BindTarget,
     DriftKind,
     Finding,
@@ -399,6 +400,31 @@ def _unnamed_processes(m: CounterMetricFamily, unnamed_processes: int) -> None:
 )
 def _process_read_failures(m: CounterMetricFamily, process_read_failures: int) -> None:
     m.add_metric([], process_read_failures)
+
+
+# -- the API's own connections (supervisor.serve.guard) ----------------------------------
+
+
+@FAMILIES.add(
+    "counter",
+    "placement_http_bad_requests",
+    "API requests refused before any route: malformed, oversized or too slow, by reason.",
+    ("reason",),
+)
+def _http_bad_requests(m: CounterMetricFamily, http_bad_requests: Mapping[str, int]) -> None:
+    table: dict[str, int] = dict.fromkeys(HTTP_BAD_REASONS, 0)
+    table.update(http_bad_requests)
+    for reason, n in sorted(table.items()):
+        m.add_metric([reason], n)
+
+
+@FAMILIES.add(
+    "counter",
+    "placement_http_connections_refused",
+    "API connections over api.max_connections, answered 503 and closed.",
+)
+def _http_refused(m: CounterMetricFamily, http_connections_refused: int) -> None:
+    m.add_metric([], http_connections_refused)
 
 
 # -- the checks ---------------------------------------------------------------------------

@@ -10,7 +10,6 @@ route is reached only over the unix socket or with the bearer token.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import functools
 import hmac
@@ -24,8 +23,10 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from supervisor.bind.fdlimit import current_soft_limit, plan_fd_budget
 from supervisor.config import ApiConfig, read_token_file
 from supervisor.errors import SupervisorError
+from supervisor.serve.guard import ConnectionGuard, GuardedSite, Limits
 from supervisor.serve.listen import Listen, parse_listen
 from supervisor.serve.metrics import build_collector, build_registry
 from supervisor.serve.openapi import MAX_BODY_BYTES, Handler, Route
@@ -197,12 +198,17 @@ class ApiServer:
         self._token: bytes | None = None
         self._runner: web.AppRunner | None = None
         self._sampler: asyncio.Task[None] | None = None
+        self._summary: asyncio.Task[None] | None = None
+        # The cap counts against the process's fd limit as start() finds it.
+        self.guard = ConnectionGuard(store, Limits.of(config))
         self._unix_paths: list[str] = []
         self.addresses: tuple[str, ...] = ()
         self.app = self._make_app()
 
     def _make_app(self) -> web.Application:
-        app = web.Application(middlewares=[_json_errors], client_max_size=MAX_BODY_BYTES)
+        app = web.Application(
+            middlewares=[_json_errors, self.guard.middleware], client_max_size=MAX_BODY_BYTES
+        )
         for route in self.routes:
             handler = self._guarded(route) if route.changing else route.handler
             app.router.add_route(route.method, route.path, handler)
@@ -231,6 +237,17 @@ class ApiServer:
         """Listen; raises ListenError (port taken...) or ConfigError (token file)."""
         if self._config.token_file is not None:
             self._token = _read_token(self._config.token_file)
+        budget = plan_fd_budget(self._config.max_connections, current_soft_limit())
+        self.guard.limits = Limits.of(self._config, budget.max_connections)
+        if budget.lowered:
+            log.warning(
+                "api max_connections lowered asked=%d max_connections=%d reserve_fds=%d "
+                "soft_limit=%d action=cap",
+                self._config.max_connections,
+                budget.max_connections,
+                budget.reserve_fds,
+                current_soft_limit(),
+            )
         runner = web.AppRunner(
             self.app, handle_signals=False, access_log=None, shutdown_timeout=2.0
         )
@@ -250,10 +267,17 @@ class ApiServer:
             self._sampler = asyncio.create_task(
                 self_usage_loop(self._store, self._self_usage_interval_s), name="self_usage"
             )
+        self._summary = asyncio.create_task(self.guard.summary_loop(), name="api_bad_requests")
+        limits = self.guard.limits
         log.info(
-            "api listening addresses=%s token=%s action=serve",
+            "api listening addresses=%s token=%s max_connections=%d header_timeout_s=%g "
+            "body_timeout_s=%g idle_timeout_s=%g action=serve",
             ",".join(self.addresses),
             "file" if self._token is not None else "none",
+            limits.max_connections,
+            limits.header_timeout_s,
+            limits.body_timeout_s,
+            limits.idle_timeout_s,
         )
 
     async def _add_site(self, runner: web.AppRunner, where: Listen) -> None:
@@ -262,9 +286,9 @@ class ApiServer:
             if where.path is not None:
                 sock = _bind_unix(where.path)
                 self._unix_paths.append(where.path)
-                site = web.SockSite(runner, sock)
+                site = GuardedSite(runner, self.guard, sock=sock)
             else:
-                site = web.TCPSite(runner, where.host, where.port)
+                site = GuardedSite(runner, self.guard, host=where.host, port=where.port)
             await site.start()
         except OSError as err:
             if err.errno == errno.EADDRINUSE:
@@ -275,11 +299,11 @@ class ApiServer:
 
     async def stop(self) -> None:
         """Close the sites (in-flight requests get a short grace) and remove sockets."""
-        sampler, self._sampler = self._sampler, None
-        if sampler is not None:
-            sampler.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await sampler
+        for task in (self._sampler, self._summary):
+            if task is not None:
+                await _cancel(task)
+        self._sampler = self._summary = None
+        self.guard.flush()
         runner, self._runner = self._runner, None
         if runner is not None:
             await runner.cleanup()
@@ -294,3 +318,15 @@ class ApiServer:
             except OSError:
                 pass
         self._unix_paths = []
+
+
+async def _cancel(task: asyncio.Task[None]) -> None:
+    """Cancel and await a side task of the API; one that already died is logged, not raised:
+    a sampler or summary that failed must not turn a clean stop into a traceback."""
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+    except Exception as err:
+        log.error("api task failed task=%s error=%r action=ignore", task.get_name(), err)

@@ -39,11 +39,15 @@ async def self_usage_loop(
     the task's own counters in microseconds and never wait on a disk or a lock
     another process holds, so an executor hop would cost more than the read.
     """
-    process = process if process is not None else psutil.Process()
     while True:
         try:
+            # Made here, not before the loop: psutil.Process() reads /proc/self
+            # too, and must not end the sampler when it starts without an fd.
+            process = process if process is not None else psutil.Process()
             store.update(self_usage=read_self_usage(process))
-        except (psutil.Error, OSError) as err:  # a self-metric must never take the daemon down
-            # psutil passes EMFILE/ENFILE through as a bare OSError (its open() of /proc/self/stat).
+        except (psutil.Error, OSError) as err:
+            # A self-metric must never take the daemon down; out of file
+            # descriptors (EMFILE, open(2); psutil passes it on as a bare
+            # OSError) it skips a sample and tries again.
             log.warning("self usage read failed error=%r action=skip", err)
         await asyncio.sleep(interval_s)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -11,6 +13,7 @@ from supervisor.run.restart import (
     RunOutcome,
     backoff_s,
     decide_restart,
+    is_fd_shortage,
     record_outcome,
 )
 
@@ -149,3 +152,31 @@ def test_signal_deaths_are_named() -> None:
 def test_record_outcome_keeps_attempt_for_short_runs() -> None:
     history = record_outcome(CFG, RestartHistory(attempt=2), crash(at=5.0, ran_s=1.0))
     assert history.attempt == 2
+
+
+def test_a_start_without_file_descriptors_backs_off_and_never_fails_the_rank() -> None:
+    assert is_fd_shortage(OSError(errno.EMFILE, "Too many open files"))
+    assert is_fd_shortage(OSError(errno.ENFILE, "Too many open files in system"))
+    assert not is_fd_shortage(OSError(errno.ENOENT, "No such file"))
+    assert not is_fd_shortage(ValueError("x"))
+    for policy in ("on-failure", "never", "always"):
+        cfg = RestartConfig(
+            policy=policy,  # type: ignore[arg-type]
+            backoff_initial_s=1.0,
+            backoff_max_s=10.0,
+            crash_loop_limit=2,
+            crash_loop_window_s=60.0,
+        )
+        history = RestartHistory()
+        delays = []
+        for i in range(20):  # far past crash_loop_limit, inside the window
+            d = decide_restart(cfg, history, RunOutcome(None, 0.0, float(i), no_fds=True))
+            assert d.action == "restart", (policy, i, d.reason)
+            assert "file descriptors" in d.reason
+            history = d.history
+            delays.append(d.delay_s)
+        assert history.failures == ()  # no crash counted
+        assert delays[:5] == [1.0, 2.0, 4.0, 8.0, 10.0]  # the normal backoff
+    # A real crash after them still counts toward the loop as before.
+    d = decide_restart(CFG, history, crash(30.0))
+    assert d.action == "restart" and len(d.history.failures) == 1
