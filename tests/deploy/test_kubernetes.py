@@ -294,9 +294,10 @@ def test_the_cpu_request_is_enough_for_the_plan(base: list[dict[str, Any]], tmp_
 
 def test_half_the_cpu_request_would_not_do(tmp_path: Path) -> None:
     # The control: the check above can fail. 32 CPUs (8 cores a socket) cannot give
-    # node 0's four ranks and the engine their whole cores.
-    rc, doc, err = plan_json(dgx_pod(tmp_path, 8))
-    assert rc != 0 or (doc is not None and doc["warnings"]), err
+    # node 0's four ranks (3 whole cores each) and the engine their CPUs: exit 3.
+    rc, _, err = plan_json(dgx_pod(tmp_path, 8))
+    assert rc == 3, err
+    assert "needs 3 cores" in err
 
 
 # -- the generated dashboard and rules ---------------------------------------------------
