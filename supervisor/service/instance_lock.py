@@ -83,7 +83,7 @@ class InstanceLock:
         self.release()
 
 
-def _usable_dir(path: str) -> bool:
+def usable_dir(path: str) -> bool:
     """`path` exists (made 0700 if not), is a directory of ours or root's, and is writable."""
     try:
         os.makedirs(path, mode=0o700, exist_ok=True)
@@ -139,7 +139,7 @@ def hold_instance_lock(instance: str, env: Mapping[str, str], what: str) -> Inst
     name = lock_name(instance)
     errors = []
     for d in runtime_dirs(env):
-        if not _usable_dir(d):
+        if not usable_dir(d):
             errors.append(d)
             continue
         path = os.path.join(d, name)

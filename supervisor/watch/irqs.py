@@ -30,6 +30,7 @@ from supervisor.bind.irq import (
     detect_irqbalance,
     read_banned_irqs,
 )
+from supervisor.bind.irq_checkpoint import IrqCheckpoint
 from supervisor.config import IrqConfig
 from supervisor.cpulist import format_cpulist
 from supervisor.errors import Denied, KernelError
@@ -101,10 +102,18 @@ class IrqKeeper:
     /proc/irq (Denied) turns IRQ binding off for the run with one warning.
     """
 
-    def __init__(self, fs: HostFS, placement: Placement, config: IrqConfig) -> None:
+    def __init__(
+        self,
+        fs: HostFS,
+        placement: Placement,
+        config: IrqConfig,
+        *,
+        checkpoint: IrqCheckpoint | None = None,
+    ) -> None:
         self.fs = fs
         self.config = config
-        self.binder = IrqBinder(fs)
+        # With a checkpoint, every original is in its file before our first write.
+        self.binder = IrqBinder(fs, checkpoint)
         self._lock = threading.Lock()
         self._facts: list[IrqFact] = []
         self._plan = _irq_plan(placement)
@@ -186,6 +195,8 @@ class IrqKeeper:
 
     def _apply_locked(self) -> tuple[IrqOutcome, ...]:
         outcomes: list[IrqOutcome] = []
+        if self._off_reason is None:  # every original saved in one write, before any bind
+            self.binder.save_originals(a.irq for plan in self._plan.values() for a in plan)
         for key, assignments in self._plan.items():
             if self._off_reason is not None:
                 break
