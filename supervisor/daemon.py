@@ -28,6 +28,7 @@ from types import MappingProxyType
 from typing import Any, Protocol
 
 from supervisor.bind.fdlimit import FdLimit, raise_fd_limit
+from supervisor.bind.irq_checkpoint import IrqCheckpoint, read_boot_id, restore_checkpoint
 from supervisor.config import (
     Config,
     check_listen,
@@ -51,6 +52,7 @@ from supervisor.serve.server import ApiServer
 from supervisor.service.cgroups import ManagedCgroups, cgroups_for, instance_suffix, remove_cgroups
 from supervisor.service.instance_lock import hold_instance_lock
 from supervisor.service.sdnotify import Notifier, watchdog_interval_s
+from supervisor.service.state_dir import irq_checkpoint_path
 from supervisor.state import ProcessStatus, Snapshot, StateStore
 from supervisor.topology.accelerators import CPU
 from supervisor.topology.discover import read_topology, reread_cpus
@@ -107,6 +109,7 @@ class Daemon:
         api: bool = True,
         guardian: bool = True,
         subreaper: bool = False,
+        irq_checkpoint: IrqCheckpoint | None = None,
     ) -> None:
         self.config = config
         self.placement = placement
@@ -147,7 +150,8 @@ class Daemon:
         # The devices' IRQs (supervisor.watch.irqs): applied while the ranks start, put
         # back after they stop. The check loop observes and enforces through it;
         # what the keeper saw or did is recorded here, on the loop.
-        self.irq_keeper = IrqKeeper(self.fs, placement, config.irq)
+        self.irq_checkpoint = irq_checkpoint  # the originals on disk, for after a crash
+        self.irq_keeper = IrqKeeper(self.fs, placement, config.irq, checkpoint=irq_checkpoint)
         self.recorder = Recorder(self.store, log)
         self.irq_task: asyncio.Task[None] | None = None
         self.runners: list[Runner] = []
@@ -276,6 +280,9 @@ class Daemon:
             if self.guardian is not None:
                 for path in dirs:
                     self.guardian.cgroup(path)
+                if self.irq_checkpoint is not None:  # before the first IRQ write
+                    cp = self.irq_checkpoint
+                    self.guardian.irq_checkpoint(cp.path, cp.pid)
         self.trees = TreeKeeper(
             self.fs,
             self.store,
@@ -589,8 +596,14 @@ def run_command(args: argparse.Namespace) -> int:
     # Before any cgroup or process is touched: a second daemon of this config
     # (whatever its --listen) would share them. Held until this returns (the
     # kernel drops it at exit, however this process ends).
-    lock = hold_instance_lock(instance_suffix(config, env), env, f"{config.path}")
+    instance = instance_suffix(config, env)
+    lock = hold_instance_lock(instance, env, f"{config.path}")
     fs = HostFS("/")
+    checkpoint = irq_checkpoint_path(instance, env)
+    if checkpoint is not None:
+        # The last daemon of this instance and its guardian both died with IRQs
+        # moved: the host's own affinities first, and only then read "originals".
+        restore_checkpoint(fs, checkpoint)
     topology, placement = prepare(config, env, fs)
     daemon = Daemon(
         config,
@@ -602,6 +615,7 @@ def run_command(args: argparse.Namespace) -> int:
         cgroups=cgroups_for(config, fs, env),
         check_loop=True,
         subreaper=True,
+        irq_checkpoint=None if checkpoint is None else IrqCheckpoint(checkpoint, read_boot_id(fs)),
     )
     log.info(
         "starting %s",

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from supervisor.config import load_config, parse_config
+from supervisor.service.state_dir import DEFAULT_STATE_DIR
 
 REPO = Path(__file__).resolve().parent.parent
 UNIT = REPO / "systemd/placement-supervisor.service"
@@ -69,6 +70,8 @@ def test_the_unit_says_what_the_daemon_needs() -> None:
     assert d["KillMode"] == ["mixed"]
     assert d["Delegate"] == ["yes"]
     assert d["Restart"] == ["on-failure"]
+    # The IRQ checkpoint's home is the one the daemon falls back to without systemd.
+    assert [f"/var/lib/{v}" for v in d["StateDirectory"]] == [DEFAULT_STATE_DIR]
     assert set(d["RestartPreventExitStatus"][0].split()) == {"2", "3"}
     exec_start = d["ExecStart"][0].split()
     assert exec_start[0].endswith("/placement-supervisor")
