@@ -28,7 +28,7 @@ from types import MappingProxyType
 from typing import Any, Protocol
 
 from supervisor.bind.fdlimit import FdLimit, raise_fd_limit
-from supervisor.bind.irq_checkpoint import IrqCheckpoint, read_boot_id, restore_checkpoint
+from supervisor.bind.irq_checkpoint import IrqCheckpoint
 from supervisor.config import (
     Config,
     check_listen,
@@ -52,7 +52,7 @@ from supervisor.serve.server import ApiServer
 from supervisor.service.cgroups import ManagedCgroups, cgroups_for, instance_suffix, remove_cgroups
 from supervisor.service.instance_lock import hold_instance_lock
 from supervisor.service.sdnotify import Notifier, watchdog_interval_s
-from supervisor.service.state_dir import irq_checkpoint_path
+from supervisor.service.state_dir import irq_checkpoint_for
 from supervisor.state import ProcessStatus, Snapshot, StateStore
 from supervisor.topology.accelerators import CPU
 from supervisor.topology.discover import read_topology, reread_cpus
@@ -280,8 +280,7 @@ class Daemon:
             if self.guardian is not None:
                 for path in dirs:
                     self.guardian.cgroup(path)
-                if self.irq_checkpoint is not None:  # before the first IRQ write
-                    cp = self.irq_checkpoint
+                if (cp := self.irq_checkpoint) is not None:  # before the first IRQ write
                     self.guardian.irq_checkpoint(cp.path, cp.pid)
         self.trees = TreeKeeper(
             self.fs,
@@ -599,11 +598,7 @@ def run_command(args: argparse.Namespace) -> int:
     instance = instance_suffix(config, env)
     lock = hold_instance_lock(instance, env, f"{config.path}")
     fs = HostFS("/")
-    checkpoint = irq_checkpoint_path(instance, env)
-    if checkpoint is not None:
-        # The last daemon of this instance and its guardian both died with IRQs
-        # moved: the host's own affinities first, and only then read "originals".
-        restore_checkpoint(fs, checkpoint)
+    checkpoint = irq_checkpoint_for(instance, env, fs)  # restores one left behind first
     topology, placement = prepare(config, env, fs)
     daemon = Daemon(
         config,
@@ -615,7 +610,7 @@ def run_command(args: argparse.Namespace) -> int:
         cgroups=cgroups_for(config, fs, env),
         check_loop=True,
         subreaper=True,
-        irq_checkpoint=None if checkpoint is None else IrqCheckpoint(checkpoint, read_boot_id(fs)),
+        irq_checkpoint=checkpoint,
     )
     log.info(
         "starting %s",

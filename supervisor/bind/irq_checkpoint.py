@@ -16,6 +16,7 @@ import hashlib
 import json
 import logging
 import os
+import stat
 import tempfile
 import threading
 import time
@@ -342,13 +343,27 @@ def restore_checkpoint(
     guardian and a new daemon both reach is restored once: each takes flock(2)
     on it first, and the second sees it unlinked. Garbled or of another boot:
     discarded with one log line. What no longer fits the host is applied as far
-    as it fits, with one log line. Blocking.
+    as it fits, with one log line. A file that cannot be read at all (not a
+    file, no permission) is one line and left where it is. Blocking.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        return _restore(fs, path, owner, lock_wait_s)
+    except OSError as err:
+        log.warning(
+            "irq checkpoint unreadable %s",
+            format_fields(path=path, error=err.strerror or err, action="skip, leave it"),
+        )
+        return None
+
+
+def _restore(fs: HostFS, path: str, owner: int | None, lock_wait_s: float) -> RestoreReport | None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:
         return None
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
         if not _lock(fd, lock_wait_s):
             log.warning(
                 "irq checkpoint busy %s",

@@ -1,5 +1,5 @@
 """Where the daemon keeps state across its own restarts: the IRQ checkpoint (does I/O:
-makes and checks the directory).
+makes and checks the directory; restores a checkpoint left behind).
 
 systemd's StateDirectory= (exported as $STATE_DIRECTORY, systemd.exec(5)), else
 the shipped unit's /var/lib/placement-supervisor, else a per-user tmp dir; one
@@ -13,6 +13,8 @@ import os
 import tempfile
 from collections.abc import Mapping
 
+from supervisor.bind.irq_checkpoint import IrqCheckpoint, read_boot_id, restore_checkpoint
+from supervisor.hostfs import HostFS
 from supervisor.logs import format_fields
 from supervisor.service.instance_lock import lock_name, usable_dir
 
@@ -50,3 +52,18 @@ def irq_checkpoint_path(instance: str, env: Mapping[str, str]) -> str | None:
         format_fields(tried=",".join(tried), action="irq originals in memory only"),
     )
     return None
+
+
+def irq_checkpoint_for(instance: str, env: Mapping[str, str], fs: HostFS) -> IrqCheckpoint | None:
+    """This start's IRQ checkpoint, after restoring one the last daemon left (call
+    while holding the instance lock, before discovery). Blocking.
+
+    A checkpoint still there means the last daemon of this instance and its
+    guardian both died with IRQs moved: the host's own affinities go back
+    first, and only then does this daemon read what it will keep as originals.
+    """
+    path = irq_checkpoint_path(instance, env)
+    if path is None:
+        return None
+    restore_checkpoint(fs, path)
+    return IrqCheckpoint(path, read_boot_id(fs))

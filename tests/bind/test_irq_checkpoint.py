@@ -310,3 +310,16 @@ def _links_to(link: str, path: Path) -> bool:
         return os.readlink(link) == str(path)
     except OSError:
         return False
+
+
+def test_a_checkpoint_path_that_is_no_file_is_one_line_and_left(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    fs = _host(tmp_path, {41: "2"})
+    path = tmp_path / "c.json"
+    path.mkdir()
+    with caplog.at_level(logging.WARNING, logger="placement_supervisor"):
+        assert restore_checkpoint(fs, str(path)) is None
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and lines[0].startswith(f"irq checkpoint unreadable path={path}")
+    assert path.is_dir() and _affinities(fs, 41) == {41: "2"}
