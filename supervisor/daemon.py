@@ -27,6 +27,7 @@ from dataclasses import replace
 from types import MappingProxyType
 from typing import Any, Protocol
 
+from supervisor.bind.capability import probe_capabilities
 from supervisor.bind.fdlimit import FdLimit, raise_fd_limit
 from supervisor.config import (
     Config,
@@ -48,10 +49,15 @@ from supervisor.run.runner import Runner, Runtime, first_of
 from supervisor.run.spec import ChildSpec, build_specs
 from supervisor.serve.routes import Actions
 from supervisor.serve.server import ApiServer
-from supervisor.service.cgroups import ManagedCgroups, cgroups_for, instance_suffix, remove_cgroups
+from supervisor.service.cgroups import (
+    ManagedCgroups,
+    cgroups_and_capability,
+    instance_suffix,
+    remove_cgroups,
+)
 from supervisor.service.instance_lock import hold_instance_lock
 from supervisor.service.sdnotify import Notifier, watchdog_interval_s
-from supervisor.state import ProcessStatus, Snapshot, StateStore
+from supervisor.state import Capability, CapabilityName, ProcessStatus, Snapshot, StateStore
 from supervisor.topology.accelerators import CPU
 from supervisor.topology.discover import read_topology, reread_cpus
 from supervisor.topology.model import Topology
@@ -107,6 +113,7 @@ class Daemon:
         api: bool = True,
         guardian: bool = True,
         subreaper: bool = False,
+        capabilities: Mapping[CapabilityName, Capability] | None = None,
     ) -> None:
         self.config = config
         self.placement = placement
@@ -139,6 +146,7 @@ class Daemon:
             config_path=config.path,
             local_memory_threshold=config.drift.local_memory_threshold,
             ready_timeout_s=None if config.ready is None else config.ready.timeout_s,
+            capabilities=MappingProxyType(dict(capabilities or {})),
         )
         self.store = StateStore(initial)
         self.specs = specs
@@ -592,6 +600,11 @@ def run_command(args: argparse.Namespace) -> int:
     lock = hold_instance_lock(instance_suffix(config, env), env, f"{config.path}")
     fs = HostFS("/")
     topology, placement = prepare(config, env, fs)
+    cgroups, cgroup_cap = cgroups_and_capability(config, fs, env)
+    # Once, before any spawn: what this host (a container's runtime) lets us bind.
+    capabilities = probe_capabilities(
+        fs, topology.allowed.mems, cgroup=cgroup_cap, irq_wanted=config.irq.enabled
+    )
     daemon = Daemon(
         config,
         topology,
@@ -599,9 +612,10 @@ def run_command(args: argparse.Namespace) -> int:
         listen=listen,
         env=env,
         fs=fs,
-        cgroups=cgroups_for(config, fs, env),
+        cgroups=cgroups,
         check_loop=True,
         subreaper=True,
+        capabilities=capabilities,
     )
     log.info(
         "starting %s",
