@@ -151,6 +151,12 @@ class Daemon:
         self.store = StateStore(initial)
         self.specs = specs
         self.fs = fs if fs is not None else HostFS("/")
+        if capabilities is None:  # embedded (tests, benchmarks): probed here, as run_command does
+            cgroup_cap = Capability("cgroup", cgroups is not None, config.cgroup == "auto")
+            caps = probe_capabilities(
+                self.fs, topology.allowed.mems, cgroup=cgroup_cap, irq_wanted=config.irq.enabled
+            )
+            self.store.update(capabilities=MappingProxyType(caps))
         self.cgroups = cgroups
         # The devices' IRQs (supervisor.watch.irqs): applied while the ranks start, put
         # back after they stop. The check loop observes and enforces through it;

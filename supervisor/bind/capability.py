@@ -37,13 +37,12 @@ def probe_mempolicy(mems: Iterable[int]) -> Capability:
         syscalls.set_mempolicy(syscalls.MPOL_BIND, nodes)
     except KernelError as err:
         return Capability("mempolicy", False, reason=f"{err}")
-    finally:
-        # Back to what it was; MPOL_DEFAULT and MPOL_LOCAL take no nodes.
-        restore = () if mode in (syscalls.MPOL_DEFAULT, syscalls.MPOL_LOCAL) else old_nodes
-        try:
-            syscalls.set_mempolicy(mode, restore)
-        except KernelError as err:
-            log.warning("mempolicy restore failed %s", format_fields(error=err, action="continue"))
+    # Back to what it was; MPOL_DEFAULT and MPOL_LOCAL take no nodes.
+    restore = () if mode in (syscalls.MPOL_DEFAULT, syscalls.MPOL_LOCAL) else old_nodes
+    try:
+        syscalls.set_mempolicy(mode, restore)
+    except KernelError as err:
+        log.warning("mempolicy restore failed %s", format_fields(error=err, action="continue"))
     page = mmap.mmap(-1, mmap.PAGESIZE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
         view = ctypes.c_char.from_buffer(page)
