@@ -27,6 +27,7 @@ from dataclasses import replace
 from types import MappingProxyType
 from typing import Any, Protocol
 
+from supervisor.bind.capability import probe_capabilities
 from supervisor.bind.fdlimit import FdLimit, raise_fd_limit
 from supervisor.bind.irq_checkpoint import IrqCheckpoint
 from supervisor.config import (
@@ -49,11 +50,16 @@ from supervisor.run.runner import Runner, Runtime, first_of
 from supervisor.run.spec import ChildSpec, build_specs
 from supervisor.serve.routes import Actions
 from supervisor.serve.server import ApiServer
-from supervisor.service.cgroups import ManagedCgroups, cgroups_for, instance_suffix, remove_cgroups
+from supervisor.service.cgroups import (
+    ManagedCgroups,
+    cgroups_and_capability,
+    instance_suffix,
+    remove_cgroups,
+)
 from supervisor.service.instance_lock import hold_instance_lock
 from supervisor.service.sdnotify import Notifier, watchdog_interval_s
 from supervisor.service.state_dir import irq_checkpoint_for
-from supervisor.state import ProcessStatus, Snapshot, StateStore
+from supervisor.state import Capability, CapabilityName, ProcessStatus, Snapshot, StateStore
 from supervisor.topology.accelerators import CPU
 from supervisor.topology.discover import read_topology, reread_cpus
 from supervisor.topology.model import Topology
@@ -110,6 +116,7 @@ class Daemon:
         guardian: bool = True,
         subreaper: bool = False,
         irq_checkpoint: IrqCheckpoint | None = None,
+        capabilities: Mapping[CapabilityName, Capability] | None = None,
     ) -> None:
         self.config = config
         self.placement = placement
@@ -142,10 +149,17 @@ class Daemon:
             config_path=config.path,
             local_memory_threshold=config.drift.local_memory_threshold,
             ready_timeout_s=None if config.ready is None else config.ready.timeout_s,
+            capabilities=MappingProxyType(dict(capabilities or {})),
         )
         self.store = StateStore(initial)
         self.specs = specs
         self.fs = fs if fs is not None else HostFS("/")
+        if capabilities is None:  # embedded (tests, benchmarks): probed here, as run_command does
+            cgroup_cap = Capability("cgroup", cgroups is not None, config.cgroup == "auto")
+            caps = probe_capabilities(
+                self.fs, topology.allowed.mems, cgroup=cgroup_cap, irq_wanted=config.irq.enabled
+            )
+            self.store.update(capabilities=MappingProxyType(caps))
         self.cgroups = cgroups
         # The devices' IRQs (supervisor.watch.irqs): applied while the ranks start, put
         # back after they stop. The check loop observes and enforces through it;
@@ -600,6 +614,11 @@ def run_command(args: argparse.Namespace) -> int:
     fs = HostFS("/")
     checkpoint = irq_checkpoint_for(instance, env, fs)  # restores one left behind first
     topology, placement = prepare(config, env, fs)
+    cgroups, cgroup_cap = cgroups_and_capability(config, fs, env)
+    # Once, before any spawn: what this host (a container's runtime) lets us bind.
+    capabilities = probe_capabilities(
+        fs, topology.allowed.mems, cgroup=cgroup_cap, irq_wanted=config.irq.enabled
+    )
     daemon = Daemon(
         config,
         topology,
@@ -607,10 +626,11 @@ def run_command(args: argparse.Namespace) -> int:
         listen=listen,
         env=env,
         fs=fs,
-        cgroups=cgroups_for(config, fs, env),
+        cgroups=cgroups,
         check_loop=True,
         subreaper=True,
         irq_checkpoint=checkpoint,
+        capabilities=capabilities,
     )
     log.info(
         "starting %s",

@@ -63,6 +63,34 @@ HOST_LABEL = "supervisor"
 # api.body_timeout_s (closed; 408 for the body).
 HttpBadReason = Literal["headers_too_large", "malformed", "header_timeout", "body_timeout"]
 HTTP_BAD_REASONS: tuple[HttpBadReason, ...] = get_args(HttpBadReason)
+# What the host lets the supervisor bind, probed once at start (supervisor.bind.capability):
+# a memory policy (seccomp may fail set_mempolicy/mbind with EPERM), per-process
+# cgroups (a writable delegated subtree), IRQ affinity (a writable /proc/irq).
+CapabilityName = Literal["mempolicy", "cgroup", "irq"]
+CAPABILITY_NAMES: tuple[CapabilityName, ...] = get_args(CapabilityName)
+
+
+@dataclass(frozen=True, slots=True)
+class Capability:
+    """One kind of binding and whether this host allows it (probed once at start).
+
+    `wanted`: the config asks for it (cgroup = "auto", irq.enabled); what is
+    not wanted is never missing. Readiness is "bound as far as allowed": a
+    capability the host denies shows here, in /placement and in the metric
+    `placement_capability`, never in /readyz.
+    """
+
+    name: CapabilityName
+    available: bool
+    wanted: bool = True
+    reason: str | None = None  # why not, when not available
+
+    @property
+    def missing(self) -> bool:
+        return self.wanted and not self.available
+
+    def to_doc(self) -> dict[str, Any]:
+        return {"available": self.available, "wanted": self.wanted, "reason": self.reason}
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +108,8 @@ class ProcessStatus:
     mempolicy: MemPolicyStep | None = None  # what the shim got from the kernel
     mempolicy_reason: str | None = None
     cgroup: str | None = None  # the process's own cgroup, when it has one
-    bound: bool = False  # every bind of the plan applied and read back
+    bound: bool = False  # every bind of the plan the host allows applied and read back
+    cpus_bound: bool = False  # the kernel read back exactly the planned CPUs
     adopted: bool = False  # spawned by the engine and adopted (DESIGN 3.6)
     ppid: int | None = None  # an adopted worker's parent
     # Unix time it stopped running, or first started when it never ran; None
@@ -231,10 +260,18 @@ class Snapshot:
     # as failed (alert PlacementRankNotUp waits that long); None: no probe.
     ready_timeout_s: float | None = None
     self_usage: SelfUsage | None = None  # None until the first sample
+    # What the host allows binding (supervisor.bind.capability), by name; empty
+    # where nothing was probed (tests, a Daemon embedded without run_command).
+    capabilities: Mapping[CapabilityName, Capability] = field(default_factory=dict)
+
+    def allows(self, name: CapabilityName) -> bool:
+        """False only when the probe found the host denies `name`."""
+        cap = self.capabilities.get(name)
+        return cap is None or cap.available
 
     @property
     def ready(self) -> bool:
-        """Every process running and bound as planned (what /readyz answers)."""
+        """Every process running and bound as far as the host allows (what /readyz answers)."""
         return not self.stopping and all(
             p.state == "running" and p.bound for p in self.processes.values()
         )

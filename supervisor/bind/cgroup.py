@@ -35,6 +35,7 @@ from typing import Literal
 from supervisor.cpulist import format_cpulist, parse_cpulist
 from supervisor.errors import KernelError, translate_oserror
 from supervisor.hostfs import HostFS
+from supervisor.topology.mountinfo import CgroupDir, map_cgroup_path, read_mounts
 
 PREFIX = "placement-supervisor"
 CGROUP_ROOT = "sys/fs/cgroup"
@@ -118,9 +119,19 @@ def _writable(fs: HostFS, rel: str) -> bool:
     return os.access(fs.path(rel), os.W_OK)
 
 
+def _mapped(fs: HostFS, controllers: tuple[str, ...], path: str) -> CgroupDir | None:
+    """The dir of cgroup `path` through /proc/self/mountinfo (a container's cgroupfs
+    is mounted with its own cgroup as the root); None without mountinfo."""
+    mounts = read_mounts(fs)
+    return None if mounts is None else map_cgroup_path(mounts, controllers, path)
+
+
 def _v1_dir(fs: HostFS, entry: CgroupEntry, controller: str) -> str | None:
-    # A v1 hierarchy is mounted at sys/fs/cgroup/<controller> or, co-mounted,
-    # at sys/fs/cgroup/<controllers joined by ",">.
+    mapped = _mapped(fs, entry.controllers, entry.path)
+    if mapped is not None:
+        return mapped.rel
+    # Without mountinfo (fixture trees): a v1 hierarchy is mounted at
+    # sys/fs/cgroup/<controller> or, co-mounted, at sys/fs/cgroup/<controllers joined by ",">.
     for mount in (",".join(entry.controllers), controller):
         base = f"{CGROUP_ROOT}/{mount}"
         if fs.is_dir(base):
@@ -136,7 +147,16 @@ def read_cgroup_setup(fs: HostFS) -> tuple[CgroupSetup | None, str]:
     entries = parse_proc_cgroup(text)
     unified = next((e for e in entries if e.hierarchy == 0 and not e.controllers), None)
     if fs.exists(f"{CGROUP_ROOT}/cgroup.controllers") and unified is not None:
-        own = (CGROUP_ROOT + unified.path).rstrip("/")
+        mapped = _mapped(fs, (), unified.path)
+        own = mapped.rel if mapped is not None else (CGROUP_ROOT + unified.path).rstrip("/")
+        if mapped is not None and mapped.is_mount_root and mapped.mount.root != "/":
+            # A container's own cgroup, mounted as its cgroupfs root: it belongs to
+            # the runtime (or the kubelet), which writes its cpuset; enabling
+            # controllers in it, or moving ourselves below it, would take it over.
+            return None, (
+                f"cgroup v2: {fs.path(own)} is the container's own cgroup "
+                f"({mapped.mount.root}); no subtree is delegated below it"
+            )
         available = (fs.read_optional(f"{own}/cgroup.controllers") or "").split()
         if "cpuset" not in available:
             return None, (

@@ -48,15 +48,21 @@ REPORT_TIMEOUT_S = 30.0  # the shim binds and execs in milliseconds; this is a h
 # -- reading the shim's report (pure) -----------------------------------------------
 
 
-def bound_as_planned(report: ShimReport, slot: Slot) -> bool:
-    """True when the kernel read back exactly the planned CPUs and an MPOL_BIND to the mems."""
+def bound_as_planned(report: ShimReport, slot: Slot, *, mempolicy_allowed: bool = True) -> bool:
+    """True when the kernel read back exactly the planned CPUs and an MPOL_BIND to the
+    mems; with `mempolicy_allowed` False (the host denies a memory policy, probed at
+    start: supervisor.bind.capability) the CPUs alone: bound as far as allowed."""
+    memory = report.mempolicy == "bind" and tuple(report.mems) == tuple(sorted(slot.mems))
     return (
-        report.affinity_error is None
-        and tuple(report.cpus) == tuple(sorted(slot.cpus))
-        and report.mempolicy == "bind"
-        and tuple(report.mems) == tuple(sorted(slot.mems))
+        cpus_as_planned(report, slot)
+        and (memory or not mempolicy_allowed)
         and not report.cgroup_errors
     )
+
+
+def cpus_as_planned(report: ShimReport, slot: Slot) -> bool:
+    """The kernel read back exactly the planned CPUs."""
+    return report.affinity_error is None and tuple(report.cpus) == tuple(sorted(slot.cpus))
 
 
 # -- what the runners share (the composition root fills it) -------------------------
@@ -521,18 +527,22 @@ class Runner:
             self.record_bind_failure(
                 "process", reason_of_errno(report.affinity_errno), report.affinity_error
             )
-        if report.mempolicy != "bind":
+        mempolicy_allowed = self.rt.store.snapshot.allows("mempolicy")
+        if report.mempolicy != "bind" and mempolicy_allowed:
+            # Where the host denies a memory policy the start said so once
+            # (capability missing): not a failure of this process, not counted.
             why = report.reason or f"mempolicy {report.mempolicy}"
             self.record_bind_failure("memory", reason_of_errno(report.mempolicy_errno), why)
         for i, err in enumerate(report.cgroup_errors):
             number = report.cgroup_errnos[i] if i < len(report.cgroup_errnos) else None
             self.record_bind_failure("cgroup", reason_of_errno(number), err)
-        bound = bound_as_planned(report, slot)
+        bound = bound_as_planned(report, slot, mempolicy_allowed=mempolicy_allowed)
         self.set_status(
             mempolicy=report.mempolicy,
             mempolicy_reason=report.reason,
             cgroup=report.cgroups[0] if report.cgroups else None,
             bound=bound,
+            cpus_bound=cpus_as_planned(report, slot),
         )
         cpus = format_cpulist(report.cpus)
         mems = format_cpulist(report.mems)

@@ -146,6 +146,34 @@ def observation_doc(obs: Observation | None) -> dict[str, Any]:
     }
 
 
+def not_bound(snap: Snapshot, key: ProcKey, status: ProcessStatus) -> list[dict[str, Any]]:
+    """What of `key`'s plan is not bound, and why: `"allowed": false` where the host
+    denies it (a capability probed at start), which readiness does not wait for."""
+    if status.pid is None:
+        return []
+    out: list[dict[str, Any]] = []
+    if not status.cpus_bound:
+        out.append({"target": "cpus", "reason": "the kernel read back other CPUs", "allowed": True})
+    if status.mempolicy is not None and status.mempolicy != "bind":
+        cap = snap.capabilities.get("mempolicy")
+        reason = status.mempolicy_reason or f"mempolicy {status.mempolicy}"
+        if cap is not None and not cap.available:
+            out.append({"target": "memory", "reason": cap.reason or reason, "allowed": False})
+        else:
+            out.append({"target": "memory", "reason": reason, "allowed": True})
+    cgroup = snap.capabilities.get("cgroup")
+    if cgroup is not None and cgroup.missing:
+        out.append({"target": "cgroup", "reason": cgroup.reason, "allowed": False})
+    irq = snap.capabilities.get("irq")
+    if irq is not None and irq.missing and _has_irqs(snap.placement, key):
+        out.append({"target": "irqs", "reason": irq.reason, "allowed": False})
+    return out
+
+
+def _has_irqs(placement: Placement, key: ProcKey) -> bool:
+    return any(r.rank == key and r.irqs for r in placement.ranks)
+
+
 def process_doc(snap: Snapshot, key: ProcKey) -> dict[str, Any]:
     """What /placement adds to the plan entry of one process."""
     status = snap.processes.get(key) or ProcessStatus(key)
@@ -153,6 +181,8 @@ def process_doc(snap: Snapshot, key: ProcKey) -> dict[str, Any]:
         "pid": status.pid,
         "state": status.state,
         "bound": status.bound,
+        "cpus_bound": status.cpus_bound,
+        "not_bound": not_bound(snap, key, status),
         "restarts": status.restarts,
         "exit_code": status.exit_code,
         "backoff": {"seconds": status.backoff_s, "next_start_at": status.next_start_at},
@@ -180,6 +210,7 @@ def supervisor_doc(snap: Snapshot) -> dict[str, Any]:
         "last_check_at": snap.counters.last_check_at or None,
         "checks": snap.counters.checks,
         "cpuset_changes": snap.counters.cpuset_changes,
+        "capabilities": {name: cap.to_doc() for name, cap in snap.capabilities.items()},
     }
 
 

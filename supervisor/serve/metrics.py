@@ -40,9 +40,12 @@ from supervisor.serve.documents import process_keys, readiness
 from supervisor.serve.exposition import FamilyTable, SnapshotCollector
 from supervisor.state import BIND_REASONS as ALL_BIND_REASONS
 from supervisor.state import (
+    CAPABILITY_NAMES,
     HOST_LABEL,
     HTTP_BAD_REASONS,
     BindTarget,
+    Capability,
+    CapabilityName,
     DriftKind,
     Finding,
     MemPolicyStep,
@@ -78,6 +81,7 @@ REBIND_REASONS: tuple[str, ...] = (
 
 Processes = Mapping[ProcKey, ProcessStatus]
 Observed = Mapping[ProcKey, Observation]
+Capabilities = Mapping[CapabilityName, Capability]
 
 FAMILIES = FamilyTable()
 
@@ -118,6 +122,33 @@ def _ready(
     m: GaugeMetricFamily, placement: Placement, processes: Processes, stopping: bool
 ) -> None:
     m.add_metric([], 0.0 if readiness(placement, processes, stopping) else 1.0)
+
+
+@FAMILIES.add(
+    "gauge",
+    "placement_capability",
+    "1 when the host lets the supervisor bind this (mempolicy, cgroup, irq; probed at start), "
+    "else 0. Not in readiness: see placement_capability_wanted and GET /placement.",
+    ("name",),
+)
+def _capability(m: GaugeMetricFamily, capabilities: Capabilities) -> None:
+    for name in CAPABILITY_NAMES:
+        cap = capabilities.get(name)
+        if cap is not None:
+            m.add_metric([name], 1.0 if cap.available else 0.0)
+
+
+@FAMILIES.add(
+    "gauge",
+    "placement_capability_wanted",
+    "1 when the config asks for this kind of binding (cgroup = auto, irq.enabled), else 0.",
+    ("name",),
+)
+def _capability_wanted(m: GaugeMetricFamily, capabilities: Capabilities) -> None:
+    for name in CAPABILITY_NAMES:
+        cap = capabilities.get(name)
+        if cap is not None:
+            m.add_metric([name], 1.0 if cap.wanted else 0.0)
 
 
 # -- each process's state ---------------------------------------------------------------

@@ -15,13 +15,14 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 
-from supervisor.bind.cgroup import CgroupManager, ProcessCgroup, detect_cgroup_setup
+from supervisor.bind.cgroup import CgroupManager, ProcessCgroup, read_cgroup_setup
 from supervisor.config import Config
 from supervisor.errors import ConfigError, KernelError
 from supervisor.hostfs import HostFS
 from supervisor.logs import format_fields
 from supervisor.plan.keys import ProcKey, key_label
 from supervisor.plan.placement import Slot
+from supervisor.state import Capability
 from supervisor.trees.guardian import sweep_leftovers
 
 log = logging.getLogger("placement_supervisor.daemon")
@@ -88,33 +89,48 @@ def instance_suffix(config: Config, env: Mapping[str, str]) -> str:
 def cgroups_for(config: Config, fs: HostFS, env: Mapping[str, str]) -> ManagedCgroups | None:
     """Per-process cgroups when `cgroup = "auto"` and a writable subtree exists,
     in a dir of this instance's own (`instance_suffix`)."""
+    return cgroups_and_capability(config, fs, env)[0]
+
+
+def cgroups_and_capability(
+    config: Config, fs: HostFS, env: Mapping[str, str]
+) -> tuple[ManagedCgroups | None, Capability]:
+    """`cgroups_for`, and the "cgroup" capability it found (with why not)."""
     if config.cgroup == "off":
-        return None
-    setup = detect_cgroup_setup(fs)
+        return None, Capability("cgroup", False, wanted=False, reason='cgroup = "off"')
+    setup, why = read_cgroup_setup(fs)
     if setup is None:
         log.info(
-            "cgroups none %s", format_fields(reason="no writable cgroup subtree", action="skip")
+            "cgroups none %s",
+            format_fields(reason="no writable cgroup subtree", detail=why, action="skip"),
         )
-        return None
+        return None, Capability("cgroup", False, reason=f"no writable cgroup subtree: {why}")
     suffix = instance_suffix(config, env)
     try:
         manager = CgroupManager(fs, setup, suffix=suffix)
     except ValueError as err:
         raise ConfigError(f"{INSTANCE_ENV}={suffix!r}: {err}") from None
+    cgroups, error = _prepared(manager, setup.version)
+    return cgroups, Capability("cgroup", cgroups is not None, reason=error)
+
+
+def _prepared(manager: CgroupManager, version: int) -> tuple[ManagedCgroups | None, str | None]:
     try:
         # Once, here, before any runner spawns: preparing lazily from the
         # executor's threads raced, and a failure was redone at every spawn.
         manager.prepare()
     except KernelError as err:
         log.warning("cgroups none %s", format_fields(error=str(err), action="skip cgroups"))
-        return None
+        return None, f"{err}"
     # What an earlier instance of this config left (it died with its guardian) ends first.
     sweep_leftovers(manager)
     log.info(
         "cgroups %s",
-        format_fields(version=setup.version, parent=setup.cpuset_parent, instance=manager.instance),
+        format_fields(
+            version=version, parent=manager.setup.cpuset_parent, instance=manager.instance
+        ),
     )
-    return ManagedCgroups(manager)
+    return ManagedCgroups(manager), None
 
 
 def remove_cgroups(cgroups: ManagedCgroups, keys: Sequence[ProcKey]) -> None:

@@ -287,6 +287,7 @@ class AdoptRunner(Runner):
             adopted=True,
             cgroup=result.cgroup,
             bound=bound,
+            cpus_bound=result.cpus == tuple(sorted(slot.cpus)),
             mempolicy=None,
         )
         self.ready.set()
