@@ -35,7 +35,7 @@ from supervisor.procfs.stat import read_proc_stat
 from supervisor.run.probe import describe_probe, wait_ready
 from supervisor.run.procs import ChildProcess, read_until_eof, spawn
 from supervisor.run.restart import RestartHistory, RunOutcome, decide_restart
-from supervisor.run.spec import ChildSpec
+from supervisor.run.spec import ChildSpec, SpecOf
 from supervisor.state import BindTarget, ProcessState, ProcessStatus, ProcKey, StateStore, key_label
 
 log = logging.getLogger("placement_supervisor.runner")
@@ -113,11 +113,11 @@ class Runner:
     reaps it. Restart requests and the daemon's stop arrive as `interrupt`.
     """
 
-    def __init__(self, rt: Runtime, spec: ChildSpec) -> None:
+    def __init__(self, rt: Runtime, key: ProcKey, spec_of: SpecOf) -> None:
         self.rt = rt
-        self.spec = spec
-        self.key = spec.key
-        self.label = key_label(spec.key)
+        self.spec_of = spec_of
+        self.key = key
+        self.label = key_label(key)
         self.child: ChildProcess | None = None
         self.history = RestartHistory()
         self.interrupt = asyncio.Event()
@@ -137,6 +137,11 @@ class Runner:
     # -- state -----------------------------------------------------------
 
     @property
+    def spec(self) -> ChildSpec:
+        """What to run now: the plan in force's, asked at each spawn."""
+        return self.spec_of(self.key)
+
+    @property
     def status(self) -> ProcessStatus:
         return self.rt.store.snapshot.processes.get(self.key) or ProcessStatus(self.key)
 
@@ -146,13 +151,9 @@ class Runner:
         self.rt.store.set_process(new)
         if new.state != old.state:
             self.recorder.note(
-                "state",
-                self.key,
-                f"{self.label}: {old.state} -> {new.state}",
-                old=old.state,
-                new=new.state,
-                pid=new.pid,
-            )
+                "state", self.key, f"{self.label}: {old.state} -> {new.state}",
+                old=old.state, new=new.state, pid=new.pid,
+            )  # fmt: skip
             for watcher in self._watchers:
                 if not watcher.done():
                     watcher.set_result(None)
@@ -235,14 +236,10 @@ class Runner:
                 announced = True
                 self.set_status(state="stopped")
                 self.recorder.note(
-                    "not_started",
-                    self.key,
-                    f"{self.label}: not started: the engine is {engine_state}",
-                    log_message="not started",
-                    level=logging.WARNING,
-                    engine=engine_state,
-                    action="wait for engine",
-                )
+                    "not_started", self.key, f"{self.label}: not started: the engine is "
+                    f"{engine_state}", log_message="not started", level=logging.WARNING,
+                    engine=engine_state, action="wait for engine",
+                )  # fmt: skip
             await first_of(gate.next_change(), self.rt.stopping.wait())
         self.restart_requested = False  # a restart asked for while waiting: this is the start
         self.interrupt.clear()

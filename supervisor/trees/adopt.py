@@ -10,6 +10,8 @@ cgroup, binds every thread to the rank's CPUs, migrates its pages to the
 rank's nodes, and makes it the rank's pid, so the check loop checks,
 re-binds and migrates it like a spawned worker. When it exits the rank waits
 for the next one; the engine, not the supervisor, restarts workers.
+`AdoptingFleet` is the daemon's fleet of such ranks and the engine
+(supervisor.run.fleet).
 """
 
 from __future__ import annotations
@@ -20,19 +22,21 @@ import logging
 import os
 import signal
 from collections.abc import Callable, Collection, Mapping, Sequence
-from concurrent.futures import Executor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from supervisor.bind.binder import Binder
 from supervisor.errors import Gone, KernelError, translate_oserror
 from supervisor.events import Recorder
 from supervisor.hostfs import HostFS
+from supervisor.plan.in_force import PlanInForce
 from supervisor.plan.placement import Placement
 from supervisor.procfs.files import read_cmdline, read_environ
 from supervisor.procfs.identity import ProcessId
+from supervisor.run.fleet import RunnerFleet, plan_keys
 from supervisor.run.runner import Runner, Runtime, first_of
-from supervisor.run.spec import ChildSpec
-from supervisor.state import BindTarget
+from supervisor.run.spec import SpecOf
+from supervisor.state import BindTarget, ProcKey
 from supervisor.trees.rank_source import (
     ProcFacts,
     RankSource,
@@ -167,11 +171,12 @@ class AdoptRunner(Runner):
     def __init__(
         self,
         rt: Runtime,
-        spec: ChildSpec,
+        key: ProcKey,
+        spec_of: SpecOf,
         all_nodes: Sequence[int],
         executor: Executor | None = None,
     ) -> None:
-        super().__init__(rt, spec)
+        super().__init__(rt, key, spec_of)
         # The binds of an adoption run here: a thread of their own (the daemon's
         # pool may be busy with a check pass) keeps fork-to-bound short.
         self.bind_executor = executor if executor is not None else rt.executor
@@ -433,3 +438,38 @@ class Adopter:
         for ident in list(self.unnamed_passes):
             if ident not in live:
                 del self.unnamed_passes[ident]
+
+
+# -- the fleet ------------------------------------------------------------------------------
+
+
+class AdoptingFleet(RunnerFleet):
+    """The engine, spawned by the daemon, and one `AdoptRunner` per rank, whose
+    worker the engine spawns and the `Adopter` names for the tree keeper."""
+
+    def __init__(
+        self,
+        rt: Runtime,
+        plan: PlanInForce,
+        spec_of: SpecOf,
+        sources: Sequence[RankSource],
+    ) -> None:
+        # The binds of adoptions run on a thread of their own (the daemon's pool
+        # may be busy with a check pass): it keeps fork-to-bound short.
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="ps-adopt")
+        nodes = [n.id for n in plan.topology.nodes]
+        runners: list[Runner] = []
+        ranks: dict[int, AdoptRunner] = {}
+        for key in plan_keys(plan):
+            if key == "engine":
+                runners.append(Runner(rt, key, spec_of))
+            else:
+                ranks[key] = AdoptRunner(rt, key, spec_of, nodes, self.executor)
+                runners.append(ranks[key])
+        super().__init__(rt, plan, runners)
+        self.naming = Adopter(rt, ranks, sources, plan.placement)
+        self.adopter = self.naming
+        self.on_refresh = self.naming.note_pass
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)

@@ -26,7 +26,7 @@ from supervisor.cpulist import format_cpulist
 from supervisor.errors import Gone, KernelError, translate_oserror
 from supervisor.hostfs import HostFS
 from supervisor.logs import format_fields
-from supervisor.plan.placement import Slot
+from supervisor.plan.placement import Placement, Slot
 from supervisor.plan.replan import AllowedSet
 from supervisor.procfs.identity import is_leader_since, is_thread_of
 from supervisor.state import ProcKey, key_label
@@ -72,9 +72,13 @@ class Applier:
     # -- one pass ------------------------------------------------------------------
 
     def apply(
-        self, decisions: Sequence[Decision], starts: Mapping[ProcKey, int | None]
+        self,
+        decisions: Sequence[Decision],
+        starts: Mapping[ProcKey, int | None],
+        placement: Placement | None = None,
     ) -> list[Outcomes]:
-        """Every bind of a pass. `starts`: each process's start time (pid reuse)."""
+        """Every bind of a pass. `starts`: each process's start time (pid reuse);
+        `placement`: the plan in force, whose IRQs a decision's re-write puts back."""
         out: list[Outcomes] = []
         for d in decisions:
             start = starts.get(d.key)
@@ -88,7 +92,11 @@ class Applier:
                 b.tid: self.bind_thread(d.pid if b.pid is None else b.pid, b) for b in d.binds
             }
             moves = tuple(self.migrate(d.pid, starts.get(d.key), m) for m in d.moves)
-            irq = self.enforce_irqs(d.key) if d.irq_reason is not None else None
+            irq = (
+                self.enforce_irqs(d.key, placement)
+                if d.irq_reason is not None and placement is not None
+                else None
+            )
             out.append(Outcomes(threads, moves, irq))
         return out
 
@@ -135,11 +143,11 @@ class Applier:
         except KernelError as err:
             return Outcome(error=err)
 
-    def enforce_irqs(self, key: ProcKey) -> Outcome:
+    def enforce_irqs(self, key: ProcKey, placement: Placement) -> Outcome:
         if self.irqs is None:
             return Outcome()
         try:
-            outcomes = self.irqs.enforce(key)
+            outcomes = self.irqs.enforce(key, placement)
         except KernelError as err:
             return Outcome(error=err)
         except Exception as err:  # the keeper's bug stays the keeper's
