@@ -261,7 +261,7 @@ class Daemon:
         if workers.spawned_by != "engine":
             return spawned_fleet(rt, self.plan, self.specs)
         sources = [parse_rank_source(s) for s in workers.rank_from]
-        return AdoptingFleet(rt, self.plan, self.specs, sources)
+        return AdoptingFleet(rt, self.plan, self.specs, sources, self.cgroups)
 
     def _cgroup_dir(self, key: ProcKey) -> str | None:
         return None if self.cgroups is None else self.cgroups.cpuset_dir(key)

@@ -286,7 +286,7 @@ class Runner:
         self.restart_requested = False
         self.interrupt.clear()
         self.history = RestartHistory()
-        self.rt.store.count("restarts", self.label)
+        self.recorder.restart_counted(self.key)
         self.set_status(restarts=self.status.restarts + 1, backoff_s=0.0, next_start_at=None)
 
     async def _wait_interrupt(self, timeout_s: float | None) -> bool:
