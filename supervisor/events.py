@@ -408,6 +408,12 @@ class Recorder:
             format_fields(pid=pid, start_time=start_time, action="leave it the engine's"),
         )
 
+    def process_read_failed(self) -> None:
+        """process_read_failures += 1: a process's /proc files there but unreadable
+        (trees.tree.ReadFailures logs it, at most once a minute)."""
+        c = self.store.snapshot.counters
+        self.store.update(counters=replace(c, process_read_failures=c.process_read_failures + 1))
+
     def restart_counted(self, key: ProcKey) -> None:
         """restarts{rank} += 1 for a restart asked for (the API's), not scheduled."""
         self.store.count("restarts", key_label(key))
