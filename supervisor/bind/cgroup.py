@@ -400,6 +400,20 @@ class CgroupManager:
         self._write(f"{pc.cpuset_dir}/cpuset.mems", mem_text)
         self._write(f"{pc.cpuset_dir}/cpuset.cpus", cpu_text)
 
+    def join(self, pc: ProcessCgroup, pid: int) -> None:
+        """Move process `pid`, all of its threads (cgroups(7)), into the cgroup; every
+        dir is tried, the first refusal raised (KernelError) after."""
+        first: KernelError | None = None
+        for rel in dict.fromkeys([pc.cpuset_dir, pc.memory_dir]):
+            if rel is None:
+                continue
+            try:
+                self._write(f"{rel}/cgroup.procs", str(pid))
+            except KernelError as err:
+                first = first or err
+        if first is not None:
+            raise first
+
     def remove(self, pc: ProcessCgroup, timeout_s: float = 2.0) -> None:
         """rmdir the cgroup after its processes exited (and were reaped); retries while busy."""
         for rel in dict.fromkeys([pc.cpuset_dir, pc.memory_dir]):

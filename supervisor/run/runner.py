@@ -37,7 +37,7 @@ from supervisor.run import restart
 from supervisor.run.probe import describe_probe, wait_ready
 from supervisor.run.procs import ChildProcess, read_until_eof, spawn
 from supervisor.run.restart import RestartDecision, RestartHistory, RunOutcome, decide_restart
-from supervisor.run.spec import ChildSpec
+from supervisor.run.spec import ChildSpec, SpecOf
 from supervisor.state import BindTarget, ProcessState, ProcessStatus, StateStore
 
 log = logging.getLogger("placement_supervisor.runner")
@@ -121,11 +121,11 @@ class Runner:
     reaps it. Restart requests and the daemon's stop arrive as `interrupt`.
     """
 
-    def __init__(self, rt: Runtime, spec: ChildSpec) -> None:
+    def __init__(self, rt: Runtime, key: ProcKey, spec_of: SpecOf) -> None:
         self.rt = rt
-        self.spec = spec
-        self.key = spec.key
-        self.label = key_label(spec.key)
+        self.spec_of = spec_of
+        self.key = key
+        self.label = key_label(key)
         self.child: ChildProcess | None = None
         self.history = RestartHistory()
         self.interrupt = asyncio.Event()
@@ -145,6 +145,11 @@ class Runner:
     # -- state -----------------------------------------------------------
 
     @property
+    def spec(self) -> ChildSpec:
+        """What to run now: the plan in force's, asked at each spawn."""
+        return self.spec_of(self.key)
+
+    @property
     def status(self) -> ProcessStatus:
         return self.rt.store.snapshot.processes.get(self.key) or ProcessStatus(self.key)
 
@@ -154,13 +159,9 @@ class Runner:
         self.rt.store.set_process(new)
         if new.state != old.state:
             self.recorder.note(
-                "state",
-                self.key,
-                f"{self.label}: {old.state} -> {new.state}",
-                old=old.state,
-                new=new.state,
-                pid=new.pid,
-            )
+                "state", self.key, f"{self.label}: {old.state} -> {new.state}",
+                old=old.state, new=new.state, pid=new.pid,
+            )  # fmt: skip
             for watcher in self._watchers:
                 if not watcher.done():
                     watcher.set_result(None)
@@ -297,7 +298,7 @@ class Runner:
         self.restart_requested = False
         self.interrupt.clear()
         self.history = RestartHistory()
-        self.rt.store.count("restarts", self.label)
+        self.recorder.restart_counted(self.key)
         self.set_status(restarts=self.status.restarts + 1, backoff_s=0.0, next_start_at=None)
 
     async def _wait_interrupt(self, timeout_s: float | None) -> bool:

@@ -17,8 +17,9 @@ import logging
 import os
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
+from supervisor.events import Recorder
 from supervisor.hostfs import HostFS
 from supervisor.logs import format_fields
 from supervisor.plan.keys import ProcKey
@@ -165,16 +166,13 @@ class ReadFailures:
     Called on the event loop (the store's one writer)."""
 
     def __init__(self, store: StateStore, logger: logging.Logger) -> None:
-        self.store = store
+        self.recorder = Recorder(store, logger)
         self.log = logger
         self.next_log_at = 0.0
         self.held_back = 0
 
     def note(self, pid: int, error: object) -> None:
-        counters = self.store.snapshot.counters
-        self.store.update(
-            counters=replace(counters, process_read_failures=counters.process_read_failures + 1)
-        )
+        self.recorder.process_read_failed()
         now = time.monotonic()
         if now < self.next_log_at:
             self.held_back += 1

@@ -195,6 +195,8 @@ class Decision:
     irq_reason: RebindReason | None = None  # re-write this process's drifted IRQs
     notes: tuple[Note, ...] = ()
     state: RepairState = field(default_factory=RepairState)
+    # (pid, start time) to move into the process's cgroups, before any bind (adoption)
+    joins: tuple[tuple[int, int | None], ...] = ()
 
 
 # -- deciding -------------------------------------------------------------------------

@@ -58,11 +58,11 @@ class IrqOutcomeLike(Protocol):
 class IrqKeeperLike(Protocol):
     """What the loop needs of `supervisor.watch.irqs.IrqKeeper` (blocking; run in the executor)."""
 
-    def observe(self) -> Mapping[ProcKey, tuple[IrqObservation, ...]]: ...
+    def observe(self, placement: Placement) -> Mapping[ProcKey, tuple[IrqObservation, ...]]: ...
 
-    def enforce(self, key: ProcKey) -> Sequence[IrqOutcomeLike]: ...
+    def enforce(self, key: ProcKey, placement: Placement) -> Sequence[IrqOutcomeLike]: ...
 
-    def replan(self, placement: Placement) -> object: ...
+    def apply(self, placement: Placement) -> object: ...
 
     def take_facts(self) -> Sequence[FactLike]: ...
 
@@ -194,9 +194,11 @@ def scan(
     node_ids: Iterable[int],
     irqs: IrqKeeperLike | None,
     cgroups: CgroupManager | None,
+    placement: Placement | None = None,
     with_allowed: bool = True,
 ) -> ScanResult:
-    """Every read of one pass; failures isolated per process, the IRQs and the host."""
+    """Every read of one pass; failures isolated per process, the IRQs (of
+    `placement`, the plan in force) and the host."""
     allowed: AllowedSet | None = None
     host_error: str | None = None
     if with_allowed:
@@ -206,9 +208,9 @@ def scan(
             host_error = str(err)
     irq_obs: Mapping[ProcKey, tuple[IrqObservation, ...]] = {}
     irq_error: str | None = None
-    if irqs is not None:
+    if irqs is not None and placement is not None:
         try:
-            irq_obs = irqs.observe()
+            irq_obs = irqs.observe(placement)
         except Exception as err:  # the IRQ keeper's failure is not the processes'
             irq_error = f"{type(err).__name__}: {err}"
     seen: dict[ProcKey, Seen | None] = {}

@@ -45,6 +45,8 @@ class Outcomes:
     threads: Mapping[int, Outcome] = field(default_factory=dict)  # by tid
     moves: tuple[Outcome, ...] = ()  # in the decision's order
     irqs: Outcome | None = None
+    joins: tuple[Outcome, ...] = ()  # cgroup joins, in the decision's order
+    gone: bool = False  # the decision's pid names another process now: nothing done
 
 
 @dataclass(frozen=True, slots=True)

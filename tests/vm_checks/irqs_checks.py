@@ -67,9 +67,9 @@ def keeper_alone() -> None:
     placement = plan(topology, PlanSettings(engine=False, rank_roles={"irq": 1}))
     (rank,) = placement.ranks
     irq_cpus = set(rank.slot.role_cpus("irq"))
-    keeper = IrqKeeper(fs, placement, IrqConfig())
+    keeper = IrqKeeper(fs, IrqConfig())
     try:
-        outcomes = keeper.apply()
+        outcomes = keeper.apply(placement)
         bound = [o.irq for o in outcomes if o.status == "bound"]
         on_cpus = all(parse_cpulist(affinity(irq)) == irq_cpus for irq in irqs)
         delivered = all(set(read_irq_delivery(fs, irq) or ()) <= irq_cpus for irq in irqs)
@@ -82,8 +82,8 @@ def keeper_alone() -> None:
         victim = irqs[-1]
         with open(f"/proc/irq/{victim}/smp_affinity_list", "w") as f:
             f.write("0")
-        seen = {o.irq: o.cpus for o in keeper.observe()[0]}
-        fixed = keeper.enforce(0)
+        seen = {o.irq: o.cpus for o in keeper.observe(placement)[0]}
+        fixed = keeper.enforce(0, placement)
         CHECKS.check(
             "keeper-enforce-after-move",
             seen[victim] == (0,)
