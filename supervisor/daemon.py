@@ -10,8 +10,6 @@ the policy of `supervisor.run.restart`. Every state change is an Event in the
 the plan in force (supervisor.plan.in_force), which only the check loop replaces.
 SIGTERM/SIGINT only set a flag; the shutdown that follows stops workers first,
 then the engine.
-Over 500 lines because it is the root: it builds every collaborator and runs
-the ordered start and shutdown; each collaborator itself lives in its folder.
 """
 
 from __future__ import annotations
@@ -50,7 +48,8 @@ from supervisor.plan.planner import plan
 from supervisor.plan.render import render_plan_table
 from supervisor.run import users
 from supervisor.run.fleet import Fleet, plan_keys, spawned_fleet
-from supervisor.run.runner import Runtime, first_of
+from supervisor.run.procs import first_of
+from supervisor.run.runner import Runtime
 from supervisor.run.spec import PlanSpecs
 from supervisor.serve.routes import Actions
 from supervisor.serve.server import ApiServer

@@ -3,10 +3,8 @@
 `Runner` spawns the engine or one rank through the exec shim, records the
 shim's bind report, restarts the child by the policy of `supervisor.run.restart`
 and stops it (TERM to its group, KILL after a timeout). `Runtime` is what the
-daemon's runners share; `bound_as_planned` reads a report (pure).
-Over 500 lines because `Runner` owns its child from spawn to reap (report,
-readiness, restart policy, stop): every path out of `run()` must stop and
-reap it, which one class keeps in view.
+daemon's runners share. Whether a report is bound as planned is
+`supervisor.bind.report.bound_as_planned` (pure).
 """
 
 from __future__ import annotations
@@ -18,12 +16,19 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from supervisor.bind.report import ShimReport, ShimReportError, parse_shim_report, shim_argv
+from supervisor.bind.report import (
+    ShimReport,
+    ShimReportError,
+    bound_as_planned,
+    cpus_as_planned,
+    parse_shim_report,
+    shim_argv,
+)
 from supervisor.config import Config
 from supervisor.cpulist import format_cpulist
 from supervisor.errors import KernelError, reason_of_errno
@@ -35,7 +40,7 @@ from supervisor.plan.placement import Slot
 from supervisor.procfs.stat import read_proc_stat
 from supervisor.run import restart
 from supervisor.run.probe import describe_probe, wait_ready
-from supervisor.run.procs import ChildProcess, read_until_eof, spawn
+from supervisor.run.procs import ChildProcess, first_of, read_until_eof, spawn
 from supervisor.run.restart import RestartDecision, RestartHistory, RunOutcome, decide_restart
 from supervisor.run.spec import ChildSpec, SpecOf
 from supervisor.state import BindTarget, ProcessState, ProcessStatus, StateStore
@@ -43,26 +48,6 @@ from supervisor.state import BindTarget, ProcessState, ProcessStatus, StateStore
 log = logging.getLogger("placement_supervisor.runner")
 
 REPORT_TIMEOUT_S = 30.0  # the shim binds and execs in milliseconds; this is a hung cgroup write
-
-
-# -- reading the shim's report (pure) -----------------------------------------------
-
-
-def bound_as_planned(report: ShimReport, slot: Slot, *, mempolicy_allowed: bool = True) -> bool:
-    """True when the kernel read back exactly the planned CPUs and an MPOL_BIND to the
-    mems; with `mempolicy_allowed` False (the host denies a memory policy, probed at
-    start: supervisor.bind.capability) the CPUs alone: bound as far as allowed."""
-    memory = report.mempolicy == "bind" and tuple(report.mems) == tuple(sorted(slot.mems))
-    return (
-        cpus_as_planned(report, slot)
-        and (memory or not mempolicy_allowed)
-        and not report.cgroup_errors
-    )
-
-
-def cpus_as_planned(report: ShimReport, slot: Slot) -> bool:
-    """The kernel read back exactly the planned CPUs."""
-    return report.affinity_error is None and tuple(report.cpus) == tuple(sorted(slot.cpus))
 
 
 # -- what the runners share (the composition root fills it) -------------------------
@@ -589,28 +574,3 @@ class Runner:
         if self.task is not None:
             with contextlib.suppress(asyncio.CancelledError):
                 await self.task
-
-
-# -- waiting ------------------------------------------------------------------------
-
-
-async def first_of(*waits: Awaitable[Any]) -> None:
-    """Wait until the first of `waits` completes.
-
-    Coroutines (and gathers) given here are wrapped and cancelled afterwards;
-    futures and tasks the caller passes in (a child's exit) are left alone.
-    """
-    futures: list[asyncio.Future[Any]] = []
-    owned: list[asyncio.Future[Any]] = []
-    for w in waits:
-        if isinstance(w, asyncio.Future):
-            futures.append(w)
-        else:
-            wrapped: asyncio.Future[Any] = asyncio.ensure_future(w)
-            futures.append(wrapped)
-            owned.append(wrapped)
-    try:
-        await asyncio.wait(futures, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for f in owned:
-            f.cancel()

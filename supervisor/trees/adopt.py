@@ -36,7 +36,8 @@ from supervisor.plan.placement import Placement, Slot
 from supervisor.procfs.files import list_tids, read_cmdline, read_environ
 from supervisor.procfs.identity import ProcessId, read_thread_start
 from supervisor.run.fleet import RunnerFleet, plan_keys
-from supervisor.run.runner import Runner, Runtime, first_of
+from supervisor.run.procs import first_of
+from supervisor.run.runner import Runner, Runtime
 from supervisor.run.spec import SpecOf
 from supervisor.trees.rank_source import (
     ProcFacts,

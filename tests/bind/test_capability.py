@@ -10,10 +10,9 @@ from types import MappingProxyType
 
 from supervisor.bind import syscalls
 from supervisor.bind.capability import probe_capabilities, probe_irq, probe_mempolicy
-from supervisor.bind.report import ShimReport
+from supervisor.bind.report import ShimReport, bound_as_planned
 from supervisor.hostfs import HostFS
 from supervisor.plan.placement import Slot
-from supervisor.run.runner import bound_as_planned
 from supervisor.serve.documents import placement_doc, readyz_doc
 from supervisor.serve.metrics import build_registry
 from supervisor.state import Capability, Snapshot, StateStore
