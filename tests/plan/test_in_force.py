@@ -10,6 +10,8 @@ import pytest
 
 from supervisor.config import Config, ProcessConfig
 from supervisor.errors import PlanError
+from supervisor.examples.builder import FakeHost
+from supervisor.examples.hosts import dgx_h100
 from supervisor.hostfs import HostFS
 from supervisor.plan.in_force import PlanInForce, irq_changed_keys
 from supervisor.plan.placement import PlanSettings
@@ -17,8 +19,6 @@ from supervisor.plan.planner import plan
 from supervisor.plan.replan import merge_topology, replan
 from supervisor.topology.discover import read_topology
 from supervisor.topology.model import DiscoveryOptions, Topology
-from tests.support.fakehost import FakeHost
-from tests.support.hosts import dgx_h100
 
 CONFIG = Config(None, None, ProcessConfig(("worker",)))
 SETTINGS = PlanSettings(rank_roles={}, engine=False, on_shortage="error")
