@@ -115,6 +115,7 @@ class DriftConfig:
             "cpuset_changed": "enforce",
             "process_gone": "observe",
             "self_rebind": "enforce",
+            "cgroup": "enforce",
         }
     )
 
