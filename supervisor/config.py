@@ -107,6 +107,7 @@ class DriftConfig:
             "cpuset_changed": "enforce",
             "process_gone": "observe",
             "self_rebind": "enforce",
+            "cgroup": "enforce",
         }
     )
 

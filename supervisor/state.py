@@ -32,6 +32,7 @@ DriftKind = Literal[
     "cpuset_changed",
     "process_gone",
     "self_rebind",
+    "cgroup",
 ]
 BindTarget = Literal["process", "thread", "memory", "irq", "cgroup"]
 BindReason = Literal["gone", "denied", "invalid", "managed", "error"]
@@ -155,6 +156,24 @@ class IrqObservation:
 
 
 @dataclass(frozen=True, slots=True)
+class CgroupObservation:
+    """A process's own cgroup as the check found it: what someone else may have changed."""
+
+    missing: tuple[str, ...] = ()  # its dirs (absolute) that are gone
+    cpus: tuple[int, ...] | None = None  # its cpuset.cpus as written; None: none (v1) or gone
+    mems: tuple[int, ...] | None = None  # its cpuset.mems as written
+    outside: bool = False  # the process is not in its cgroup (in every hierarchy)
+
+    def to_doc(self) -> dict[str, Any]:
+        return {
+            "missing": list(self.missing),
+            "cpus": None if self.cpus is None else list(self.cpus),
+            "mems": None if self.mems is None else list(self.mems),
+            "outside": self.outside,
+        }
+
+
+@dataclass(frozen=True, slots=True)
 class Observation:
     """Live state of one process, as the last check found it."""
 
@@ -163,6 +182,7 @@ class Observation:
     local_memory_ratio: float | None = None
     irqs: tuple[IrqObservation, ...] = ()
     observed_at: float = 0.0  # unix time
+    cgroup: CgroupObservation | None = None  # its own cgroup; None: it has none
 
 
 @dataclass(frozen=True, slots=True)

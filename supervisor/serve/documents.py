@@ -143,6 +143,8 @@ def observation_doc(obs: Observation | None) -> dict[str, Any]:
             {"irq": i.irq, "cpus": list(i.cpus), "planned": list(i.planned)} for i in obs.irqs
         ],
         "observed_at": obs.observed_at or None,
+        # Its own cgroup as found: a dir someone removed, a cpuset someone rewrote.
+        "cgroup": None if obs.cgroup is None else obs.cgroup.to_doc(),
     }
 
 

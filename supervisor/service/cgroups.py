@@ -3,7 +3,8 @@
 
 `cgroups_for` finds a writable subtree and prepares it once, before any spawn;
 `ManagedCgroups` makes each process's cgroup at its first start and reuses it
-after; `instance_suffix` names the instance's dir (pure).
+after (re-made, when someone removed it, at each start and by the check
+loop's `repair`); `instance_suffix` names the instance's dir (pure).
 """
 
 from __future__ import annotations
@@ -48,18 +49,22 @@ class ManagedCgroups:
         return self.manager.instance_dirs
 
     def cpuset_dir(self, key: ProcKey) -> str | None:
-        """The cpuset dir of `key`'s cgroup; None before its first start."""
+        """The dir whose cgroup.procs lists `key`'s processes (its cpuset on v2, its
+        memory cgroup on v1, which has no per-process cpusets); None before its first start."""
         pc = self.made.get(key)
-        return None if pc is None else pc.cpuset_dir
+        return None if pc is None else pc.procs_dir
 
     def create(self, key: ProcKey, slot: Slot) -> tuple[str, ...]:
-        pc = self.made.get(key)
-        if pc is None:
-            pc = self.manager.create(self.name(key), slot.cpus, slot.mems)
-            self.made[key] = pc
-        else:
-            self.manager.update(pc, slot.cpus, slot.mems)
+        """Before each start: the cgroup made (again, when someone removed it) and set."""
+        pc = self.manager.create(self.name(key), slot.cpus, slot.mems)
+        self.made[key] = pc
         return pc.dirs
+
+    def repair(self, key: ProcKey, slot: Slot, pids: Sequence[int]) -> None:
+        """The check loop: `key`'s cgroup as planned again, `pids` back in it."""
+        pc = self.made.get(key)
+        if pc is not None:
+            self.manager.repair(pc, slot.cpus, slot.mems, pids)
 
     def remove(self, key: ProcKey) -> None:
         pc = self.made.pop(key, None)

@@ -10,7 +10,8 @@ written; issue 11): the Tgid is the tree member the thread runs in where the
 bind names one, else the decision's process. A pid is checked by its start
 time before it joins a cgroup or its pages move.
 `update_cgroups` sets the instance dir and the moved processes' cgroups to a
-new plan. Nothing here writes the StateStore.
+new plan; `repair_cgroup` puts back a process's own cgroup that someone else
+removed or rewrote. Nothing here writes the StateStore.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ class CgroupsLike(Protocol):
     made: dict[ProcKey, ProcessCgroup]
 
     def create(self, key: ProcKey, slot: Slot) -> tuple[str, ...]: ...
+
+    def repair(self, key: ProcKey, slot: Slot, pids: Sequence[int]) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,13 +86,17 @@ class Applier:
         out: list[Outcomes] = []
         for d in decisions:
             start = starts.get(d.key)
-            if (d.binds or d.moves or d.joins) and not is_leader_since(self.fs, d.pid, start):
+            if (d.binds or d.moves or d.joins or d.cgroup) and not is_leader_since(
+                self.fs, d.pid, start
+            ):
                 # The pid names another process now (reaped and reused): nothing of
                 # it is ours. Its runner reports the exit.
                 gone = Outcome(gone=True)
                 out.append(Outcomes(dict.fromkeys((b.tid for b in d.binds), gone), gone=True))
                 continue
-            # The cgroups first: their cpuset then bounds whatever the process does next.
+            # The cgroups first: their cpuset then bounds whatever the process does
+            # next (and a thread bind outside a wrong cpuset would fail).
+            cgroup = self.repair_cgroup(d) if d.cgroup is not None else None
             joins = tuple(self.join(d.key, pid, since) for pid, since in d.joins)
             threads = {
                 b.tid: self.bind_thread(d.pid if b.pid is None else b.pid, b) for b in d.binds
@@ -100,7 +107,7 @@ class Applier:
                 if d.irq_reason is not None and placement is not None
                 else None
             )
-            out.append(Outcomes(threads, moves, irq, joins))
+            out.append(Outcomes(threads, moves, irq, joins, cgroup=cgroup))
         return out
 
     def join(self, key: ProcKey, pid: int, start_time: int | None) -> Outcome:
@@ -118,6 +125,27 @@ class Applier:
             return Outcome(gone=True)
         except KernelError as err:
             return Outcome(error=err)
+        return Outcome()
+
+    def repair_cgroup(self, d: Decision) -> Outcome:
+        """Re-make/repair the process's own cgroup and put its processes back in."""
+        if self.cgroups is None or d.cgroup is None:
+            return Outcome(gone=True)
+        r = d.cgroup
+        try:
+            self.cgroups.repair(d.key, Slot(r.cpus, r.mems), r.pids)
+        except KernelError as err:
+            return Outcome(error=err)
+        log.info(
+            "cgroup repaired %s",
+            format_fields(
+                rank=key_label(d.key),
+                cpus=format_cpulist(r.cpus),
+                mems=format_cpulist(r.mems),
+                pids=",".join(map(str, r.pids)),
+                reason=r.reason,
+            ),
+        )
         return Outcome()
 
     def bind_thread(self, pid: int, b: ThreadBind) -> Outcome:
@@ -182,47 +210,17 @@ class Applier:
     def update_cgroups(
         self, allowed: AllowedSet, slots: Mapping[ProcKey, Slot], moved: Iterable[ProcKey]
     ) -> list[tuple[ProcKey | None, KernelError]]:
-        """Instance dir (v1) to the new allowed set, then each moved process's cgroup.
-
-        cgroup v1: the kernel refuses (EBUSY) to shrink a cpuset below the
-        CPUs of a child (Documentation/admin-guide/cgroup-v1/cpusets.rst), so
-        on a shrink the children go first; on growth the instance dir does.
-        """
+        """Each moved process's cgroup to the new plan (a no-op on v1, which has no
+        per-process cpusets: supervisor.bind.cgroup). `allowed` is the new allowed set."""
         cgroups = self.cgroups
         if cgroups is None:
             return []
         failed: list[tuple[ProcKey | None, KernelError]] = []
-        manager = cgroups.manager
-        keys = [k for k in moved if k in cgroups.made]
-
-        def update_children() -> None:
-            for key in keys:
-                if any(k == key for k, _ in failed):
-                    continue
-                try:
-                    cgroups.create(key, slots[key])
-                except KernelError as err:
-                    failed.append((key, err))
-
-        if manager.setup.version == 1 and cgroups.made:
+        for key in moved:
+            if key not in cgroups.made:
+                continue
             try:
-                self._write_instance(manager, allowed)
-            except KernelError:
-                update_children()
-                try:
-                    self._write_instance(manager, allowed)
-                except KernelError as err:
-                    failed.append((None, err))
-        update_children()
+                cgroups.create(key, slots[key])
+            except KernelError as err:
+                failed.append((key, err))
         return failed
-
-    @staticmethod
-    def _write_instance(manager: CgroupManager, allowed: AllowedSet) -> None:
-        inst = manager.instance_dirs[0]
-        # Mems first on growth, so the cpus write never meets an empty mems.
-        for name, values in (("cpuset.mems", allowed.mems), ("cpuset.cpus", allowed.cpus)):
-            rel = f"{inst}/{name}"
-            try:
-                manager.fs.write_text(rel, format_cpulist(values))
-            except OSError as err:
-                raise translate_oserror(manager.fs.path(rel), err) from None

@@ -368,7 +368,10 @@ class CheckLoop:
         plan.threads.with_engine_roles; the hook decides alike)."""
         if "engine" not in role_kinds(key, status.adopted) or key == "engine":
             return slot
-        cpuset = slot.cpus if status.cgroup is not None else self.allowed.cpus
+        # Its cpuset is its rank's only where it has one (v2); on v1 it shares the
+        # supervisor's (supervisor.bind.cgroup), as the hook reads it.
+        rank_cpuset = self.cgroups is not None and self.cgroups.manager.setup.rank_cpusets
+        cpuset = slot.cpus if status.cgroup is not None and rank_cpuset else self.allowed.cpus
         return with_engine_roles(slot, self.plan.placement.engine, self.roles, cpuset)
 
     # -- publication (on the loop) ----------------------------------------------------

@@ -245,9 +245,11 @@ def write_cpuset_config(
     interval_s: float,
     worker: Path,
     cpuset_watch_s: float | None = None,
+    policy: dict[str, str] | None = None,
 ) -> Path:
     """Ranks of COMM_THREADS_WORKER in per-rank cgroups, checked every `interval_s`
-    (the allowed set every `cpuset_watch_s` when given; 0: only at the checks)."""
+    (the allowed set every `cpuset_watch_s` when given; 0: only at the checks),
+    with `policy` as [drift.policy]."""
     doc = {
         "cpu_ranks": ranks,
         "cgroup": "auto",
@@ -258,6 +260,8 @@ def write_cpuset_config(
     text = to_toml(doc) + f"[drift]\ncheck_interval_s = {interval_s}\n"
     if cpuset_watch_s is not None:
         text += f"cpuset_watch_s = {cpuset_watch_s}\n"
+    if policy:
+        text += "[drift.policy]\n" + "".join(f'{k} = "{v}"\n' for k, v in policy.items())
     text += '[threads.comm]\nprocess = "workers"\npattern = "comm*"\n'
     path = tmp_path / "cpuset.toml"
     path.write_text(text)
@@ -273,6 +277,7 @@ def confined_daemon(
     threads: int = 2,
     interval_s: float = 0.2,
     cpuset_watch_s: float | None = None,
+    policy: dict[str, str] | None = None,
 ) -> Iterator[tuple[DaemonProcess, Path]]:
     """The daemon in a fresh v1 cpuset (0-1), its workers in per-rank cgroups below;
     every process stopped and every cgroup removed afterwards."""
@@ -285,6 +290,7 @@ def confined_daemon(
         interval_s=interval_s,
         worker=worker,
         cpuset_watch_s=cpuset_watch_s,
+        policy=policy,
     )
     suffix = f"{name}-{os.getpid()}"
     env = dict(os.environ, **{INSTANCE_ENV: suffix})

@@ -220,8 +220,9 @@ def adopted(daemon: DaemonProcess, exclude: frozenset[int] = frozenset()) -> dic
 
 
 def cgroup_of(pid: int) -> str:
+    """The process's v1 memory cgroup: v1 has no per-rank cpusets (supervisor.bind.cgroup)."""
     with open(f"/proc/{pid}/cgroup") as f:
-        return next(line.split(":", 2)[2].strip() for line in f if ":cpuset:" in line)
+        return next(line.split(":", 2)[2].strip() for line in f if ":memory:" in line)
 
 
 def placed_as_planned(doc: dict[str, Any]) -> bool:
