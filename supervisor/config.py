@@ -140,6 +140,8 @@ class Config:
     ready: ReadyProbe | None = None
     restart: RestartConfig = field(default_factory=RestartConfig)
     stop_timeout_s: float = 10.0
+    # The runtime's grace between its TERM and its KILL; the stop's waits fit in it.
+    stop_grace_s: float | None = None
     threads: tuple[ThreadRole, ...] = ()
     irq: IrqConfig = field(default_factory=IrqConfig)
     drift: DriftConfig = field(default_factory=DriftConfig)
@@ -325,6 +327,7 @@ def parse_config(doc: Mapping[str, Any], file: str = "<config>") -> Config:
         ready=_ready(top.table("ready")),
         restart=restart,
         stop_timeout_s=top.number("stop_timeout_s", 10.0, 0.0, strict=True),
+        stop_grace_s=top.number("stop_grace_s", None, 0.0, strict=True),
         threads=load_threads(top.table("threads")),
         irq=irq,
         drift=_drift(top.table("drift")),

@@ -78,8 +78,8 @@ class Table:
         return value
 
     def number(
-        self, key: str, default: float, minimum: float = 0.0, *, strict: bool = False
-    ) -> float:
+        self, key: str, default: T, minimum: float = 0.0, *, strict: bool = False
+    ) -> float | T:
         if not self._asked(key):
             return default
         value = float(self._get(key, (int, float), "a number"))

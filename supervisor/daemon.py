@@ -28,7 +28,7 @@ from types import MappingProxyType
 from typing import Any, Protocol
 
 from supervisor.bind.capability import probe_capabilities
-from supervisor.bind.fdlimit import FdLimit, raise_fd_limit
+from supervisor.bind.fdlimit import log_fd_limit, raise_fd_limit
 from supervisor.bind.irq_checkpoint import IrqCheckpoint
 from supervisor.config import (
     Config,
@@ -51,6 +51,7 @@ from supervisor.run.fleet import Fleet, plan_keys, spawned_fleet
 from supervisor.run.procs import first_of
 from supervisor.run.runner import Runtime
 from supervisor.run.spec import PlanSpecs
+from supervisor.run.stop_budget import log_stop_budget
 from supervisor.serve.routes import Actions
 from supervisor.serve.server import ApiServer
 from supervisor.service.cgroups import (
@@ -449,6 +450,7 @@ class Daemon:
     async def _shutdown(self) -> None:
         assert self.rt is not None
         self.rt.stopping.set()
+        self.rt.stop_started_at = time.monotonic()  # every wait from here fits stop_grace_s
         self.store.update(stopping=True)
         self.notifier.stopping("stopping: workers first, then the engine")
         self.recorder.note(
@@ -465,7 +467,7 @@ class Daemon:
             # Whatever is left of any tree (a setsid grandchild, an orphan) ends
             # now, so that no process outlives us and every cgroup can go.
             for key in self.keys:
-                await self.trees.end_tree(key, self.config.stop_timeout_s)
+                await self.trees.end_tree(key, self.rt.stop_wait_s("engine"))
             await self.trees.stop()
         await self._restore_irqs()
         if self.cgroups is not None:
@@ -541,7 +543,7 @@ def run_command(args: argparse.Namespace) -> int:
         check_listen("--listen", listen)
     if config.api.token_file is not None:
         read_token_file(config.api.token_file)  # a bad token file stops us before any spawn
-    _log_fd_limit(raise_fd_limit())  # before the API sizes its cap from it
+    log_fd_limit(raise_fd_limit())  # before the API sizes its cap from it
     # Before any cgroup or process is touched: a second daemon of this config
     # (whatever its --listen) would share them. Held until this returns (the
     # kernel drops it at exit, however this process ends).
@@ -554,6 +556,10 @@ def run_command(args: argparse.Namespace) -> int:
     # Once, before any spawn: what this host (a container's runtime) lets us bind.
     capabilities = probe_capabilities(
         fs, topology.allowed.mems, cgroup=cgroup_cap, irq_wanted=config.irq.enabled
+    )
+    has_engine = config.engine is not None  # a grace too short for the stop: said once
+    log_stop_budget(
+        config.stop_timeout_s, config.stop_grace_s, has_engine=has_engine, pid=os.getpid()
     )
     daemon = Daemon(
         config,
@@ -576,20 +582,6 @@ def run_command(args: argparse.Namespace) -> int:
     )
     with lock:
         return run_loop(daemon.run())
-
-
-def _log_fd_limit(limit: FdLimit) -> None:
-    """One line at start: the soft RLIMIT_NOFILE the daemon runs with, and whence."""
-    log.info(
-        "fd limit %s",
-        format_fields(
-            soft_before=limit.soft_before,
-            soft=limit.soft,
-            hard=limit.hard,
-            error=limit.error,
-            action="raise" if limit.soft != limit.soft_before else "keep",
-        ),
-    )
 
 
 def run_loop(main: Awaitable[int]) -> int:

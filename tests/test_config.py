@@ -28,6 +28,8 @@ def test_minimal_config_gets_defaults() -> None:
     assert cfg.placement.rank_roles == {"irq": 1, "comm": 1}
     assert cfg.placement.engine_roles == {"so_compiler": 4}
     assert cfg.api.listen == Listen(host="127.0.0.1", port=9477)  # parsed at load time
+    assert cfg.stop_grace_s is None  # no grace known: every wait is stop_timeout_s
+    assert parse_config({**MINIMAL, "stop_grace_s": 30}, "x.toml").stop_grace_s == 30.0
     assert cfg.drift.policy["memory_locality"] == "observe"
     assert cfg.drift.policy["thread_affinity"] == "enforce"
 
@@ -165,6 +167,7 @@ token_file = "/etc/ps/token"
         ('[workers]\ncommand = "w {gpu}"', "workers.command: bad placeholder {gpu} in '{gpu}'"),
         ("[workers]\ncommand = []", "workers.command: must not be empty"),
         ('stop_timeout_s = 0\n[workers]\ncommand = "w"', "stop_timeout_s: must be > 0"),
+        ('stop_grace_s = 0\n[workers]\ncommand = "w"', "stop_grace_s: must be > 0"),
         (
             'devices = ["41:00.0"]\n[workers]\ncommand = "w"',
             "devices: item 0: expected a PCI address",

@@ -8,8 +8,13 @@ the self-usage sampler need.
 
 from __future__ import annotations
 
+import logging
 import resource
 from dataclasses import dataclass
+
+from supervisor.logs import format_fields
+
+log = logging.getLogger("placement_supervisor.daemon")
 
 # Spawning one process takes a report pipe (2), a pidfd, /dev/null, and the
 # fork's pipes inside subprocess (2 more) for a moment; each tracked process
@@ -71,3 +76,17 @@ def plan_fd_budget(max_connections: int, soft_limit: int) -> FdBudget:
     fits = max(1, soft_limit - reserve)
     cap = min(max_connections, fits)
     return FdBudget(cap, reserve, cap < max_connections)
+
+
+def log_fd_limit(limit: FdLimit) -> None:
+    """One line at start: the soft RLIMIT_NOFILE the daemon runs with, and whence."""
+    log.info(
+        "fd limit %s",
+        format_fields(
+            soft_before=limit.soft_before,
+            soft=limit.soft,
+            hard=limit.hard,
+            error=limit.error,
+            action="raise" if limit.soft != limit.soft_before else "keep",
+        ),
+    )

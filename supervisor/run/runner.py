@@ -43,6 +43,7 @@ from supervisor.run.probe import describe_probe, wait_ready
 from supervisor.run.procs import ChildProcess, first_of, read_until_eof, spawn
 from supervisor.run.restart import RestartDecision, RestartHistory, RunOutcome, decide_restart
 from supervisor.run.spec import ChildSpec, SpecOf
+from supervisor.run.stop_budget import stop_wait_s
 from supervisor.state import BindTarget, ProcessState, ProcessStatus, StateStore
 
 log = logging.getLogger("placement_supervisor.runner")
@@ -94,6 +95,14 @@ class Runtime:
     python: str = sys.executable
     on_state_change: Callable[[], None] | None = None  # e.g. a new systemd STATUS=
     trees: ProcessTrees | None = None  # every process below each supervised one
+    stop_started_at: float | None = None  # monotonic, once the daemon's stop began
+
+    def stop_wait_s(self, key: ProcKey) -> float:
+        """TERM to KILL for `key`: stop_timeout_s, cut to fit stop_grace_s in a stop."""
+        return stop_wait_s(
+            self.config.stop_timeout_s, self.config.stop_grace_s, self.stop_started_at, key,
+            has_engine=self.config.engine is not None, now=time.monotonic(),
+        )  # fmt: skip
 
 
 # -- one supervised process --------------------------------------------------------
@@ -307,12 +316,12 @@ class Runner:
         if self.report is None:
             # No report: the shim failed before binding or hangs; never leave
             # an unaccounted-for process behind.
-            await child.stop(self.rt.config.stop_timeout_s)
+            await child.stop(self.rt.stop_wait_s(self.key))
         elif exec_ok and not await self._await_ready(child, exit_future):
             # The probe gave up on a live engine: stop it and count a failed
             # start, whatever it exits with once stopped (often 0 on TERM).
             not_ready = True
-            await child.stop(self.rt.config.stop_timeout_s)
+            await child.stop(self.rt.stop_wait_s(self.key))
         elif exec_ok:
             await first_of(exit_future, self.interrupt.wait())
             if not exit_future.done():  # stop or restart request
@@ -339,7 +348,7 @@ class Runner:
         return RunOutcome(code if exec_ok else None, ended - started, ended, not_ready=not_ready)
 
     async def _stop_child(self, child: ChildProcess, why: str) -> int:
-        timeout_s = self.rt.config.stop_timeout_s
+        timeout_s = self.rt.stop_wait_s(self.key)
         fields = format_fields(rank=self.label, pid=child.pid, why=why, timeout_s=f"{timeout_s:g}")
         log.info("stopping %s", fields)
         if self.rt.trees is not None:
@@ -350,7 +359,7 @@ class Runner:
     async def _end_tree(self) -> None:
         trees = self.rt.trees
         if trees is not None:
-            await trees.end_tree(self.key, self.rt.config.stop_timeout_s)
+            await trees.end_tree(self.key, self.rt.stop_wait_s(self.key))
             trees.clear_root(self.key)
 
     async def _await_ready(self, child: ChildProcess, exit_future: asyncio.Future[int]) -> bool:

@@ -211,6 +211,7 @@ def test_the_config_map_mount_is_the_entrypoint_config(base: list[dict[str, Any]
     secret = next(s["secret"] for s in sources if "secret" in s)
     token_item = secret["items"][0]
     cfg = load_config(str(BASE / "vllm.toml"))
+    assert cfg.stop_grace_s == pod["terminationGracePeriodSeconds"]  # the stop fits in it
     assert cfg.api.token_file == f"{mount['mountPath']}/{token_item['path']}"
     assert token_item["mode"] & 0o077 == 0
     assert "fsGroup" not in pod.get("securityContext", {})
@@ -237,6 +238,7 @@ def test_the_pod_config_is_the_vllm_config_but_for_what_a_pod_changes() -> None:
     expected["cgroup"] = "off"  # the kubelet is the only cgroup writer
     expected["irq"]["enabled"] = False  # /proc/irq is read-only in a container
     expected["api"]["listen"] = "0.0.0.0:9477"  # probes and scrapes come to the pod IP
+    expected["stop_grace_s"] = 90  # the pod's terminationGracePeriodSeconds
     assert pod == expected
 
 
