@@ -565,15 +565,17 @@ class Runner:
         )
 
     async def _reap_on_exit(self) -> None:
-        child, self.child = self.child, None
+        child = self.child  # still ours (`child_pids`) until reaped: no stray reaper takes it
         if child is not None and child.returncode is None:
             # Cancelled or stopping mid-run: the child never outlives its runner.
             code = await asyncio.shield(self._stop_child(child, "shutdown"))
+            self.child = None
             await asyncio.shield(self._end_tree())
             self.recorder.note(
                 "exit", self.key, f"{self.label}: pid {child.pid} stopped ({code})",
                 log_message="exit", pid=child.pid, exit_code=code,
             )  # fmt: skip
+        self.child = None
         if self.stopping:
             self.set_status(state="stopped", pid=None, backoff_s=0.0, next_start_at=None)
 

@@ -41,6 +41,7 @@ from supervisor.procfs.stat import read_proc_stat
 from supervisor.state import StateStore, TreeMember
 from supervisor.trees.guardian import Guardian
 from supervisor.trees.proc_events import ProcEvent, ProcEvents, open_proc_events
+from supervisor.trees.strays import reap_strays
 from supervisor.trees.tree import (
     Member,
     ReadFailures,
@@ -487,6 +488,11 @@ class TreeKeeper:
                     reaped += 1
                     self.exited.pop(pid, None)
                     self.members.pop(pid, None)
+        if self.subreaper:  # orphans no pass saw (supervisor.trees.strays)
+            for pid in reap_strays(self.fs, self.me, direct):
+                reaped += 1
+                self.exited.pop(pid, None)
+                self.members.pop(pid, None)
         return reaped
 
     # -- ending trees --------------------------------------------------------------
