@@ -5,9 +5,11 @@ with bind mounts of this host's /usr, /lib*, /bin, /sbin, /etc, the Python
 install the venv's python resolves to, the checkout (with its .venv) and the
 test's own dirs; the host's network namespace is kept (the test talks to the
 API on 127.0.0.1) and the container gets its own pid namespace, so the daemon
-is its PID 1. `Unprivileged` is what docker gives by default (its default
+is its PID 1. The unprivileged profile is what docker gives by default (its default
 capabilities, a read-only /sys and cgroupfs, /proc/irq read-only) plus the
-seccomp rules its default profile applies without CAP_SYS_NICE.
+seccomp rules its default profile applies without CAP_SYS_NICE; the
+privileged one is `docker run --privileged` (every capability, /sys and
+cgroupfs read-write, no masked paths, no seccomp).
 """
 
 from __future__ import annotations
@@ -42,12 +44,50 @@ DOCKER_DEFAULT_CAPS = {
     "CAP_AUDIT_WRITE": 29,
     "CAP_SETFCAP": 31,
 }
-PRIVILEGED_EXTRA = {
-    "CAP_NET_ADMIN": 12,
-    "CAP_SYS_PTRACE": 19,
-    "CAP_SYS_ADMIN": 21,
-    "CAP_SYS_NICE": 23,
-}
+# Every capability (capabilities(7), in bit order): what `docker run --privileged` grants.
+ALL_CAPS = (
+    "CHOWN",
+    "DAC_OVERRIDE",
+    "DAC_READ_SEARCH",
+    "FOWNER",
+    "FSETID",
+    "KILL",
+    "SETGID",
+    "SETUID",
+    "SETPCAP",
+    "LINUX_IMMUTABLE",
+    "NET_BIND_SERVICE",
+    "NET_BROADCAST",
+    "NET_ADMIN",
+    "NET_RAW",
+    "IPC_LOCK",
+    "IPC_OWNER",
+    "SYS_MODULE",
+    "SYS_RAWIO",
+    "SYS_CHROOT",
+    "SYS_PTRACE",
+    "SYS_PACCT",
+    "SYS_ADMIN",
+    "SYS_BOOT",
+    "SYS_NICE",
+    "SYS_RESOURCE",
+    "SYS_TIME",
+    "SYS_TTY_CONFIG",
+    "MKNOD",
+    "LEASE",
+    "AUDIT_WRITE",
+    "AUDIT_CONTROL",
+    "SETFCAP",
+    "MAC_OVERRIDE",
+    "MAC_ADMIN",
+    "SYSLOG",
+    "WAKE_ALARM",
+    "BLOCK_SUSPEND",
+    "AUDIT_READ",
+    "PERFMON",
+    "BPF",
+    "CHECKPOINT_RESTORE",
+)
 # What docker's default seccomp profile fails with EPERM unless CAP_SYS_NICE is held.
 MEMPOLICY_SYSCALLS = ("mbind", "set_mempolicy", "migrate_pages", "move_pages")
 
@@ -61,7 +101,7 @@ class Profile:
     def caps(self) -> list[str]:
         wanted = dict(DOCKER_DEFAULT_CAPS)
         if self.privileged:
-            wanted |= PRIVILEGED_EXTRA
+            wanted = {f"CAP_{name}": bit for bit, name in enumerate(ALL_CAPS)}
         return [name for name, bit in wanted.items() if held_bounding() >> bit & 1]
 
 
@@ -105,6 +145,8 @@ def make_bundle(
     mounts = spec["mounts"]
     for m in mounts:
         if m["destination"] in ("/sys", "/sys/fs/cgroup"):
+            # runc spec's own `cgroup` mount: each hierarchy with the container's
+            # cgroup as its root (no cgroup namespace), as docker mounts it on v1.
             opts = [o for o in m.get("options", []) if o not in ("ro", "rw")]
             m["options"] = [*opts, "rw" if profile.privileged else "ro"]
     for path in dict.fromkeys(paths):
@@ -133,6 +175,13 @@ def state(cid: str) -> str:
     """The container's status ("running", "stopped"), or "gone" once deleted."""
     done = runc("state", cid, check=False)
     return json.loads(done.stdout)["status"] if done.returncode == 0 else "gone"
+
+
+def init_pid(cid: str) -> int | None:
+    """The host pid of the container's PID 1 (`runc state`), None once it is gone."""
+    done = runc("state", cid, check=False)
+    pid = int(json.loads(done.stdout).get("pid") or 0) if done.returncode == 0 else 0
+    return pid or None
 
 
 def host_pids(cid: str) -> list[int]:
