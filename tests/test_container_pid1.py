@@ -151,6 +151,10 @@ def test_pid1_reaps_orphans_and_stops_workers_before_the_engine(
             10,
             what=f"the orphans reaped by PID 1: {container_zombies(init)}",
         )
+        # cn_proc would number the events as the host does: the daemon does not listen.
+        text = log.read_text()
+        assert 'process events source="checks only"' in text, text[-3000:]
+        assert "child pid namespace" in text, text[-3000:]
         names = {
             p: Path(f"/proc/{init}/root/proc/{p}").exists() for p in orphans.read_text().split()
         }

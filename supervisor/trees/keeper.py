@@ -40,7 +40,12 @@ from supervisor.procfs.identity import ProcessId
 from supervisor.procfs.stat import read_proc_stat
 from supervisor.state import StateStore, TreeMember
 from supervisor.trees.guardian import Guardian
-from supervisor.trees.proc_events import ProcEvent, ProcEvents, open_proc_events
+from supervisor.trees.proc_events import (
+    ProcEvent,
+    ProcEvents,
+    nested_pid_namespace,
+    open_proc_events,
+)
 from supervisor.trees.strays import reap_strays
 from supervisor.trees.tree import (
     Member,
@@ -205,7 +210,11 @@ class TreeKeeper:
             else:
                 log.warning("subreaper refused %s", format_fields(action="orphans go to init"))
         if self.use_connector:
-            self.events, how = open_proc_events()
+            self.events, how = (
+                (None, "in a child pid namespace (a container): the connector reports host pids")
+                if nested_pid_namespace(self.fs.readlink("proc/self/ns/pid"))
+                else open_proc_events()
+            )
             if self.events is not None:
                 self.events.attach(self._on_events)
             log.info(

@@ -281,6 +281,23 @@ def _attach_filter(sock: socket.socket, pids: Iterable[int] | None = None) -> No
     sock.setsockopt(socket.SOL_SOCKET, SO_ATTACH_FILTER, fprog)
 
 
+# The initial pid namespace's inode number, fixed (include/linux/proc_ns.h PROC_PID_INIT_INO).
+INITIAL_PID_NS = f"pid:[{0xEFFFFFFC}]"
+
+
+def nested_pid_namespace(ns_link: str | None) -> bool:
+    """Whether the /proc/self/ns/pid link (namespaces(7)) names a child pid
+    namespace (pure); None (a fixture root without it) is taken as the initial one.
+
+    The connector is of no use there: it numbers every pid as the initial
+    namespace does, and ignores a listen request from another pid namespace
+    (drivers/connector/cn_proc.c, cn_proc_mcast_ctl), so a container sharing
+    the host's network namespace gets the host's events, under numbers that
+    are not its own, or none. NSpid in /proc/self/status cannot tell: a
+    container's own /proc shows only its own level."""
+    return ns_link is not None and ns_link != INITIAL_PID_NS
+
+
 def open_proc_events(*, filtered: bool = True) -> tuple[ProcEvents | None, str]:
     """A subscribed, non-blocking proc connector socket, or (None, why not).
 

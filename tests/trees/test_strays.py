@@ -1,12 +1,15 @@
 """Orphans no tree pass saw are reaped; a runner's own exited child is not
 (supervisor.trees.strays, in a real child subreaper: a subprocess, so the test
-process itself stays what it was)."""
+process itself stays what it was). And a child pid namespace, where the proc
+connector is of no use, is recognised (supervisor.trees.proc_events)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
+from supervisor.trees.proc_events import nested_pid_namespace
 from tests.support.daemon_support import REPO
 
 SUBREAPER = r"""
@@ -61,3 +64,10 @@ def test_strays_are_reaped_and_a_runner_s_child_is_left_to_its_runner() -> None:
         cwd=REPO, capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+def test_a_child_pid_namespace_is_told_by_its_ns_link() -> None:
+    assert not nested_pid_namespace("pid:[4026531836]")  # the initial one, always this inode
+    assert nested_pid_namespace("pid:[4026532291]")  # a container's
+    assert not nested_pid_namespace(None)  # a fixture root without the link
+    assert not nested_pid_namespace(os.readlink("/proc/self/ns/pid"))  # this test, on the host
