@@ -10,6 +10,7 @@ supervisor.config_sections.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import stat
 import tomllib
@@ -379,7 +380,17 @@ def _read_operator_file(path: str, what: str, max_bytes: int) -> tuple[bytes, os
 
 def load_config(path: str) -> Config:
     """Read and validate a TOML config file; ConfigError names the file and key."""
+    return load_config_digest(path)[0]
+
+
+def load_config_digest(path: str) -> tuple[Config, str]:
+    """`load_config`, and the sha256 (hex) of the very bytes it parsed: what a
+    reload shows as the config in force."""
     data, _ = _read_operator_file(path, "cannot read config", MAX_CONFIG_BYTES)
+    return _parse_bytes(data, path), hashlib.sha256(data).hexdigest()
+
+
+def _parse_bytes(data: bytes, path: str) -> Config:
     try:
         doc = tomllib.loads(data.decode("utf-8"))
     except tomllib.TOMLDecodeError as err:

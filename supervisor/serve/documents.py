@@ -205,6 +205,8 @@ def supervisor_doc(snap: Snapshot) -> dict[str, Any]:
         "version": __version__,
         "accelerator": snap.accelerator_kind,
         "config": snap.config_path,
+        "config_hash": snap.config_hash,
+        "config_reloads": dict(snap.counters.config_reloads),
         "started_at": snap.started_at,
         "stopping": snap.stopping,
         "ready": not reasons,

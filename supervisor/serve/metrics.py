@@ -43,6 +43,7 @@ from supervisor.state import (
     CAPABILITY_NAMES,
     HOST_LABEL,
     HTTP_BAD_REASONS,
+    RELOAD_RESULTS,
     BindTarget,
     Capability,
     CapabilityName,
@@ -402,6 +403,25 @@ def _rebinds(
 )
 def _cpuset_changes(m: CounterMetricFamily, cpuset_changes: int) -> None:
     m.add_metric([], cpuset_changes)
+
+
+@FAMILIES.add(
+    "counter",
+    "placement_config_reloads",
+    "Config reloads (SIGHUP), by result: ok, invalid (old config kept), refused (needs a restart).",
+    ("result",),
+)
+def _config_reloads(m: CounterMetricFamily, config_reloads: Mapping[str, int]) -> None:
+    table = dict.fromkeys(RELOAD_RESULTS, 0) | dict(config_reloads)
+    for result, n in sorted(table.items()):
+        m.add_metric([result], n)
+
+
+@FAMILIES.add(
+    "info", "placement_config", "The config file in force: its path and sha256 (value 1)."
+)
+def _config_info(m: InfoMetricFamily, config_path: str | None, config_hash: str | None) -> None:
+    m.add_metric([], {"path": config_path or "", "sha256": config_hash or ""})
 
 
 # -- adoption (DESIGN 3.6) ----------------------------------------------------------------

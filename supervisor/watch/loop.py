@@ -106,11 +106,9 @@ class CheckLoop:
             if read_topology is None
             else Replanning(read_topology, plan=plan, executor=executor, record=self.record)
         )
-        self.roles = all_roles = (*roles, *DEFAULT_THREAD_ROLES)
-        self.matchers: dict[tuple[ProcessKind, ...], RoleMatcher] = {
-            kinds: RoleMatcher(kinds, all_roles)
-            for kinds in (role_kinds("engine", False), role_kinds(0, False), role_kinds(0, True))
-        }
+        self.roles: tuple[ThreadRole, ...] = ()
+        self.matchers: dict[tuple[ProcessKind, ...], RoleMatcher] = {}
+        self._set_roles(roles)
         self.tracked: dict[ProcKey, Tracked] = {}
         self.down_reported: set[ProcKey] = set()
         self.allowed: AllowedSet = allowed_of(plan.topology)
@@ -118,6 +116,20 @@ class CheckLoop:
         self.wake = asyncio.Event()  # the fast watch saw a change: check now
         self.can_migrate_other = self.binder.can_migrate_other()
         self._errors: dict[str, str | None] = {}  # what -> the last error said
+
+    def _set_roles(self, roles: Sequence[ThreadRole]) -> None:
+        self.roles = all_roles = (*roles, *DEFAULT_THREAD_ROLES)
+        self.matchers = {
+            kinds: RoleMatcher(kinds, all_roles)
+            for kinds in (role_kinds("engine", False), role_kinds(0, False), role_kinds(0, True))
+        }
+
+    def _configure(self, config: Config) -> None:
+        """A reloaded config's drift policy and thread roles, from the next pass on
+        (the one `install` runs). An interval of the fast watch that was 0 stays off."""
+        self.drift = config.drift
+        self.policy = Policy.of(config.drift)
+        self._set_roles(config.threads)
 
     @property
     def stale_after_s(self) -> float:
@@ -211,10 +223,13 @@ class CheckLoop:
     async def install(
         self, placement: Placement, topology: Topology, *, config: Config | None = None
     ) -> dict[str, Any]:
-        """Put a plan made elsewhere in force (a config reload's) and run one pass
-        that moves the processes it moved. Raises PlanError, changing nothing,
-        when it plans other processes than the running ones."""
+        """Put a plan made elsewhere in force (a config reload's, with its `config`'s
+        drift policy and thread roles) and run one pass that moves the processes it
+        moved. Raises PlanError, changing nothing, when it plans other processes than
+        the running ones."""
         async with self.lock:
+            if config is not None:
+                self._configure(config)
             moved = await self._install(placement, topology, config=config)
             return await self._timed_pass("check", None, moved)
 
