@@ -234,3 +234,60 @@ def test_a_hup_to_the_whole_process_group_is_a_reload_and_no_child_dies(
         assert all(alive(pid) for pid in children)
         assert pids_of(poll(daemon.running)) == before
         assert daemon.stop() == 0
+
+
+def test_a_reload_during_a_readiness_wait_leaves_the_wait_and_the_next_spawn_has_the_new_spec(
+    tmp_path: Path,
+) -> None:
+    script, out = write_child(tmp_path)
+    config = tmp_path / "c.toml"
+    doc = child_config(script, out, engine=True)
+    doc["engine"]["command"][-1] = "sleep"  # never writes its ready file: we do
+    doc["ready"]["timeout_s"] = 120
+    write(config, doc)
+    with DaemonProcess(config, tmp_path / "stderr.log", env=daemon_env()) as daemon:
+
+        def engine_waiting() -> int | None:
+            doc = daemon.placement()
+            engine = (doc or {}).get("engine") or {}
+            return engine.get("pid") if engine.get("state") == "starting" else None
+
+        engine_pid = poll(engine_waiting, timeout_s=60, what="the engine waiting for readiness")
+        doc["workers"]["env"] = {"DEMO_DEFAULT": "reloaded"}
+        write(config, doc)
+        os.kill(daemon.pid, signal.SIGHUP)
+        poll(lambda: reloads(daemon).get("ok") == 1, what="a reload counted")
+        assert engine_waiting() == engine_pid  # the same wait, not a restart
+        (out / "engine.ready").touch()
+        running = poll(daemon.running, timeout_s=30)
+        assert pids_of(running)["engine"] == engine_pid
+        for rank in ("0", "1"):
+            report = poll(lambda r=rank: report_of(out, r, pids_of(running)[r]))
+            assert report["env"]["DEMO_DEFAULT"] == "reloaded"
+
+
+def test_a_reload_that_fixes_a_crash_looping_command_restarts_it_from_its_backoff(
+    tmp_path: Path,
+) -> None:
+    script, out = write_child(tmp_path)
+    config = tmp_path / "c.toml"
+    doc = child_config(script, out, mode="crash-rank-1")
+    # One crash, then a 60 s backoff: the new command runs long before it ends.
+    doc["restart"].update(backoff_initial_s=60.0, backoff_max_s=60.0, crash_loop_limit=1000)
+    write(config, doc)
+    with DaemonProcess(config, tmp_path / "stderr.log", env=daemon_env()) as daemon:
+        poll(
+            lambda: any(
+                r["state"] == "backoff" for r in (daemon.placement() or {"ranks": []})["ranks"]
+            ),
+            timeout_s=60,
+            what="rank 1 in its backoff",
+        )
+        doc["workers"]["command"][-1] = "sleep"
+        write(config, doc)
+        os.kill(daemon.pid, signal.SIGHUP)
+        running = poll(daemon.running, timeout_s=20, what="both ranks up on the new command")
+        assert reloads(daemon).get("ok") == 1
+        pid = running["ranks"][1]["pid"]
+        poll(lambda: report_of(out, "1", pid), what="rank 1's report")
+        assert alive(pid)
