@@ -82,12 +82,20 @@ def _identity(spec: ChildSpec) -> tuple[object, ...]:
 
 
 def respawn_keys(
-    old: Mapping[ProcKey, ChildSpec], new: Mapping[ProcKey, ChildSpec]
+    old: Mapping[ProcKey, ChildSpec],
+    new: Mapping[ProcKey, ChildSpec],
+    *,
+    adopted: bool = False,
 ) -> tuple[ProcKey, ...]:
     """The processes whose command, environment or account differ between two spec
-    sets (pure), in `new`'s order; a process whose slot alone changed is not one."""
+    sets (pure), in `new`'s order; a process whose slot alone changed is not one.
+    With `adopted` (the engine spawns the workers) only the engine is ours to
+    restart: its workers come back with it."""
     return tuple(
-        key for key, spec in new.items() if key not in old or _identity(old[key]) != _identity(spec)
+        key
+        for key, spec in new.items()
+        if (key == "engine" or not adopted)
+        and (key not in old or _identity(old[key]) != _identity(spec))
     )
 
 
@@ -194,7 +202,8 @@ class Reloader:
         new_specs = PlanSpecs(
             PlanInForce(config, topology, placement), d.env, d.specs.python, accounts
         )
-        respawn = respawn_keys(d.specs.by_key(), new_specs.by_key())
+        adopted = config.workers.spawned_by == "engine"
+        respawn = respawn_keys(d.specs.by_key(), new_specs.by_key(), adopted=adopted)
         moved = changed_keys(d.plan.placement, placement)
         # Read at each use (restart policy, stop timeout, ready probe; accounts at the
         # next spawn, the specs being rebuilt once the plan's generation moves).

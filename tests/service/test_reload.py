@@ -78,6 +78,8 @@ def test_respawn_on_command_env_or_account_but_not_on_the_slot_alone() -> None:
         2: spec(2),
     }
     assert respawn_keys(old, new) == (0, 1)
+    new["engine"] = spec("engine", argv=("e", "--new"))
+    assert respawn_keys(old, new, adopted=True) == ("engine",)  # its workers come with it
 
 
 def test_env_change_in_workers_respawns_the_workers_only(tmp_path: Path) -> None:
