@@ -246,7 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--no-checks",
         action="store_true",
-        help="with --config: skip the checks of commands, users, token file and ports "
+        help="with --config: skip the checks of commands, users, argument sizes, the instance "
+        "name, token file and ports "
         "(e.g. on a host where the service already runs and holds its ports)",
     )
     p.set_defaults(func=_cmd_plan)

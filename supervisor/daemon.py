@@ -586,35 +586,33 @@ def run_command(args: argparse.Namespace) -> int:
         check_listen("--listen", listen)
     if config.api.token_file is not None:
         read_token_file(config.api.token_file)  # a bad token file stops us before any spawn
-    # What would crash-loop (a command its user cannot run, a bad instance name):
-    # refused before the lock; the argv/env sizes need the plan, inside it.
-    refuse(check_processes(config, env, sys.executable))
+    refuse(check_processes(config, env, sys.executable))  # what would crash-loop: exit 2
     _log_fd_limit(raise_fd_limit())  # before the API sizes its cap from it
     # Before any cgroup or process is touched: a second daemon of this config
     # (whatever its --listen) would share them. Held until this returns (the
-    # kernel drops it at exit, however this process ends); every exit from
-    # here on removes its file.
-    with hold_instance_lock(instance_suffix(config, env), env, f"{config.path}"):
-        fs = HostFS("/")
-        topology, placement = prepare(config, env, fs)
-        refuse(check_spawns(config, placement, env, sys.executable))
-        daemon = Daemon(
-            config,
-            topology,
-            placement,
-            listen=listen,
-            env=env,
-            fs=fs,
-            cgroups=cgroups_for(config, fs, env),
-            check_loop=True,
-            subreaper=True,
-        )
-        log.info(
-            "starting %s",
-            format_fields(
-                config=config.path, pid=os.getpid(), processes=len(daemon.specs), action="spawn"
-            ),
-        )
+    # kernel drops it at exit, however this process ends).
+    lock = hold_instance_lock(instance_suffix(config, env), env, f"{config.path}")
+    fs = HostFS("/")
+    topology, placement = prepare(config, env, fs)
+    refuse(check_spawns(config, placement, env, sys.executable))  # argv + env over E2BIG
+    daemon = Daemon(
+        config,
+        topology,
+        placement,
+        listen=listen,
+        env=env,
+        fs=fs,
+        cgroups=cgroups_for(config, fs, env),
+        check_loop=True,
+        subreaper=True,
+    )
+    log.info(
+        "starting %s",
+        format_fields(
+            config=config.path, pid=os.getpid(), processes=len(daemon.specs), action="spawn"
+        ),
+    )
+    with lock:
         return run_loop(daemon.run())
 
 

@@ -12,6 +12,7 @@ it over with one log line. `check_instance_env` vets PLACEMENT_SUPERVISOR_INSTAN
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import errno
 import fcntl
@@ -92,6 +93,7 @@ class InstanceLock:
     def release(self) -> None:
         if self.fd < 0:
             return
+        atexit.unregister(self.release)
         # Unlink while still holding it: a daemon that opened the old file
         # sees it is no longer at `path` and retries (see _try_lock).
         with contextlib.suppress(OSError):
@@ -214,5 +216,10 @@ def hold_instance_lock(instance: str, env: Mapping[str, str], what: str) -> Inst
         _note_stale(fd, path)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        return InstanceLock(fd, path)
+        lock = InstanceLock(fd, path)
+        # Every exit of the interpreter removes the file, an error raised after
+        # the lock (exit 2, 3) included; only a signal's death (KILL, HUP)
+        # leaves it, and the next start takes it over (_note_stale).
+        atexit.register(lock.release)
+        return lock
     raise ConfigError(f"{what}: no directory for the instance lock: {'; '.join(errors)}")
