@@ -587,11 +587,11 @@ def run_command(args: argparse.Namespace) -> int:
     if config.api.token_file is not None:
         read_token_file(config.api.token_file)  # a bad token file stops us before any spawn
     refuse(check_processes(config, env, sys.executable))  # what would crash-loop: exit 2
-    _log_fd_limit(raise_fd_limit())  # before the API sizes its cap from it
     # Before any cgroup or process is touched: a second daemon of this config
     # (whatever its --listen) would share them. Held until this returns (the
     # kernel drops it at exit, however this process ends).
     lock = hold_instance_lock(instance_suffix(config, env), env, f"{config.path}")
+    _log_fd_limit(raise_fd_limit())  # before the API sizes its cap; after the lock (one line)
     fs = HostFS("/")
     topology, placement = prepare(config, env, fs)
     refuse(check_spawns(config, placement, env, sys.executable))  # argv + env over E2BIG

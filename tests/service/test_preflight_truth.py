@@ -13,6 +13,7 @@ import errno
 import os
 import pwd
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -24,7 +25,14 @@ import pytest
 
 from supervisor.run.users import resolve_account
 from supervisor.service.preflight import arg_limits, check_arg_size, python_module, user_can
-from tests.support.daemon_support import daemon_env, free_port, run_supervisor, to_toml
+from tests.support.daemon_support import (
+    DaemonProcess,
+    daemon_env,
+    free_port,
+    poll,
+    run_supervisor,
+    to_toml,
+)
 
 NOBODY = pwd.getpwnam("nobody")
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="becoming `nobody` needs root")
@@ -346,4 +354,22 @@ def test_a_stale_lock_file_is_taken_over_with_one_log_line(tmp_path: Path, holde
     assert taken[0].endswith(
         f'INFO instance lock stale path={stale} pid={pid} pid_alive={alive} action="take over"'
     )
+    assert lock_files(tmp_path) == []
+
+
+def test_a_daemon_killed_by_hup_leaves_a_file_the_next_start_takes_over(tmp_path: Path) -> None:
+    config = config_file(tmp_path, {"command": ["sleep", "600"]})
+    env = env_for(tmp_path, PLACEMENT_SUPERVISOR_INSTANCE="hup-test")
+    lock = tmp_path / "run" / "hup-test.lock"
+    with DaemonProcess(config, tmp_path / "first.log", env=env) as first:
+        poll(first.running, timeout_s=60)
+        first.proc.send_signal(signal.SIGHUP)  # no handler: the default action ends it
+        assert first.proc.wait(timeout=20) == -signal.SIGHUP
+    assert lock.read_text() == f"{first.pid}\n"  # left behind, holding no lock
+    with DaemonProcess(config, tmp_path / "second.log", env=env) as second:
+        poll(second.running, timeout_s=60)
+        taken = [line for line in second.tail().splitlines() if "instance lock stale" in line]
+        assert len(taken) == 1 and f"path={lock} pid={first.pid} pid_alive=no" in taken[0]
+        assert lock.read_text() == f"{second.pid}\n"
+        assert second.stop() == 0
     assert lock_files(tmp_path) == []
