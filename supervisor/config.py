@@ -17,8 +17,10 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from supervisor.config_sections import (
+    check_env_name,
     check_exec_strings,
     check_template,
     load_account,
@@ -206,9 +208,25 @@ def _ready(t: Table) -> ReadyProbe | None:
             raise t.fail("tcp", f"expected HOST:PORT, got {probe.tcp!r}")
         if not 1 <= int(port) <= 65535:  # a larger one wrapped modulo 65536 when dialled
             raise t.fail("tcp", f"port must be 1-65535, got {port} in {probe.tcp!r}")
-    if probe.http is not None and not probe.http.startswith(("http://", "https://")):
-        raise t.fail("http", f"expected an http:// URL, got {probe.http!r}")
+    if probe.http is not None:
+        check_http_url(t, probe.http)
     return probe
+
+
+def check_http_url(t: Table, url: str) -> None:
+    """`ready.http` parsed as the probe will dial it: scheme, host and port, or a
+    ConfigError now (an unparsable URL made every probe fail until ready.timeout_s)."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # ValueError for a port that is not 0-65535 or not a number
+    except ValueError as err:
+        raise t.fail("http", f"not a URL ({err}): {url!r}") from None
+    if parts.scheme not in ("http", "https"):
+        raise t.fail("http", f"expected an http:// URL, got {url!r}")
+    if not parts.hostname:
+        raise t.fail("http", f"no host in {url!r}")
+    if port == 0:
+        raise t.fail("http", f"port must be 1-65535, got 0 in {url!r}")
 
 
 def check_listen(where: str, listen: str) -> str:
@@ -318,7 +336,7 @@ def parse_config(doc: Mapping[str, Any], file: str = "<config>") -> Config:
         accelerator=accelerator,
         devices=devices,
         cpu_ranks=top.integer("cpu_ranks", 1, 1, MAX_CPU_RANKS),
-        visible_devices_env=top.text("visible_devices_env", None),
+        visible_devices_env=check_env_name(top, "visible_devices_env"),
         # The [irq] table's part in the plan: IRQs are planned only when bound.
         placement=replace(
             load_placement(top.table("placement")), irqs=irq.enabled, irq_nic=irq.nic

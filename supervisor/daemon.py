@@ -60,6 +60,7 @@ from supervisor.service.cgroups import (
     remove_cgroups,
 )
 from supervisor.service.instance_lock import hold_instance_lock
+from supervisor.service.preflight import check_processes, check_spawns, refuse
 from supervisor.service.reload import Reloader
 from supervisor.service.sdnotify import Notifier, watchdog_interval_s
 from supervisor.service.state_dir import irq_checkpoint_for
@@ -513,15 +514,17 @@ def run_command(args: argparse.Namespace) -> int:
         check_listen("--listen", listen)
     if config.api.token_file is not None:
         read_token_file(config.api.token_file)  # a bad token file stops us before any spawn
-    _log_fd_limit(raise_fd_limit())  # before the API sizes its cap from it
+    refuse(check_processes(config, env, sys.executable))  # what would crash-loop: exit 2
     # Before any cgroup or process is touched: a second daemon of this config
     # (whatever its --listen) would share them. Held until this returns (the
     # kernel drops it at exit, however this process ends).
     instance = instance_suffix(config, env)
     lock = hold_instance_lock(instance, env, f"{config.path}")
+    _log_fd_limit(raise_fd_limit())  # before the API sizes its cap; after the lock (one line)
     fs = HostFS("/")
     checkpoint = irq_checkpoint_for(instance, env, fs)  # restores one left behind first
     topology, placement = prepare(config, env, fs)
+    refuse(check_spawns(config, placement, env, sys.executable))  # argv + env over E2BIG
     cgroups, cgroup_cap = cgroups_and_capability(config, fs, env)
     # Once, before any spawn: what this host (a container's runtime) lets us bind.
     capabilities = probe_capabilities(
