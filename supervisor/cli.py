@@ -1,4 +1,4 @@
-"""The `placement-supervisor` command line (DESIGN 3.1): the one place that exits (does I/O).
+"""The `placement-supervisor` command line (contracts §1): the one place that exits (does I/O).
 
 Subcommands: topology, plan, snapshot (here), run and status (imported only
 when called). `plan --config` also checks what `run` would fail on

@@ -69,7 +69,7 @@ class ProcessConfig:
     group: str | None = field(default=None, kw_only=True)
     env: Mapping[str, str] = field(default_factory=dict)  # set only where unset
     # [workers] only: the engine spawns the workers and the supervisor adopts
-    # them (DESIGN 3.6); `command` is then empty and `rank_from` names them.
+    # them (docs/contracts.md §6); `command` is then empty and `rank_from` names them.
     spawned_by: Literal["engine"] | None = None
     rank_from: tuple[RankSource, ...] = ()  # parsed; str() gives the config's text back
 
@@ -165,7 +165,7 @@ def _process(top: Table, key: str, *, template: bool) -> ProcessConfig:
 
 
 def _adopted_workers(t: Table) -> ProcessConfig:
-    """[workers] spawned_by = "engine" with rank_from = [...] (DESIGN 3.6)."""
+    """[workers] spawned_by = "engine" with rank_from = [...] (docs/contracts.md §6)."""
     t.choice("spawned_by", None, ("engine",))
     if t.has("command"):
         raise t.fail("command", 'give either command or spawned_by = "engine", not both')

@@ -115,7 +115,7 @@ class ProcessStatus:
     cgroup: str | None = None  # the process's own cgroup, when it has one
     bound: bool = False  # every bind of the plan the host allows applied and read back
     cpus_bound: bool = False  # the kernel read back exactly the planned CPUs
-    adopted: bool = False  # spawned by the engine and adopted (DESIGN 3.6)
+    adopted: bool = False  # spawned by the engine and adopted (docs/contracts.md §6)
     ppid: int | None = None  # an adopted worker's parent
     # Unix time it stopped running, or first started when it never ran; None
     # while it runs (and before its first status: the daemon's start then).
@@ -125,7 +125,7 @@ class ProcessStatus:
 
 @dataclass(frozen=True, slots=True)
 class TreeMember:
-    """A process of a supervised process's tree other than itself (DESIGN 3.6)."""
+    """A process of a supervised process's tree other than itself (docs/contracts.md §6)."""
 
     pid: int
     ppid: int
@@ -233,7 +233,7 @@ class Event:
 
 @dataclass(frozen=True, slots=True)
 class Counters:
-    """Monotonic counters behind the `_total` metrics of DESIGN 3.5."""
+    """Monotonic counters behind the `_total` metrics of docs/contracts.md §5."""
 
     bind_failures: Mapping[tuple[str, str, str], int] = field(default_factory=dict)
     drift_events: Mapping[tuple[str, str], int] = field(default_factory=dict)  # rank, kind

@@ -1,4 +1,4 @@
-"""The package's import layout (DESIGN section 2): no import cycle, and the pure
+"""The package's import layout (docs/architecture.md): no import cycle, and the pure
 layers import nothing of the I/O layers above them (reads supervisor/**/*.py).
 
 Every `import` statement counts, wherever it stands: at module level, inside a

@@ -1,4 +1,4 @@
-"""The `placement_*` metric families (DESIGN 3.5), each a function of the inputs it names (no I/O).
+"""The `placement_*` metric families (contracts §5), each a function of its inputs (no I/O).
 
 `FAMILIES` is the exposition, in order. A family is one function registered
 with `@FAMILIES.add(kind, name, help, labels)`; its parameters after the
@@ -353,7 +353,7 @@ def _bind_failures(
     "counter",
     "placement_host_bind_failures",
     "Binds of the supervisor's own (instance cgroup, IRQ re-plan) the kernel refused; "
-    "DESIGN 3.5 keeps `rank` for ranks and the engine.",
+    "docs/contracts.md §5 keeps `rank` for ranks and the engine.",
     ("target", "reason"),
 )
 def _host_bind_failures(
@@ -424,7 +424,7 @@ def _config_info(m: InfoMetricFamily, config_path: str | None, config_hash: str 
     m.add_metric([], {"path": config_path or "", "sha256": config_hash or ""})
 
 
-# -- adoption (DESIGN 3.6) ----------------------------------------------------------------
+# -- adoption (contracts §6) ----------------------------------------------------------------
 
 
 @FAMILIES.add(

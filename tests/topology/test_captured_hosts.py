@@ -2,7 +2,7 @@
 guests (the test guest's presets 2node and cpuless, guest kernel 6.1), with the plan and
 topology the live guest printed at the same moment. Discovery and planning of
 the captured tree on this machine must reproduce them exactly: the
-`snapshot` -> `plan --root` promise of DESIGN 3.1, across machines.
+`snapshot` -> `plan --root` promise of docs/contracts.md §1, across machines.
 
 To recapture (as root, from the repo; the guest's writes are lost, so the tree
 comes back as a tar on stdout):
