@@ -9,7 +9,7 @@ the policy of `supervisor.run.restart`. Every state change is an Event in the
 (supervisor.run.fleet: spawned, or with adopted workers), the plan they run by
 the plan in force (supervisor.plan.in_force), which only the check loop replaces.
 SIGTERM/SIGINT only set a flag; the shutdown that follows stops workers first,
-then the engine.
+then the engine. SIGHUP only asks for a config reload (supervisor.service.reload).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from supervisor.config import (
     Config,
     check_listen,
     discovery_options,
-    load_config,
+    load_config_digest,
     read_token_file,
 )
 from supervisor.errors import ConfigError, SupervisorError
@@ -61,8 +61,11 @@ from supervisor.service.cgroups import (
     remove_cgroups,
 )
 from supervisor.service.instance_lock import hold_instance_lock
+from supervisor.service.preflight import check_processes, check_spawns, refuse
+from supervisor.service.reload import Reloader
 from supervisor.service.sdnotify import Notifier, watchdog_interval_s
 from supervisor.service.state_dir import irq_checkpoint_for
+from supervisor.service.status import ServiceStatus
 from supervisor.state import Capability, CapabilityName, ProcessStatus, Snapshot, StateStore
 from supervisor.topology.accelerators import CPU
 from supervisor.topology.discover import read_topology, reread_cpus
@@ -120,8 +123,8 @@ class Daemon:
         subreaper: bool = False,
         irq_checkpoint: IrqCheckpoint | None = None,
         capabilities: Mapping[CapabilityName, Capability] | None = None,
+        config_hash: str | None = None,
     ) -> None:
-        self.config = config
         self.plan = PlanInForce(config, topology, placement)
         self.listen = listen
         self.env = dict(os.environ if env is None else env)
@@ -148,6 +151,7 @@ class Daemon:
             started_at=time.time(),
             accelerator_kind=kind,
             config_path=config.path,
+            config_hash=config_hash,
             local_memory_threshold=config.drift.local_memory_threshold,
             ready_timeout_s=None if config.ready is None else config.ready.timeout_s,
             capabilities=MappingProxyType(dict(capabilities or {})),
@@ -173,9 +177,21 @@ class Daemon:
         self.signals_received = 0
         self.failed = False  # a supervision task died: the daemon exits 1
         self.actions = DaemonActions(self)  # the API's
-        self._ready_sent = False
-        self._last_status = ""
-        self._was_ready = False
+        self.status = ServiceStatus(
+            self.store,
+            self.notifier,
+            self.recorder,
+            lambda: self.fleet,
+            lambda: self.rt is not None and self.rt.stopping.is_set(),
+        )
+        self.reloader = Reloader(self)  # SIGHUP
+        self.early_hups: list[int] = []  # HUPs before run() took the signal over
+        self.started = asyncio.Event()  # READY=1 sent: a reload may run
+
+    @property
+    def config(self) -> Config:
+        """The config in force (a reload replaces it)."""
+        return self.plan.config
 
     @property
     def placement(self) -> Placement:
@@ -204,12 +220,19 @@ class Daemon:
             self.fs,
             executor,
             cgroups=self.cgroups,
-            on_state_change=self._publish_status,
+            on_state_change=self.status.publish,
         )
         installed: list[signal.Signals] = []
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self._on_signal, signum)
             installed.append(signum)
+        # A HUP (systemctl reload, kill -HUP, a closed terminal's to our group) is a
+        # reload, never a death; the children, in their own sessions, never see it.
+        loop.add_signal_handler(signal.SIGHUP, self.reloader.request, signal.SIGHUP)
+        installed.append(signal.SIGHUP)
+        if self.early_hups:  # the config may have changed since it was read: once more
+            self.reloader.request(signal.SIGHUP)
+        reload_task = asyncio.create_task(self.reloader.run(self.started), name="reload")
         watchdog: asyncio.Task[None] | None = None
         try:
             self.checker = self._check_loop(self.rt)
@@ -220,7 +243,7 @@ class Daemon:
             fleet.start()
             interval = watchdog_interval_s(self.env, os.getpid())
             if interval is not None:
-                watchdog = asyncio.create_task(self._watchdog_loop(interval), name="watchdog")
+                watchdog = asyncio.create_task(self.status.watchdog_loop(interval), name="watchdog")
             # The check loop starts once the IRQs are applied (its IRQ checks
             # compare against them), not once every process is up: an engine
             # can take many minutes to load a model, and its threads, the
@@ -232,14 +255,18 @@ class Daemon:
                 )
             await self._wait_started()
             if not self.rt.stopping.is_set():
-                self._notify_ready()
+                self.status.notify_ready()
+                self.started.set()
             await self._wait_stop()
         finally:
+            reload_task.cancel()  # a reload in flight ends here: the stop goes first
+            with contextlib.suppress(asyncio.CancelledError):
+                await reload_task
             await self._shutdown()
-            if watchdog is not None:
-                watchdog.cancel()
+            for task in (watchdog,) if watchdog is not None else ():
+                task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
-                    await watchdog
+                    await task
             for signum in installed:
                 loop.remove_signal_handler(signum)
             executor.shutdown(wait=False, cancel_futures=True)
@@ -333,64 +360,6 @@ class Daemon:
         self.failed = True  # exit 1: systemd's Restart=on-failure applies
         self.runtime.stopping.set()
 
-    def status_line(self) -> str:
-        """systemd's STATUS=: "2/3 running; failed: rank 1; not ready" and the like.
-
-        Says which processes are down for good (failed, or stopped by their
-        policy), what the engine's probe is waiting for, and whether the whole
-        is ready (every process running and bound: what /readyz answers).
-        """
-        snap = self.store.snapshot
-        procs = snap.processes
-        running = sum(1 for p in procs.values() if p.state == "running")
-        parts = [f"{running}/{len(procs)} running"]
-        parts += self.fleet.waiting() if self.fleet is not None else []
-        for state in ("failed", "stopped"):
-            down = [
-                f"rank {k}" if k != "engine" else k for k, p in procs.items() if p.state == state
-            ]
-            if down:
-                parts.append(f"{state}: {', '.join(down)}")
-        parts.append("ready" if snap.ready else "not ready")
-        return "; ".join(parts)
-
-    def _publish_status(self) -> None:
-        """systemd STATUS= whenever the summary changes; a log line when some
-        process is down for good, or when everything first becomes ready."""
-        status = self.status_line()
-        if status == self._last_status:
-            return
-        self._last_status = status
-        self.notifier.status(status)
-        snap = self.store.snapshot
-        if any(p.state == "failed" for p in snap.processes.values()):
-            log.warning("degraded %s", format_fields(status=status, action="stay up"))
-        elif snap.ready and not self._was_ready:
-            log.info("ready %s", format_fields(status=status))
-        self._was_ready = snap.ready
-
-    def _notify_ready(self) -> None:
-        """READY=1: the API listens and every process is spawned and bound (or
-        waits for the engine); the engine's own readiness follows in STATUS=."""
-        status = self.status_line()
-        self._ready_sent = True
-        self._last_status = status
-        self._was_ready = self.store.snapshot.ready
-        self.notifier.ready(status)
-        self.recorder.note(
-            "ready", None, f"supervisor started: {status}", log_message="supervisor started",
-            status=status, pid=os.getpid(),
-        )  # fmt: skip
-
-    async def _watchdog_loop(self, interval_s: float) -> None:
-        """WATCHDOG=1 every interval while the loop runs and every runner is alive."""
-        while True:
-            if (self.fleet is None or self.fleet.alive()) or (
-                self.rt is not None and self.rt.stopping.is_set()
-            ):
-                self.notifier.watchdog()
-            await asyncio.sleep(interval_s)
-
     def _check_loop(self, rt: Runtime) -> CheckLoop:
         """The check loop with exactly the collaborators it uses."""
         fs = self.fs
@@ -478,7 +447,7 @@ class Daemon:
             self.guardian.close()  # a clean stop: it exits without killing
         if self.server is not None:
             await self.server.stop()
-        log.info("stopped %s", format_fields(status=self.status_line()))
+        log.info("stopped %s", format_fields(status=self.status.line()))
 
     # -- actions (API) ---------------------------------------------------------
 
@@ -535,23 +504,29 @@ def run_command(args: argparse.Namespace) -> int:
     """
     env = dict(os.environ)
     setup_logging(env)
+    # Until the event loop takes SIGHUP over, a HUP is noted, not a death (a
+    # Python handler: unlike SIG_IGN, exec(2) does not pass it on to children).
+    early_hups: list[int] = []
+    signal.signal(signal.SIGHUP, lambda signum, _frame: early_hups.append(signum))
     if not getattr(args, "config", None):
         raise ConfigError("run: --config FILE is required")
-    config = load_config(args.config)
+    config, digest = load_config_digest(args.config)
     listen = getattr(args, "listen", None)
     if listen is not None:
         check_listen("--listen", listen)
     if config.api.token_file is not None:
         read_token_file(config.api.token_file)  # a bad token file stops us before any spawn
-    log_fd_limit(raise_fd_limit())  # before the API sizes its cap from it
+    refuse(check_processes(config, env, sys.executable))  # what would crash-loop: exit 2
     # Before any cgroup or process is touched: a second daemon of this config
     # (whatever its --listen) would share them. Held until this returns (the
     # kernel drops it at exit, however this process ends).
     instance = instance_suffix(config, env)
     lock = hold_instance_lock(instance, env, f"{config.path}")
+    log_fd_limit(raise_fd_limit())  # before the API sizes its cap; after the lock (one line)
     fs = HostFS("/")
     checkpoint = irq_checkpoint_for(instance, env, fs)  # restores one left behind first
     topology, placement = prepare(config, env, fs)
+    refuse(check_spawns(config, placement, env, sys.executable))  # argv + env over E2BIG
     cgroups, cgroup_cap = cgroups_and_capability(config, fs, env)
     # Once, before any spawn: what this host (a container's runtime) lets us bind.
     capabilities = probe_capabilities(
@@ -573,7 +548,9 @@ def run_command(args: argparse.Namespace) -> int:
         subreaper=True,
         irq_checkpoint=checkpoint,
         capabilities=capabilities,
+        config_hash=digest,
     )
+    daemon.early_hups = early_hups
     log.info(
         "starting %s",
         format_fields(

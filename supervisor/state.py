@@ -46,7 +46,7 @@ EventKind = Literal[
     "spawn", "spawn_failed", "exit", "state", "restart", "restart_requested", "not_started",
     "ready", "ready_failed", "stopping", "error",
     "bind_failed", "drift", "rebind", "migrate", "cpuset", "plan", "plan_failed",
-    "irq", "irq_moved", "irq_restored", "irqbalance", "adopt",
+    "irq", "irq_moved", "irq_restored", "irqbalance", "adopt", "reload",
 ]  # fmt: skip
 DRIFT_KINDS: tuple[DriftKind, ...] = get_args(DriftKind)
 BIND_TARGETS: tuple[BindTarget, ...] = get_args(BindTarget)
@@ -63,6 +63,10 @@ HOST_LABEL = "supervisor"
 # the parser refused (400), headers or a body slower than api.header_timeout_s /
 # api.body_timeout_s (closed; 408 for the body).
 HttpBadReason = Literal["headers_too_large", "malformed", "header_timeout", "body_timeout"]
+# How a config reload (SIGHUP) ended: put in force, the file refused as invalid
+# (or not plannable here), or valid but needing a restart (supervisor.service.reload).
+ReloadResult = Literal["ok", "invalid", "refused"]
+RELOAD_RESULTS: tuple[ReloadResult, ...] = get_args(ReloadResult)
 HTTP_BAD_REASONS: tuple[HttpBadReason, ...] = get_args(HttpBadReason)
 # What the host lets the supervisor bind, probed once at start (supervisor.bind.capability):
 # a memory policy (seccomp may fail set_mempolicy/mbind with EPERM), per-process
@@ -111,7 +115,7 @@ class ProcessStatus:
     cgroup: str | None = None  # the process's own cgroup, when it has one
     bound: bool = False  # every bind of the plan the host allows applied and read back
     cpus_bound: bool = False  # the kernel read back exactly the planned CPUs
-    adopted: bool = False  # spawned by the engine and adopted (DESIGN 3.6)
+    adopted: bool = False  # spawned by the engine and adopted (docs/contracts.md §6)
     ppid: int | None = None  # an adopted worker's parent
     # Unix time it stopped running, or first started when it never ran; None
     # while it runs (and before its first status: the daemon's start then).
@@ -121,7 +125,7 @@ class ProcessStatus:
 
 @dataclass(frozen=True, slots=True)
 class TreeMember:
-    """A process of a supervised process's tree other than itself (DESIGN 3.6)."""
+    """A process of a supervised process's tree other than itself (docs/contracts.md §6)."""
 
     pid: int
     ppid: int
@@ -229,7 +233,7 @@ class Event:
 
 @dataclass(frozen=True, slots=True)
 class Counters:
-    """Monotonic counters behind the `_total` metrics of DESIGN 3.5."""
+    """Monotonic counters behind the `_total` metrics of docs/contracts.md §5."""
 
     bind_failures: Mapping[tuple[str, str, str], int] = field(default_factory=dict)
     drift_events: Mapping[tuple[str, str], int] = field(default_factory=dict)  # rank, kind
@@ -242,6 +246,7 @@ class Counters:
     # The API's malformed or too slow requests (supervisor.serve.guard), by reason.
     http_bad_requests: Mapping[str, int] = field(default_factory=dict)
     http_connections_refused: int = 0  # over api.max_connections: answered 503, closed
+    config_reloads: Mapping[str, int] = field(default_factory=dict)  # result
     checks: int = 0
     check_seconds_sum: float = 0.0
     last_check_duration_s: float = 0.0
@@ -273,6 +278,7 @@ class Snapshot:
     stopping: bool = False
     accelerator_kind: str = CPU.name
     config_path: str | None = None
+    config_hash: str | None = None  # sha256 of the config file in force (hex)
     # drift.local_memory_threshold, exported for the alert that compares the
     # ratio with it; None where no config made the snapshot (tests).
     local_memory_threshold: float | None = None
@@ -379,7 +385,13 @@ class StateStore:
     def count(
         self,
         counter: Literal[
-            "bind_failures", "drift_events", "rebinds", "restarts", "adoptions", "http_bad_requests"
+            "bind_failures",
+            "drift_events",
+            "rebinds",
+            "restarts",
+            "adoptions",
+            "http_bad_requests",
+            "config_reloads",
         ],
         label: tuple[str, ...] | str,
         n: int = 1,

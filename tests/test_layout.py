@@ -1,4 +1,4 @@
-"""The package's import layout (DESIGN section 2): no import cycle, and the pure
+"""The package's import layout (docs/architecture.md): no import cycle, and the pure
 layers import nothing of the I/O layers above them (reads supervisor/**/*.py).
 
 Every `import` statement counts, wherever it stands: at module level, inside a
@@ -452,3 +452,39 @@ def test_a_watch_module_importing_run_is_found(tmp_path: Path, line: str) -> Non
     files = {**BASE, "watch/loop.py": line}
     found = watch_imports_of_run(import_graph(_tree(tmp_path, files)))
     assert found and found[0].startswith("supervisor.watch.loop -> supervisor.run"), found
+
+
+# -- the picture: who imports whom, folder by folder --------------------------------------
+
+
+def folder_of(module: str) -> str:
+    """`supervisor.watch.loop` -> "watch/", `supervisor.daemon` -> "daemon"."""
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "supervisor"
+    is_folder = (PACKAGE / parts[1]).is_dir()
+    return f"{parts[1]}/" if is_folder else parts[1]
+
+
+def folder_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """{folder or root module: the other folders and root modules it imports}."""
+    out: dict[str, set[str]] = {}
+    for me, targets in graph.items():
+        mine = folder_of(me)
+        for target in targets:
+            theirs = folder_of(target)
+            if theirs not in (mine, "supervisor"):
+                out.setdefault(mine, set()).add(theirs)
+    return out
+
+
+def test_the_folder_graph_shows_the_flow() -> None:
+    folders = folder_graph(import_graph(ROOT))
+    assert "run/" not in folders["watch/"] and "bind/" in folders["watch/"]
+    assert not folders["plan/"] & {"bind/", "run/", "trees/", "service/", "serve/", "daemon"}
+    assert {"run/", "trees/", "watch/", "serve/"} <= folders["daemon"]
+
+
+if __name__ == "__main__":  # .venv/bin/python -m tests.test_layout
+    for name, targets in sorted(folder_graph(import_graph(ROOT)).items()):
+        print(f"{name:16s} -> {' '.join(sorted(targets))}")

@@ -94,7 +94,7 @@ def visible_value(rank: RankPlacement, var: str, base_env: Mapping[str, str]) ->
     by UUID where the operator's list in `var` (one of the kind's visibility
     variables that takes UUIDs, CUDA_VISIBLE_DEVICES) names devices by UUID,
     because a UUID means the same GPU whatever CUDA_DEVICE_ORDER says. The
-    rank itself is the device's place in the operator's list (DESIGN 3.3).
+    rank itself is the device's place in the operator's list (docs/contracts.md §3).
     """
     devices = rank.all_devices
     record = BY_NAME.get(rank.device.kind)

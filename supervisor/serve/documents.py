@@ -1,4 +1,4 @@
-"""The JSON documents of the API (DESIGN 3.4), pure functions of a `Snapshot` (no I/O).
+"""The JSON documents of the API (docs/contracts.md §4), pure functions of a `Snapshot` (no I/O).
 
 /placement (with `PlacementRenderer`, its per-process reuse), /topology,
 /events, /healthz and /readyz, and `not_ready_reasons`, which /readyz,
@@ -205,6 +205,8 @@ def supervisor_doc(snap: Snapshot) -> dict[str, Any]:
         "version": __version__,
         "accelerator": snap.accelerator_kind,
         "config": snap.config_path,
+        "config_hash": snap.config_hash,
+        "config_reloads": dict(snap.counters.config_reloads),
         "started_at": snap.started_at,
         "stopping": snap.stopping,
         "ready": not reasons,
@@ -217,7 +219,7 @@ def supervisor_doc(snap: Snapshot) -> dict[str, Any]:
 
 
 def placement_doc(snap: Snapshot) -> dict[str, Any]:
-    """GET /placement: the plan document (DESIGN 3.3) with live state per process."""
+    """GET /placement: the plan document (docs/contracts.md §3) with live state per process."""
     doc = snap.placement.to_doc()
     if doc["engine"] is not None:
         doc["engine"].update(process_doc(snap, "engine"))

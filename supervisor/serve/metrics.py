@@ -1,4 +1,4 @@
-"""The `placement_*` metric families (DESIGN 3.5), each a function of the inputs it names (no I/O).
+"""The `placement_*` metric families (contracts §5), each a function of its inputs (no I/O).
 
 `FAMILIES` is the exposition, in order. A family is one function registered
 with `@FAMILIES.add(kind, name, help, labels)`; its parameters after the
@@ -43,6 +43,7 @@ from supervisor.state import (
     CAPABILITY_NAMES,
     HOST_LABEL,
     HTTP_BAD_REASONS,
+    RELOAD_RESULTS,
     BindTarget,
     Capability,
     CapabilityName,
@@ -352,7 +353,7 @@ def _bind_failures(
     "counter",
     "placement_host_bind_failures",
     "Binds of the supervisor's own (instance cgroup, IRQ re-plan) the kernel refused; "
-    "DESIGN 3.5 keeps `rank` for ranks and the engine.",
+    "docs/contracts.md §5 keeps `rank` for ranks and the engine.",
     ("target", "reason"),
 )
 def _host_bind_failures(
@@ -404,7 +405,26 @@ def _cpuset_changes(m: CounterMetricFamily, cpuset_changes: int) -> None:
     m.add_metric([], cpuset_changes)
 
 
-# -- adoption (DESIGN 3.6) ----------------------------------------------------------------
+@FAMILIES.add(
+    "counter",
+    "placement_config_reloads",
+    "Config reloads (SIGHUP), by result: ok, invalid (old config kept), refused (needs a restart).",
+    ("result",),
+)
+def _config_reloads(m: CounterMetricFamily, config_reloads: Mapping[str, int]) -> None:
+    table = dict.fromkeys(RELOAD_RESULTS, 0) | dict(config_reloads)
+    for result, n in sorted(table.items()):
+        m.add_metric([result], n)
+
+
+@FAMILIES.add(
+    "info", "placement_config", "The config file in force: its path and sha256 (value 1)."
+)
+def _config_info(m: InfoMetricFamily, config_path: str | None, config_hash: str | None) -> None:
+    m.add_metric([], {"path": config_path or "", "sha256": config_hash or ""})
+
+
+# -- adoption (contracts §6) ----------------------------------------------------------------
 
 
 @FAMILIES.add(

@@ -23,12 +23,13 @@ from supervisor.hostfs import HostFS
 from supervisor.logs import format_fields
 from supervisor.plan.keys import ProcKey, key_label
 from supervisor.plan.placement import Slot
+from supervisor.service.instance_lock import INSTANCE_ENV
 from supervisor.state import Capability
 from supervisor.trees.guardian import sweep_leftovers
 
 log = logging.getLogger("placement_supervisor.daemon")
 
-INSTANCE_ENV = "PLACEMENT_SUPERVISOR_INSTANCE"
+__all__ = ["INSTANCE_ENV", "ManagedCgroups", "cgroups_for", "instance_suffix", "remove_cgroups"]
 
 
 class ManagedCgroups:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor
@@ -27,6 +28,7 @@ from typing import Any
 
 from supervisor.bind.binder import Binder
 from supervisor.config import Config, DriftConfig
+from supervisor.cpulist import format_cpulist
 from supervisor.errors import KernelError, SupervisorError
 from supervisor.events import Recorder
 from supervisor.hostfs import HostFS
@@ -57,7 +59,7 @@ from supervisor.watch.scan import (
     scan,
     track,
 )
-from supervisor.watch.settle import Outcomes, moved_by_plan, note_failure, settle
+from supervisor.watch.settle import Outcome, Outcomes, moved_by_plan, note_failure, settle
 
 Results = dict[ProcKey, tuple[Observation, tuple[Finding, ...]]]
 
@@ -106,18 +108,31 @@ class CheckLoop:
             if read_topology is None
             else Replanning(read_topology, plan=plan, executor=executor, record=self.record)
         )
-        self.roles = all_roles = (*roles, *DEFAULT_THREAD_ROLES)
-        self.matchers: dict[tuple[ProcessKind, ...], RoleMatcher] = {
-            kinds: RoleMatcher(kinds, all_roles)
-            for kinds in (role_kinds("engine", False), role_kinds(0, False), role_kinds(0, True))
-        }
+        self.roles: tuple[ThreadRole, ...] = ()
+        self.matchers: dict[tuple[ProcessKind, ...], RoleMatcher] = {}
+        self._set_roles(roles)
         self.tracked: dict[ProcKey, Tracked] = {}
         self.down_reported: set[ProcKey] = set()
         self.allowed: AllowedSet = allowed_of(plan.topology)
         self.lock = asyncio.Lock()
         self.wake = asyncio.Event()  # the fast watch saw a change: check now
+        self._pass_cpus = frozenset[int]()  # the main thread's affinity as the last pass began
         self.can_migrate_other = self.binder.can_migrate_other()
         self._errors: dict[str, str | None] = {}  # what -> the last error said
+
+    def _set_roles(self, roles: Sequence[ThreadRole]) -> None:
+        self.roles = all_roles = (*roles, *DEFAULT_THREAD_ROLES)
+        self.matchers = {
+            kinds: RoleMatcher(kinds, all_roles)
+            for kinds in (role_kinds("engine", False), role_kinds(0, False), role_kinds(0, True))
+        }
+
+    def _configure(self, config: Config) -> None:
+        """A reloaded config's drift policy and thread roles, from the next pass on
+        (the one `install` runs). An interval of the fast watch that was 0 stays off."""
+        self.drift = config.drift
+        self.policy = Policy.of(config.drift)
+        self._set_roles(config.threads)
 
     @property
     def stale_after_s(self) -> float:
@@ -138,6 +153,7 @@ class CheckLoop:
                     action="degrade",
                 ),
             )
+        self._pass_cpus = self._main_cpus()
         watch = (
             asyncio.create_task(self.watch_allowed(), name="allowed_watch")
             if self.drift.cpuset_watch_s > 0
@@ -146,6 +162,9 @@ class CheckLoop:
         try:
             next_at = time.monotonic()
             while not self.stopping.is_set():
+                # Cleared before the pass, never after: a change the watch sees while
+                # a pass runs (after its read of the allowed set) wakes the next one.
+                self.wake.clear()
                 try:
                     await self.check_once()
                     self._said("check", None)
@@ -158,7 +177,6 @@ class CheckLoop:
                             f"check failed: {text}", text, what="check", action="retry", exc=err
                         )
                 next_at = max(next_at + interval, time.monotonic())  # no burst after a slow pass
-                self.wake.clear()
                 try:
                     await asyncio.wait_for(self.wake.wait(), next_at - time.monotonic())
                     next_at = time.monotonic()
@@ -169,24 +187,38 @@ class CheckLoop:
                 watch.cancel()
 
     async def watch_allowed(self) -> None:
-        """Every `cpuset_watch_s`, one sched_getaffinity(2) of the loop's own thread:
-        a cpuset write (v1, and v2, which narrows each task's mask to the new
-        effective CPUs) or a CPU hotplug (the mask is reported ∩ the active
-        CPUs) changes it, and a change wakes the full check at once, which
-        reads the allowed set properly. One syscall, on the loop: ~1 µs. A
-        change of the memory nodes alone waits for the next check. On a
-        fixture tree (tests) the allowed set itself is read, in the executor.
+        """Every `cpuset_watch_s`, wake the full check at once when the allowed set
+        differs from what the last pass started from (level-triggered: a change
+        that lands during a pass, after its read, still wakes the next one).
+
+        On the live host a plain thread (`_watch_thread`) polls one
+        sched_getaffinity(2) of the main thread, whose Cpus_allowed is what the
+        pass reads from /proc/self/status: a cpuset write (v1, and v2, which
+        narrows each task's mask to the new effective CPUs) or a CPU hotplug
+        (the mask is reported ∩ the active CPUs) changes it. A thread, not an
+        asyncio task: each wake-up of the event loop (timer, future, callbacks)
+        measured ~2.5x the CPU of a thread's sleep and syscall, and the loop
+        is woken only on a change. A change of the memory nodes alone waits for
+        the next check. On a fixture tree (tests) the allowed set itself is
+        read, in the executor, and compared with the loop's.
         """
+        if self.fs.is_live:
+            stop = threading.Event()
+            thread = threading.Thread(
+                target=self._watch_thread,
+                args=(asyncio.get_running_loop(), stop),
+                name="allowed_watch",
+                daemon=True,
+            )
+            thread.start()
+            try:
+                await self.stopping.wait()
+            finally:
+                stop.set()
+            return
         loop = asyncio.get_running_loop()
-        last = frozenset(os.sched_getaffinity(0)) if self.fs.is_live else frozenset()
         while not self.stopping.is_set():
             await asyncio.sleep(self.drift.cpuset_watch_s)
-            if self.fs.is_live:
-                now = frozenset(os.sched_getaffinity(0))
-                if now != last:
-                    last = now
-                    self.wake.set()
-                continue
             node_ids = [n.id for n in self.plan.topology.nodes]
             try:
                 allowed = await loop.run_in_executor(self.executor, read_allowed, self.fs, node_ids)
@@ -194,6 +226,33 @@ class CheckLoop:
                 continue  # the pass reports it
             if allowed != self.allowed:
                 self.wake.set()
+
+    def _watch_thread(self, loop: asyncio.AbstractEventLoop, stop: threading.Event) -> None:
+        """The live watch (its own thread): poll the main thread's affinity and
+        wake the loop while it differs from the one the last pass started from."""
+        period = self.drift.cpuset_watch_s
+        pid = os.getpid()  # the main thread's tid: /proc/self/status describes it
+        while not stop.is_set():
+            time.sleep(period)
+            try:
+                now = frozenset(os.sched_getaffinity(pid))
+            except OSError:
+                continue  # the pass reads and reports the allowed set
+            if now != self._pass_cpus and not stop.is_set():
+                try:
+                    loop.call_soon_threadsafe(self.wake.set)
+                except RuntimeError:
+                    return  # the loop is closed: the daemon is stopping
+
+    def _main_cpus(self) -> frozenset[int]:
+        """The main thread's affinity now (what the watch compares with); empty
+        on a fixture tree or when unreadable."""
+        if not self.fs.is_live:
+            return frozenset()
+        try:
+            return frozenset(os.sched_getaffinity(os.getpid()))
+        except OSError:
+            return frozenset()
 
     async def rebind(self, rank: ProcKey | None) -> dict[str, Any]:
         """POST /rebind: one enforcing pass now (every kind enforced), for one rank or all."""
@@ -211,10 +270,13 @@ class CheckLoop:
     async def install(
         self, placement: Placement, topology: Topology, *, config: Config | None = None
     ) -> dict[str, Any]:
-        """Put a plan made elsewhere in force (a config reload's) and run one pass
-        that moves the processes it moved. Raises PlanError, changing nothing,
-        when it plans other processes than the running ones."""
+        """Put a plan made elsewhere in force (a config reload's, with its `config`'s
+        drift policy and thread roles) and run one pass that moves the processes it
+        moved. Raises PlanError, changing nothing, when it plans other processes than
+        the running ones."""
         async with self.lock:
+            if config is not None:
+                self._configure(config)
             moved = await self._install(placement, topology, config=config)
             return await self._timed_pass("check", None, moved)
 
@@ -276,6 +338,7 @@ class CheckLoop:
         processes with cause "cpuset_changed", in the same one decide per process."""
         if moved is not None:
             only = None  # a new plan moves whom it moves, whoever asked for the pass
+        self._pass_cpus = self._main_cpus()  # before the scan reads the allowed set
         targets = self._targets(only, moved)
         result = await self._scan(targets)
         changed = result.allowed is not None and result.allowed != self.allowed
@@ -308,6 +371,8 @@ class CheckLoop:
                 tracked.maps_at = now
             decisions.append(self._decide(tracked, t.slot, seen, policies.get(t.key, policy), now))
         outcomes = await self._apply(decisions)
+        if any(_einval(o) for out in outcomes for o in out.threads.values()):
+            await self._recheck_allowed()
         summary: dict[str, Any] = {}
         for d, out in zip(decisions, outcomes, strict=True):
             summary[key_label(d.key)] = self._publish(
@@ -315,6 +380,26 @@ class CheckLoop:
             )
         summary.update(self._publish_down(only, results))
         return {"reason": "api" if cause == "api" else "check", "processes": summary}
+
+    async def _recheck_allowed(self) -> None:
+        """A thread bind got EINVAL: sched_setaffinity(2) finds none of its CPUs
+        in the thread's cpuset, which is what a cpuset shrink between this
+        pass's read of the allowed set and its binds does. Read the allowed set
+        again and, when it changed, wake the next pass now: it re-plans (the
+        watch may not have seen it yet, or may be off)."""
+        node_ids = [n.id for n in self.plan.topology.nodes]
+        try:
+            allowed = await asyncio.get_running_loop().run_in_executor(
+                self.executor, read_allowed, self.fs, node_ids
+            )
+        except (SupervisorError, OSError):
+            return  # the next pass reports it
+        if allowed != self.allowed:
+            log.info(
+                "allowed set changed during the pass %s",
+                format_fields(cpus=format_cpulist(allowed.cpus), action="replan now"),
+            )
+            self.wake.set()
 
     def _decide(
         self, tracked: Tracked, slot: Slot, seen: Seen, policy: Policy, now: float
@@ -437,6 +522,9 @@ class CheckLoop:
         result = await self.replanning.replan(self.allowed)
         if result is None:
             return None
+        # The plan is for the allowed set its re-read found (a later write may have
+        # landed since the scan's read): the next pass compares with that one.
+        self.allowed = allowed_of(result.topology)
         moved = await self._install(result.placement, result.topology)
         self.replanning.replanned(result, moved)
         return moved
@@ -495,3 +583,8 @@ class CheckLoop:
                 node_ids=node_ids,
             )
         return out
+
+
+def _einval(outcome: Outcome) -> bool:
+    """A thread bind the kernel refused with EINVAL (errors.Invalid)."""
+    return outcome.error is not None and outcome.error.reason == "invalid"

@@ -5,7 +5,7 @@ process, with one scanner per member of its tree as the tree keeper
 published it in `Snapshot.trees`: no /proc walk here); `scan(...)` reads,
 for each `ScanTarget`, the threads of the process and of every member of its
 tree (through their `observe.ThreadScanner`s; a member's threads carry its
-pid and join its owner's observation, DESIGN 3.7), its resident memory per node (its cgroup's
+pid and join its owner's observation, contracts §7), its resident memory per node (its cgroup's
 memory.numa_stat when it has one, else numa_maps when due), its own cgroup
 as it is now (removed? its cpuset as written?), its planned IRQs
 (through the IRQ keeper), and the supervisor's own allowed CPUs and nodes

@@ -151,7 +151,8 @@ class DaemonProcess:
     Its stderr goes to `log` (stdout, which its children share, is dropped).
     With `join`, it starts through tests/vm_checks/checker_daemon.py, which
     writes its pid into each of those cgroup.procs files before the exec, so
-    the daemon starts confined. Stopped (SIGTERM, then SIGKILL) on `stop()`
+    the daemon starts confined. With `new_session`, it leads a session and
+    process group of its own. Stopped (SIGTERM, then SIGKILL) on `stop()`
     or at the end of a `with` block.
     """
 
@@ -164,6 +165,7 @@ class DaemonProcess:
         join: Sequence[Path | str] = (),
         port: int | None = None,
         prefix: Sequence[str] = (),
+        new_session: bool = False,
     ) -> None:
         self.port = free_port() if port is None else port
         self.log = Path(log)
@@ -178,6 +180,9 @@ class DaemonProcess:
             env=dict(os.environ if env is None else env, PYTHONUNBUFFERED="1"),
             stdout=subprocess.DEVNULL,
             stderr=self._log_file,
+            # Its own session and process group (pgid == pid), as under systemd or
+            # a login shell: a signal to its group then reaches no test runner.
+            start_new_session=new_session,
         )
         self.pid = self.proc.pid
 

@@ -1,4 +1,4 @@
-"""Adoption of engine-spawned workers (DESIGN 3.6): the sources as tables, the config's
+"""Adoption of engine-spawned workers (docs/contracts.md §6): the sources as tables, the config's
 errors, /proc facts from a fixture tree, and a real daemon adopting real processes.
 
 The real engine below is a small launcher shaped like torchrun: it starts one

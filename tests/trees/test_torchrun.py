@@ -1,4 +1,4 @@
-"""A real torchrun job (torch 2.13 CPU, gloo) as the engine, its workers adopted (DESIGN 3.6).
+"""A real torchrun job (torch 2.13 CPU, gloo) as the engine, its workers adopted (contracts §6).
 
 torchrun starts each worker with `start_new_session=True` and gives it
 LOCAL_RANK in its environment; `rank_from = ["env:LOCAL_RANK"]` names them.

@@ -1,4 +1,4 @@
-"""Process trees and no orphans, with real processes and a real daemon (DESIGN 3.6, issue 11.2).
+"""Process trees and no orphans, with real processes and a real daemon (contracts §6, issue 11.2).
 
 The engine and the worker below each start a `setsid` grandchild that
 ignores SIGTERM and an orphan (a child that exits after forking), every one

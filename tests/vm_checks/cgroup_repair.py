@@ -1,6 +1,6 @@
-"""Rank cgroups changed by someone else, cgroup v2; run INSIDE the numavm guest (as root).
+"""Rank cgroups changed by someone else, cgroup v2; run INSIDE the test guest, as root.
 
-    ../shared/tools/numavm/run-in-vm --nodes 2 -- \
+    tests/guest/run-in-vm --nodes 2 -- \
         .venv/bin/python -u tests/vm_checks/cgroup_repair.py
 
 Default guest: node 0 = CPUs 0-1, node 1 = CPUs 2-3, cgroup2 at /sys/fs/cgroup.
@@ -168,8 +168,8 @@ def _rmdir(path: str) -> bool:
 
 
 def main() -> int:
-    if os.environ.get("NUMAVM") != "1":
-        print("run me inside the numavm guest", file=sys.stderr)
+    if os.environ.get("PS_GUEST") != "1":
+        print("run me inside the test guest (tests/guest/run-in-vm)", file=sys.stderr)
         return 2
     scenario()
     return CHECKS.exit_code()

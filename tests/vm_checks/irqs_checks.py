@@ -1,6 +1,6 @@
-"""IRQ keeping in a 2-node kernel; run INSIDE the numavm guest (as root).
+"""IRQ keeping in a 2-node kernel; run INSIDE the test guest (as root).
 
-    ../shared/tools/numavm/run-in-vm --nodes 2 -- .venv/bin/python -u tests/vm_checks/irqs_checks.py
+    tests/guest/run-in-vm --nodes 2 -- .venv/bin/python -u tests/vm_checks/irqs_checks.py
 
 Expects the default guest: node 0 = CPUs 0-1, node 1 = CPUs 2-3, a virtio-net
 NIC with MSI-X IRQs at 0000:41:00.0 on node 1. Prints one "PASS name: detail"

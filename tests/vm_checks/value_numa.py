@@ -1,6 +1,6 @@
-"""What binding buys in memory locality; run INSIDE the numavm guest (as root).
+"""What binding buys in memory locality; run INSIDE the test guest (tests/guest/) (as root).
 
-    ../shared/tools/numavm/run-in-vm --nodes 2 --mem 3G --append numa_balancing=enable -- \
+    tests/guest/run-in-vm --nodes 2 --mem 3G --append numa_balancing=enable -- \
         .venv/bin/python -u tests/vm_checks/value_numa.py
 
 Expects the default guest shape: node 0 = CPUs 0-1, node 1 = CPUs 2-3. The

@@ -1,4 +1,4 @@
-"""The check loop covers every process of a supervised process's tree (DESIGN 3.6, 3.7).
+"""The check loop covers every process of a supervised process's tree (docs/contracts.md §6, 3.7).
 
 Pure rows for where a role's CPUs come from (`role_kinds`, `RoleMatcher` with
 several kinds, `with_engine_roles`), then a real daemon over a real engine:
