@@ -357,14 +357,15 @@ def test_a_stale_lock_file_is_taken_over_with_one_log_line(tmp_path: Path, holde
     assert lock_files(tmp_path) == []
 
 
-def test_a_daemon_killed_by_hup_leaves_a_file_the_next_start_takes_over(tmp_path: Path) -> None:
+def test_a_daemon_killed_leaves_a_file_the_next_start_takes_over(tmp_path: Path) -> None:
     config = config_file(tmp_path, {"command": ["sleep", "600"]})
-    env = env_for(tmp_path, PLACEMENT_SUPERVISOR_INSTANCE="hup-test")
-    lock = tmp_path / "run" / "hup-test.lock"
+    env = env_for(tmp_path, PLACEMENT_SUPERVISOR_INSTANCE="kill-test")
+    lock = tmp_path / "run" / "kill-test.lock"
     with DaemonProcess(config, tmp_path / "first.log", env=env) as first:
         poll(first.running, timeout_s=60)
-        first.proc.send_signal(signal.SIGHUP)  # no handler: the default action ends it
-        assert first.proc.wait(timeout=20) == -signal.SIGHUP
+        # SIGKILL: no handler runs (a HUP is a reload now, tests/test_daemon_reload.py).
+        first.proc.send_signal(signal.SIGKILL)
+        assert first.proc.wait(timeout=20) == -signal.SIGKILL
     assert lock.read_text() == f"{first.pid}\n"  # left behind, holding no lock
     with DaemonProcess(config, tmp_path / "second.log", env=env) as second:
         poll(second.running, timeout_s=60)
