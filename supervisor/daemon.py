@@ -58,6 +58,7 @@ from supervisor.topology.model import Topology
 from supervisor.trees.adopt import Adopter, AdoptRunner
 from supervisor.trees.guardian import Guardian
 from supervisor.trees.keeper import TreeKeeper
+from supervisor.trees.kind_rules import rules_for
 from supervisor.watch.cpuset import Replanner
 from supervisor.watch.irqs import IrqKeeper
 from supervisor.watch.loop import CheckLoop
@@ -308,7 +309,16 @@ class Daemon:
             else:
                 adopters[spec.key] = AdoptRunner(self.rt, spec, nodes, self.adopt_executor)
                 runners.append(adopters[spec.key])
-        adopter = Adopter(self.rt, adopters, workers.rank_from, self.placement)
+        engine = self.config.engine
+        rules = None if engine is None else rules_for(engine.kind, engine.command, engine.env)
+        adopter = Adopter(
+            self.rt,
+            adopters,
+            workers.rank_from,
+            self.placement,
+            rules=rules,
+            waiting_warning_s=workers.waiting_warning_s,
+        )
         return runners, adopter
 
     def _cgroup_dir(self, key: ProcKey) -> str | None:

@@ -45,7 +45,7 @@ EventKind = Literal[
     "spawn", "spawn_failed", "exit", "state", "restart", "restart_requested", "not_started",
     "ready", "ready_failed", "stopping", "error",
     "bind_failed", "drift", "rebind", "migrate", "cpuset", "plan", "plan_failed",
-    "irq", "irq_moved", "irq_restored", "irqbalance", "adopt",
+    "irq", "irq_moved", "irq_restored", "irqbalance", "adopt", "rank_conflict", "rank_waiting",
 ]  # fmt: skip
 DRIFT_KINDS: tuple[DriftKind, ...] = get_args(DriftKind)
 BIND_TARGETS: tuple[BindTarget, ...] = get_args(BindTarget)
@@ -187,7 +187,9 @@ class Counters:
     rebinds: Mapping[tuple[str, str], int] = field(default_factory=dict)  # rank, reason
     restarts: Mapping[str, int] = field(default_factory=dict)  # rank
     adoptions: Mapping[str, int] = field(default_factory=dict)  # rank
-    unnamed_processes: int = 0  # engine-tree processes no rank_from source named
+    # Ranks still waiting long after the engine started with nothing matched (a WARNING each).
+    waiting_warnings: Mapping[str, int] = field(default_factory=dict)  # rank
+    unnamed_processes: int = 0  # engine-tree processes the kind expects as ranks, left unnamed
     process_read_failures: int = 0  # tree members whose /proc files could not be read
     cpuset_changes: int = 0
     # The API's malformed or too slow requests (supervisor.serve.guard), by reason.
@@ -322,7 +324,13 @@ class StateStore:
     def count(
         self,
         counter: Literal[
-            "bind_failures", "drift_events", "rebinds", "restarts", "adoptions", "http_bad_requests"
+            "bind_failures",
+            "drift_events",
+            "rebinds",
+            "restarts",
+            "adoptions",
+            "http_bad_requests",
+            "waiting_warnings",
         ],
         label: tuple[str, ...] | str,
         n: int = 1,

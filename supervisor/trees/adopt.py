@@ -19,6 +19,7 @@ import contextlib
 import logging
 import os
 import signal
+import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, replace
@@ -27,18 +28,16 @@ from supervisor.bind.binder import Binder
 from supervisor.errors import Gone, KernelError, translate_oserror
 from supervisor.events import Recorder
 from supervisor.hostfs import HostFS
+from supervisor.plan.keys import key_label
 from supervisor.plan.placement import Placement
 from supervisor.procfs.files import read_cmdline, read_environ
 from supervisor.procfs.identity import ProcessId
 from supervisor.run.runner import Runner, Runtime, first_of
 from supervisor.run.spec import ChildSpec
 from supervisor.state import BindTarget
-from supervisor.trees.rank_source import (
-    ProcFacts,
-    RankSource,
-    rank_tables,
-    resolve_rank,
-)
+from supervisor.trees.kind_rules import KindRules
+from supervisor.trees.naming import Verdict, decide_rank, waiting_warnings
+from supervisor.trees.rank_source import ProcFacts, RankSource, rank_tables
 from supervisor.trees.tree import Member, ReadFailures
 
 log = logging.getLogger("placement_supervisor.adopt")
@@ -354,14 +353,18 @@ class AdoptRunner(Runner):
 
 
 class Adopter:
-    """Names the engine tree's processes by `rank_from` and offers each to its rank.
+    """Names the engine tree's processes (`rank_from`, else the engine kind's rules,
+    the device they hold open winning over both) and offers each to its rank.
 
     Called by the tree keeper for each engine-owned process when it appears
     (fork), changes (exec, comm: setproctitle sets comm too) and at each
     pass while still unnamed. A process no source names stays the engine's;
     it is counted once in `unnamed_processes` when UNNAMED_AFTER_PASSES passes
     found it so (30 s at 1 s checks: an engine titles its workers after its
-    imports, seconds after they start, and they are not "unnamed" meanwhile).
+    imports, seconds after they start, and they are not "unnamed" meanwhile),
+    when the kind expects it to be a rank. A rank still waiting
+    `waiting_warning_s` after the engine's tree appeared, while it shows such
+    processes (or titled ones) and none matched, gets one WARNING.
     """
 
     def __init__(
@@ -370,18 +373,32 @@ class Adopter:
         runners: Mapping[int, AdoptRunner],
         sources: Sequence[RankSource],
         placement: Placement,
+        *,
+        rules: KindRules | None = None,
+        waiting_warning_s: float = 30.0,
     ) -> None:
         self.rt = rt
         self.runners = runners
         self.sources = tuple(sources)
+        self.rules = None if rules is None or rules.kind == "custom" else rules
         self.local_ranks, self.device_ranks = rank_tables(placement)
         for runner in runners.values():
             runner.names = self.resolve
-        self.want_fds = any(s.kind == "device" for s in self.sources)
-        self.env_names = frozenset(s.name for s in self.sources if s.kind == "env")
+        self.want_fds = any(s.kind == "device" for s in self.sources) or (
+            self.rules is not None and self.rules.want_fds
+        )
+        self.env_names = frozenset(s.name for s in self.sources if s.kind == "env") | (
+            frozenset() if self.rules is None else self.rules.env_names
+        )
         self.read_failures = ReadFailures(rt.store, log)
+        self.recorder = Recorder(rt.store, log)
         self.named: set[tuple[int, int]] = set()
         self.unnamed_passes: dict[tuple[int, int], int] = {}
+        self.verdicts: dict[int, Verdict] = {}  # pid -> the last verdict (the warning's titles)
+        self.disagreed: set[int] = set()  # pids whose title and device disagreed (told once)
+        self.waiting_warning_s = waiting_warning_s
+        self.tree_since: float | None = None  # monotonic: the engine's tree first seen
+        self.warned: set[int] = set()  # ranks warned about while they wait
 
     def __call__(self, member: Member) -> None:
         """Name `member` now and offer it to its rank (on the loop: two small
@@ -407,12 +424,35 @@ class Adopter:
             return None
         if facts is None:
             return None
-        return resolve_rank(
-            self.sources, facts, local_ranks=self.local_ranks, device_ranks=self.device_ranks
+        verdict = decide_rank(
+            self.sources,
+            self.rules,
+            facts,
+            local_ranks=self.local_ranks,
+            device_ranks=self.device_ranks,
         )
+        self.verdicts[pid] = verdict
+        if verdict.disagreed and pid not in self.disagreed:
+            self.disagreed.add(pid)
+            self.recorder.note(
+                "rank_conflict",
+                verdict.rank,
+                f"pid {pid} {verdict.title!r}: {verdict.rule} names rank "
+                f"{verdict.title_rank}, its device names rank {verdict.rank}; the device wins",
+                log_message="rank conflict",
+                level=logging.WARNING,
+                pid=pid,
+                title=verdict.title,
+                rule=verdict.rule,
+                title_rank=verdict.title_rank,
+                device_rank=verdict.rank,
+                action="device wins",
+            )
+        return verdict.rank
 
     def note_pass(self, members: Mapping[int, Member]) -> None:
-        """After each tree pass: try the unnamed again; count the long unnamed once."""
+        """After each tree pass: try the unnamed again; count the long unnamed once;
+        warn about ranks that wait while the tree shows processes none matched."""
         live: set[tuple[int, int]] = set()
         for m in members.values():
             if m.owner != "engine":
@@ -421,15 +461,66 @@ class Adopter:
             live.add(ident)
             if ident in self.named:
                 continue
+            self(m)
             passes = self.unnamed_passes.get(ident, 0) + 1
             self.unnamed_passes[ident] = passes
-            if passes == UNNAMED_AFTER_PASSES:
+            verdict = self.verdicts.get(m.pid)
+            expected = verdict is None or verdict.expected or self.rules is None
+            if passes == UNNAMED_AFTER_PASSES and expected:
                 counters = self.rt.store.snapshot.counters
                 self.rt.store.update(
                     counters=replace(counters, unnamed_processes=counters.unnamed_processes + 1)
                 )
-            self(m)
         self.named &= live
         for ident in list(self.unnamed_passes):
             if ident not in live:
                 del self.unnamed_passes[ident]
+        pids = {pid for pid, _ in live}
+        for pid in [p for p in self.verdicts if p not in pids]:
+            del self.verdicts[pid]
+        self.disagreed &= pids
+        self._warn_waiting(live)
+
+    def _warn_waiting(self, live: set[tuple[int, int]]) -> None:
+        if not live:
+            self.tree_since = None  # no engine tree (stopped, restarting): the clock restarts
+            return
+        now = time.monotonic()
+        if self.tree_since is None:
+            self.tree_since = now
+        waiting = {k for k, r in self.runners.items() if r.adopted is None}
+        self.warned &= waiting  # adopted since: a later wait may warn again
+        unnamed = [
+            v for (pid, st), v in ((i, self.verdicts.get(i[0])) for i in sorted(live))
+            if v is not None and (pid, st) not in self.named
+        ]  # fmt: skip
+        rules = self.rules
+        titled = {v.title for v in unnamed if rules is None or rules.titled(v.title)}
+        rule = (
+            ("rank_from = [" + ", ".join(str(s) for s in self.sources) + "]")
+            if self.sources
+            else ("none" if rules is None else rules.describe())
+        )
+        for w in waiting_warnings(
+            waited_s=now - self.tree_since,
+            threshold_s=self.waiting_warning_s,
+            waiting=waiting,
+            warned=self.warned,
+            seen=unnamed,
+            titled=titled,
+            rule=rule,
+        ):
+            self.warned.add(w.rank)
+            self.rt.store.count("waiting_warnings", key_label(w.rank))
+            self.recorder.note(
+                "rank_waiting",
+                w.rank,
+                f"rank {w.rank} still waiting {w.waited_s:.0f}s after the engine started: "
+                f"no process matched {w.rule}; titles seen: {', '.join(w.titles)}",
+                log_message="rank waiting",
+                level=logging.WARNING,
+                waited_s=round(w.waited_s, 1),
+                rule=w.rule,
+                titles=",".join(w.titles),
+                action="keep waiting",
+            )
