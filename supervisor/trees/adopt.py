@@ -495,7 +495,11 @@ class Adopter:
             if v is not None and (pid, st) not in self.named
         ]  # fmt: skip
         rules = self.rules
-        titled = {v.title for v in unnamed if rules is None or rules.titled(v.title)}
+        # A title the kind does not know (another prefix, a renamed class) is
+        # worth naming; its own non-rank processes (EngineCore with workers) are not.
+        titled = {
+            v.title for v in unnamed if not v.known and (rules is None or rules.titled(v.title))
+        }
         rule = (
             ("rank_from = [" + ", ".join(str(s) for s in self.sources) + "]")
             if self.sources

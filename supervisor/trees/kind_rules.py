@@ -57,9 +57,13 @@ class Naming:
     local_rank: int | None  # the ordinal among the engine's visible devices
     rule: str  # the rule that named it, or that expected a rank and did not match
     expected: bool  # the kind expects this process to be a rank
+    # One of the engine's own processes that is never a rank (vLLM's engine
+    # core with workers, SGLang's detokenizer): its title says nothing amiss.
+    known: bool = False
 
 
 NOT_A_RANK = Naming(None, "", False)
+ENGINE_OWN = Naming(None, "", False, known=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,7 +166,7 @@ def name_vllm(layout: VllmLayout, prefix: str, title: str) -> Naming:
     elif name.startswith("DPEngineCore_") and name[len("DPEngineCore_") :].isdigit():
         dp_rank = int(name[len("DPEngineCore_") :])
     if dp_rank is None or not layout.core_drives_device:
-        return NOT_A_RANK  # the API server, a DP coordinator, an engine core with workers
+        return ENGINE_OWN  # the API server, a DP coordinator, an engine core with workers
     core_rule = f"{head}EngineCore[_DP<d>] (tp x pp = 1)"
     return Naming(layout.local_device(dp_rank, 0, 0, 0), core_rule, True)
 
@@ -175,7 +179,8 @@ def name_sglang(layout: SglangLayout, title: str) -> Naming:
     not ranks."""
     head = "sglang::scheduler"
     if not title.startswith(head):
-        return NOT_A_RANK
+        # sglang::detokenizer, sglang::data_parallel_controller, ...
+        return ENGINE_OWN if title.startswith("sglang::") else NOT_A_RANK
     parts = title_parts(title[len(head) :])
     if parts is None:
         return NOT_A_RANK
@@ -188,7 +193,9 @@ def name_ray(title: str) -> Naming:
     """A Ray actor is titled `ray::<Class>` (`ray::<Class>.<method>` while it
     runs one; python/ray/_private/worker.py); `ray::IDLE` is a pooled worker
     with no task. Only the device it holds open names its rank."""
-    if not title.startswith("ray::") or title in ("ray::IDLE", "ray::IDLE_SPILL_WORKER"):
+    if title in ("ray::IDLE", "ray::IDLE_SPILL_WORKER"):
+        return ENGINE_OWN
+    if not title.startswith("ray::"):
         return NOT_A_RANK
     return Naming(None, "device", True)
 

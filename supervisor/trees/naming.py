@@ -27,6 +27,7 @@ class Verdict:
     title: str  # the process title (first word of its command line)
     # A title rule named `title_rank`, its device said `rank`: the device won.
     title_rank: int | None = None
+    known: bool = False  # one of the engine's own processes that is never a rank
 
     @property
     def disagreed(self) -> bool:
@@ -64,7 +65,9 @@ def decide_rank(
     elif rules is None:
         return Verdict(None, True, "none", title)  # nothing names ranks: every process counts
     else:
-        return Verdict(None, False, rules.describe(), title)
+        return Verdict(
+            None, False, rules.describe(), title, known=naming is not None and naming.known
+        )
     if by_device is not None and (expected or named is not None):
         if named is not None and named != by_device:
             return Verdict(by_device, True, rule, title, title_rank=named)

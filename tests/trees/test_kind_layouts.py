@@ -14,6 +14,7 @@ the rank's cgroup; every other process stays on the engine's slot.
 from __future__ import annotations
 
 import os
+import urllib.request
 import uuid
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from tests.support.daemon_support import (
     poll,
     to_toml,
 )
+from tests.support.fake_engine.layouts import STALL_ENV
 
 SHIM = """import sys
 from tests.support.fake_engine.layouts import {main}
@@ -51,7 +53,13 @@ def write_shim(root: Path, module: str, main: str) -> None:
 
 
 def layout_config(
-    tmp_path: Path, module: str, flags: list[str], ranks: int, env: dict[str, str] | None = None
+    tmp_path: Path,
+    module: str,
+    flags: list[str],
+    ranks: int,
+    *,
+    env: dict[str, str] | None = None,
+    workers: dict[str, Any] | None = None,
 ) -> tuple[Path, Path]:
     shims = tmp_path / "shims"
     write_shim(shims, VLLM_MODULE, "vllm_main")
@@ -75,7 +83,7 @@ def layout_config(
             ],
             "env": {"PYTHONPATH": f"{shims}{os.pathsep}{REPO}", **(env or {})},
         },
-        "workers": {"spawned_by": "engine"},
+        "workers": {"spawned_by": "engine", **(workers or {})},
         "placement": {"rank_roles": {}, "on_shortage": "share"},
     }
     path = tmp_path / "layout.toml"
@@ -139,7 +147,7 @@ LAYOUTS = [
 def test_each_layout_s_ranks_are_the_processes_that_drive_the_devices(
     tmp_path: Path, module: str, flags: list[str], ranks: int, env: dict[str, str]
 ) -> None:
-    config, record = layout_config(tmp_path, module, flags, ranks, env)
+    config, record = layout_config(tmp_path, module, flags, ranks, env=env)
     suffix = f"kinds-{uuid.uuid4().hex[:8]}"
     with DaemonProcess(config, tmp_path / "d.log", env=daemon_env(**{INSTANCE_ENV: suffix})) as d:
         doc = poll(lambda: all_adopted(d, ranks, record), timeout_s=90, what="every rank adopted")
@@ -175,3 +183,46 @@ def _zombie(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
         return True
+
+
+def metric(d: DaemonProcess, line: str) -> bool:
+    with urllib.request.urlopen(f"http://127.0.0.1:{d.port}/metrics", timeout=5) as resp:
+        return line in resp.read().decode()
+
+
+def test_a_rank_that_waits_while_titles_do_not_match_warns_once(tmp_path: Path) -> None:
+    """Silence is a bug: vLLM workers stuck before device init keep the title
+    `VLLM::Worker`; each rank warns once, naming the titles and the rule."""
+    config, _ = layout_config(
+        tmp_path,
+        VLLM_MODULE,
+        ["-tp", "2"],
+        2,
+        env={STALL_ENV: "1"},
+        workers={"waiting_warning_s": 1},
+    )
+    suffix = f"kinds-{uuid.uuid4().hex[:8]}"
+    with DaemonProcess(config, tmp_path / "d.log", env=daemon_env(**{INSTANCE_ENV: suffix})) as d:
+        warned = poll(
+            lambda: len(d.events("rank_waiting")) == 2 and d.events("rank_waiting"),
+            timeout_s=60,
+            what="both ranks warned",
+        )
+        assert {e["rank"] for e in warned} == {"0", "1"}
+        for e in warned:
+            assert "VLLM::Worker" in e["fields"]["titles"].split(",")
+            assert "VLLM::EngineCore" not in e["fields"]["titles"]  # vLLM's own
+            assert e["fields"]["rule"].startswith("VLLM::Worker[_DP<d>]")
+        log = d.tail(20000)
+        assert log.count("rank waiting") == 2 and "WARNING" in log
+        assert metric(d, 'placement_rank_waiting_warnings_total{rank="0"} 1.0')
+        # Only the two workers count as unnamed: not the engine core, the API
+        # server or multiprocessing's resource tracker (30 passes at 0.2 s).
+        poll(
+            lambda: metric(d, "placement_unnamed_processes_total 2.0"),
+            timeout_s=30,
+            what="the stuck workers counted",
+        )
+        assert len(d.events("rank_waiting")) == 2  # once each, not each pass
+        code = d.stop(timeout_s=30)
+    assert code == 0, d.tail()

@@ -29,6 +29,9 @@ from collections.abc import Sequence
 
 import setproctitle
 
+# Set in a stand-in's environment: its vLLM workers hang in device init.
+STALL_ENV = "FAKE_ENGINE_STALL_INIT"
+
 
 def _hold(record_dir: str | None, device: int | None, threads: int = 2) -> None:
     """Record the device this process drives, start threads, and sleep like a busy engine."""
@@ -69,6 +72,8 @@ def vllm_args(argv: Sequence[str]) -> argparse.Namespace:
 def vllm_worker(args: argparse.Namespace, dp_rank: int, local_dp: int, rank: int) -> None:
     prefix = os.environ.get("VLLM_PROCESS_NAME_PREFIX", "VLLM")
     _title(prefix, "Worker")  # before init_device: the parallel groups do not exist yet
+    if os.environ.get(STALL_ENV) == "1":
+        _hold(None, None)  # device init never returns: the title stays `Worker`
     time.sleep(0.3)
     tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
     pp_rank, tp_rank = divmod(rank, tp)
