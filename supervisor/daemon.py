@@ -58,7 +58,6 @@ from supervisor.topology.model import Topology
 from supervisor.trees.adopt import Adopter, AdoptRunner
 from supervisor.trees.guardian import Guardian
 from supervisor.trees.keeper import TreeKeeper
-from supervisor.trees.kind_rules import rules_for
 from supervisor.watch.cpuset import Replanner
 from supervisor.watch.irqs import IrqKeeper
 from supervisor.watch.loop import CheckLoop
@@ -309,16 +308,7 @@ class Daemon:
             else:
                 adopters[spec.key] = AdoptRunner(self.rt, spec, nodes, self.adopt_executor)
                 runners.append(adopters[spec.key])
-        engine = self.config.engine
-        rules = None if engine is None else rules_for(engine.kind, engine.command, engine.env)
-        adopter = Adopter(
-            self.rt,
-            adopters,
-            workers.rank_from,
-            self.placement,
-            rules=rules,
-            waiting_warning_s=workers.waiting_warning_s,
-        )
+        adopter = Adopter(self.rt, adopters, workers, self.placement, engine=self.config.engine)
         return runners, adopter
 
     def _cgroup_dir(self, key: ProcKey) -> str | None:

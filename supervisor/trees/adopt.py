@@ -25,6 +25,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, replace
 
 from supervisor.bind.binder import Binder
+from supervisor.config import ProcessConfig
 from supervisor.errors import Gone, KernelError, translate_oserror
 from supervisor.events import Recorder
 from supervisor.hostfs import HostFS
@@ -35,7 +36,7 @@ from supervisor.procfs.identity import ProcessId
 from supervisor.run.runner import Runner, Runtime, first_of
 from supervisor.run.spec import ChildSpec
 from supervisor.state import BindTarget
-from supervisor.trees.kind_rules import KindRules
+from supervisor.trees.kind_rules import rules_for
 from supervisor.trees.naming import Verdict, decide_rank, waiting_warnings
 from supervisor.trees.rank_source import ProcFacts, RankSource, rank_tables
 from supervisor.trees.tree import Member, ReadFailures
@@ -371,15 +372,15 @@ class Adopter:
         self,
         rt: Runtime,
         runners: Mapping[int, AdoptRunner],
-        sources: Sequence[RankSource],
+        workers: ProcessConfig,
         placement: Placement,
         *,
-        rules: KindRules | None = None,
-        waiting_warning_s: float = 30.0,
+        engine: ProcessConfig | None = None,
     ) -> None:
         self.rt = rt
         self.runners = runners
-        self.sources = tuple(sources)
+        self.sources: tuple[RankSource, ...] = workers.rank_from
+        rules = None if engine is None else rules_for(engine.kind, engine.command, engine.env)
         self.rules = None if rules is None or rules.kind == "custom" else rules
         self.local_ranks, self.device_ranks = rank_tables(placement)
         for runner in runners.values():
@@ -396,7 +397,7 @@ class Adopter:
         self.unnamed_passes: dict[tuple[int, int], int] = {}
         self.verdicts: dict[int, Verdict] = {}  # pid -> the last verdict (the warning's titles)
         self.disagreed: set[int] = set()  # pids whose title and device disagreed (told once)
-        self.waiting_warning_s = waiting_warning_s
+        self.waiting_warning_s = workers.waiting_warning_s
         self.tree_since: float | None = None  # monotonic: the engine's tree first seen
         self.warned: set[int] = set()  # ranks warned about while they wait
 

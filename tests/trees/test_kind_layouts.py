@@ -60,6 +60,7 @@ def layout_config(
     *,
     env: dict[str, str] | None = None,
     workers: dict[str, Any] | None = None,
+    rank_roles: dict[str, int] | None = None,
 ) -> tuple[Path, Path]:
     shims = tmp_path / "shims"
     write_shim(shims, VLLM_MODULE, "vllm_main")
@@ -84,7 +85,7 @@ def layout_config(
             "env": {"PYTHONPATH": f"{shims}{os.pathsep}{REPO}", **(env or {})},
         },
         "workers": {"spawned_by": "engine", **(workers or {})},
-        "placement": {"rank_roles": {}, "on_shortage": "share"},
+        "placement": {"rank_roles": rank_roles or {}, "on_shortage": "share"},
     }
     path = tmp_path / "layout.toml"
     path.write_text(to_toml(doc) + "[drift]\ncheck_interval_s = 0.2\n")
@@ -226,3 +227,59 @@ def test_a_rank_that_waits_while_titles_do_not_match_warns_once(tmp_path: Path) 
         assert len(d.events("rank_waiting")) == 2  # once each, not each pass
         code = d.stop(timeout_s=30)
     assert code == 0, d.tail()
+
+
+def test_an_sglang_scheduler_s_grammar_pool_follows_its_rank_s_slot(tmp_path: Path) -> None:
+    """SGLang compiles grammars in each scheduler: the pool (created after the
+    title, when the scheduler is already adopted) is capped at the rank's
+    so_compiler CPUs and its threads sit there, not on the engine's slot."""
+    config, record = layout_config(
+        tmp_path, SGLANG_MODULE, ["--tp", "2"], 2, rank_roles={"so_compiler": 1}
+    )
+    text = config.read_text() + (
+        '[threads.so_compiler]\nprocess = "engine"\nexecutors = ["sglang.srt.constrained"]\n'
+        '[threads.rank_so_compiler]\nprocess = "workers"\nrole = "so_compiler"\n'
+        'pattern = "so_compiler-[0-9]*"\n'
+    )
+    config.write_text(text)
+    suffix = f"kinds-{uuid.uuid4().hex[:8]}"
+    with DaemonProcess(config, tmp_path / "d.log", env=daemon_env(**{INSTANCE_ENV: suffix})) as d:
+        doc = poll(lambda: all_adopted(d, 2, record), timeout_s=90, what="both schedulers")
+        for r in doc["ranks"]:
+            pid = r["pid"]
+            # On this 2-CPU box the plan merges so_compiler into main (as Slot.role_cpus).
+            want = r["roles"].get("so_compiler") or r["roles"]["main"]
+            pool = poll(
+                lambda pid=pid: (
+                    (record / f"pool-{pid}").exists() and (record / f"pool-{pid}").read_text()
+                ),
+                timeout_s=30,
+                what="the pool made",
+            )
+            assert int(pool) == len(want), (r, d.tail())
+
+            def pool_threads(pid: int = pid) -> dict[int, str]:
+                names = thread_names(pid)
+                cpus = thread_cpus(pid)
+                return {t: cpus[t] for t, n in names.items() if n.startswith("so_compiler-")}
+
+            poll(
+                lambda pt=pool_threads, want=want: (
+                    len(pt()) == len(want) and set(pt().values()) == {format_cpulist(want)}
+                ),
+                timeout_s=20,
+                what="the pool's threads on the rank's so_compiler CPUs",
+            )
+        code = d.stop(timeout_s=30)
+    assert code == 0, d.tail()
+
+
+def thread_names(pid: int) -> dict[int, str]:
+    out: dict[int, str] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                out[int(tid)] = f.read().strip()
+        except OSError:
+            continue
+    return out

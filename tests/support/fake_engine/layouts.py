@@ -173,9 +173,11 @@ def sglang_scheduler(
     setproctitle.setproctitle(f"sglang::scheduler{prefix.replace(' ', '_')}")
     time.sleep(0.5)  # the model loads; then the grammar backend and its pool
     pool = sglang_grammar_pool()
+    # Its threads start on demand, one per submit up to max_workers: keep them all busy.
+    for _ in range(pool._max_workers + 2):
+        pool.submit(time.sleep, 3600)
     record = args.record_dir
     if record is not None:
-        # The pool's size: its threads start on demand, one per submit up to max_workers.
         with open(os.path.join(record, f"pool-{os.getpid()}"), "w") as f:
             f.write(str(pool._max_workers))
     _hold(record, gpu_id)
