@@ -36,9 +36,10 @@ from supervisor.procfs.identity import ProcessId
 from supervisor.run.runner import Runner, Runtime, first_of
 from supervisor.run.spec import ChildSpec
 from supervisor.state import BindTarget
+from supervisor.topology.device_minors import device_rank_by_number, read_char_devices
 from supervisor.trees.kind_rules import rules_for
 from supervisor.trees.naming import Verdict, decide_rank, waiting_warnings
-from supervisor.trees.rank_source import ProcFacts, RankSource, rank_tables
+from supervisor.trees.rank_source import ProcFacts, RankSource, bdf_ranks, rank_tables
 from supervisor.trees.tree import Member, ReadFailures
 
 log = logging.getLogger("placement_supervisor.adopt")
@@ -62,6 +63,7 @@ def read_proc_facts(
     if environ is None:
         return None
     files: list[str] = []
+    numbers: list[tuple[int, int]] = []
     if want_fds:
         try:
             names = fs.listdir(f"proc/{pid}/fd")
@@ -71,7 +73,10 @@ def read_proc_facts(
             target = fs.readlink(f"proc/{pid}/fd/{name}")
             if target is not None and target.startswith("/dev/"):
                 files.append(target)
-    return ProcFacts(environ, cmdline, tuple(files))
+                number = fs.char_device(f"proc/{pid}/fd/{name}")
+                if number is not None:
+                    numbers.append(number)
+    return ProcFacts(environ, cmdline, tuple(files), tuple(numbers))
 
 
 # -- binding an adopted process ---------------------------------------------------------
@@ -383,6 +388,7 @@ class Adopter:
         rules = None if engine is None else rules_for(engine.kind, engine.command, engine.env)
         self.rules = None if rules is None or rules.kind == "custom" else rules
         self.local_ranks, self.device_ranks = rank_tables(placement)
+        self.number_ranks = device_rank_by_number(read_char_devices(rt.fs), bdf_ranks(placement))
         for runner in runners.values():
             runner.names = self.resolve
         self.want_fds = any(s.kind == "device" for s in self.sources) or (
@@ -431,6 +437,7 @@ class Adopter:
             facts,
             local_ranks=self.local_ranks,
             device_ranks=self.device_ranks,
+            number_ranks=self.number_ranks,
         )
         self.verdicts[pid] = verdict
         if verdict.disagreed and pid not in self.disagreed:

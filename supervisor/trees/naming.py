@@ -34,8 +34,20 @@ class Verdict:
         return self.title_rank is not None and self.title_rank != self.rank
 
 
-def device_rank(facts: ProcFacts, device_ranks: Mapping[int, int]) -> int | None:
-    """The rank whose device `facts`' process holds open; None: none, or several."""
+def device_rank(
+    facts: ProcFacts,
+    device_ranks: Mapping[int, int],
+    number_ranks: Mapping[tuple[int, int], int] | None = None,
+) -> int | None:
+    """The rank whose device `facts`' process holds open; None: none, or several.
+
+    By the device numbers it holds (`number_ranks`, from the driver's own
+    tables: supervisor.topology.device_minors) where they name any, else by
+    the node names' numbers (/dev/nvidia3: device 3)."""
+    if number_ranks:
+        ranks = {number_ranks[n] for n in facts.open_devices if n in number_ranks}
+        if ranks:
+            return ranks.pop() if len(ranks) == 1 else None
     ranks = {device_ranks[i] for i in device_indexes(facts.open_files) if i in device_ranks}
     return ranks.pop() if len(ranks) == 1 else None
 
@@ -47,13 +59,14 @@ def decide_rank(
     *,
     local_ranks: Mapping[int, int],
     device_ranks: Mapping[int, int],
+    number_ranks: Mapping[tuple[int, int], int] | None = None,
 ) -> Verdict:
     """The rank of a process: `rank_from` when configured, else the kind's rules;
     the device it holds open, when known, wins over either (pure)."""
     title = title_of(facts.cmdline)
     naming = rules.name(facts) if rules is not None else None
     expected = naming.expected if naming is not None else True
-    by_device = device_rank(facts, device_ranks) if facts.open_files else None
+    by_device = device_rank(facts, device_ranks, number_ranks) if facts.open_files else None
     if sources:
         named = resolve_rank(sources, facts, local_ranks=local_ranks, device_ranks=device_ranks)
         rule = "rank_from = [" + ", ".join(str(s) for s in sources) + "]"
