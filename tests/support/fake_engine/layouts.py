@@ -23,6 +23,8 @@ import argparse
 import concurrent.futures
 import multiprocessing
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -31,6 +33,9 @@ import setproctitle
 
 # Set in a stand-in's environment: its vLLM workers hang in device init.
 STALL_ENV = "FAKE_ENGINE_STALL_INIT"
+# Set to "reverse": each vLLM worker opens /dev/nvidia<world - 1 - rank> after
+# its title (the device then disagrees with the title, and wins).
+OPEN_DEVICE_ENV = "FAKE_ENGINE_OPEN_DEVICE"
 
 
 def _hold(record_dir: str | None, device: int | None, threads: int = 2) -> None:
@@ -87,7 +92,12 @@ def vllm_worker(args: argparse.Namespace, dp_rank: int, local_dp: int, rank: int
     if args.enable_expert_parallel:
         name += f"_EP{dp_rank * tp + tp_rank}"
     _title(prefix, name)
-    _hold(args.record_dir, local_dp * tp * pp + rank)
+    device = local_dp * tp * pp + rank
+    if os.environ.get(OPEN_DEVICE_ENV) == "reverse":
+        device = tp * pp - 1 - rank
+        held = os.open(f"/dev/nvidia{device}", os.O_RDWR)  # as CUDA's context holds its GPU
+        assert held >= 0
+    _hold(args.record_dir, device)
 
 
 def vllm_engine_core(args: argparse.Namespace, dp_rank: int, local_dp: int) -> None:
@@ -223,3 +233,42 @@ def sglang_main(argv: Sequence[str]) -> None:
         ctx.Process(target=sglang_dp_controller, args=(args,)).start()
     ctx.Process(target=sglang_detokenizer).start()
     _hold(None, None, threads=1)
+
+
+# -- Ray (shaped as `ray start --head --block`) ----------------------------------------------
+
+
+RAY_WORKER = """
+import os, sys, time
+import setproctitle
+sys.path.insert(0, sys.argv[3])
+from tests.support.fake_engine.layouts import _hold
+setproctitle.setproctitle("ray::IDLE")  # a pooled worker (python/ray/_private/workers)
+time.sleep(0.3)
+setproctitle.setproctitle("ray::RayWorkerWrapper")  # an actor was placed in it
+device = int(sys.argv[1])
+held = os.open(f"/dev/nvidia{device}", os.O_RDWR)  # the actor initialised its GPU
+_hold(sys.argv[2], device)
+"""
+
+
+def ray_raylet(record_dir: str, workers: int) -> None:
+    """The raylet: starts the worker processes actors run in (fork/exec, as Ray does)."""
+    setproctitle.setproctitle("/opt/ray/core/src/ray/raylet/raylet --node_ip_address=127.0.0.1")
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    for i in range(workers):
+        # The first actor gets the last GPU: creation order is not device order.
+        device = workers - 1 - i
+        subprocess.Popen([sys.executable, "-c", RAY_WORKER, str(device), record_dir, repo])
+    _hold(None, None, threads=0)
+
+
+def ray_main(argv: Sequence[str]) -> None:
+    """`ray start --head --block`: the head process and its raylet."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--record-dir")
+    args = p.parse_known_args(list(argv))[0]
+    ctx = multiprocessing.get_context("spawn")
+    ctx.Process(target=ray_raylet, args=(args.record_dir, args.workers)).start()
+    _hold(None, None, threads=0)
