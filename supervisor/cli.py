@@ -1,4 +1,4 @@
-"""The `placement-supervisor` command line (DESIGN 3.1): the one place that exits (does I/O).
+"""The `placement-supervisor` command line (contracts §1): the one place that exits (does I/O).
 
 Subcommands: topology, plan, snapshot (here), run and status (imported only
 when called). `plan --config` also checks what `run` would fail on
@@ -172,7 +172,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     # or an example).
     if args.config is None or os.path.abspath(root) != "/" or args.no_checks:
         return 0
-    problems = check_config(load_config(args.config), os.environ, sys.executable)
+    problems = check_config(
+        load_config(args.config), os.environ, sys.executable, placement=placement
+    )
     for problem in problems:
         print(f"{PROG}: error: {problem}", file=sys.stderr)
     return EXIT_CONFIG if problems else 0
@@ -244,7 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--no-checks",
         action="store_true",
-        help="with --config: skip the checks of commands, users, token file and ports "
+        help="with --config: skip the checks of commands, users, argument sizes, the instance "
+        "name, token file and ports "
         "(e.g. on a host where the service already runs and holds its ports)",
     )
     p.set_defaults(func=_cmd_plan)
@@ -289,7 +292,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if isinstance(err, NoDevicesError):
             # Discovery cannot know the config's path or the example's name.
             err = err.located(getattr(args, "config", None), getattr(args, "example", None))
-        print(f"{PROG}: error: {err}", file=sys.stderr)
+        for line in str(err).splitlines() or [""]:  # a refusal may list several problems
+            print(f"{PROG}: error: {line}", file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED

@@ -10,14 +10,17 @@ supervisor.config_sections.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import stat
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from supervisor.config_sections import (
+    check_env_name,
     check_exec_strings,
     check_template,
     load_account,
@@ -69,7 +72,7 @@ class ProcessConfig:
     group: str | None = field(default=None, kw_only=True)
     env: Mapping[str, str] = field(default_factory=dict)  # set only where unset
     # [workers] only: the engine spawns the workers and the supervisor adopts
-    # them (DESIGN 3.6); `command` is then empty and `rank_from` names them.
+    # them (docs/contracts.md §6); `command` is then empty and `rank_from` names them.
     spawned_by: Literal["engine"] | None = None
     rank_from: tuple[RankSource, ...] = ()  # parsed; str() gives the config's text back
     # [engine] only: the engine's kind, "auto" resolved from the command
@@ -116,6 +119,7 @@ class DriftConfig:
             "cpuset_changed": "enforce",
             "process_gone": "observe",
             "self_rebind": "enforce",
+            "cgroup": "enforce",
         }
     )
 
@@ -178,7 +182,7 @@ def _process(top: Table, key: str, *, template: bool) -> ProcessConfig:
 
 
 def _adopted_workers(t: Table) -> ProcessConfig:
-    """[workers] spawned_by = "engine" with rank_from = [...] (DESIGN 3.6)."""
+    """[workers] spawned_by = "engine" with rank_from = [...] (docs/contracts.md §6)."""
     t.choice("spawned_by", None, ("engine",))
     if t.has("command"):
         raise t.fail("command", 'give either command or spawned_by = "engine", not both')
@@ -220,9 +224,25 @@ def _ready(t: Table) -> ReadyProbe | None:
             raise t.fail("tcp", f"expected HOST:PORT, got {probe.tcp!r}")
         if not 1 <= int(port) <= 65535:  # a larger one wrapped modulo 65536 when dialled
             raise t.fail("tcp", f"port must be 1-65535, got {port} in {probe.tcp!r}")
-    if probe.http is not None and not probe.http.startswith(("http://", "https://")):
-        raise t.fail("http", f"expected an http:// URL, got {probe.http!r}")
+    if probe.http is not None:
+        check_http_url(t, probe.http)
     return probe
+
+
+def check_http_url(t: Table, url: str) -> None:
+    """`ready.http` parsed as the probe will dial it: scheme, host and port, or a
+    ConfigError now (an unparsable URL made every probe fail until ready.timeout_s)."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # ValueError for a port that is not 0-65535 or not a number
+    except ValueError as err:
+        raise t.fail("http", f"not a URL ({err}): {url!r}") from None
+    if parts.scheme not in ("http", "https"):
+        raise t.fail("http", f"expected an http:// URL, got {url!r}")
+    if not parts.hostname:
+        raise t.fail("http", f"no host in {url!r}")
+    if port == 0:
+        raise t.fail("http", f"port must be 1-65535, got 0 in {url!r}")
 
 
 def check_listen(where: str, listen: str) -> str:
@@ -332,7 +352,7 @@ def parse_config(doc: Mapping[str, Any], file: str = "<config>") -> Config:
         accelerator=accelerator,
         devices=devices,
         cpu_ranks=top.integer("cpu_ranks", 1, 1, MAX_CPU_RANKS),
-        visible_devices_env=top.text("visible_devices_env", None),
+        visible_devices_env=check_env_name(top, "visible_devices_env"),
         # The [irq] table's part in the plan: IRQs are planned only when bound.
         placement=replace(
             load_placement(top.table("placement")), irqs=irq.enabled, irq_nic=irq.nic
@@ -405,7 +425,17 @@ def _read_operator_file(path: str, what: str, max_bytes: int) -> tuple[bytes, os
 
 def load_config(path: str) -> Config:
     """Read and validate a TOML config file; ConfigError names the file and key."""
+    return load_config_digest(path)[0]
+
+
+def load_config_digest(path: str) -> tuple[Config, str]:
+    """`load_config`, and the sha256 (hex) of the very bytes it parsed: what a
+    reload shows as the config in force."""
     data, _ = _read_operator_file(path, "cannot read config", MAX_CONFIG_BYTES)
+    return _parse_bytes(data, path), hashlib.sha256(data).hexdigest()
+
+
+def _parse_bytes(data: bytes, path: str) -> Config:
     try:
         doc = tomllib.loads(data.decode("utf-8"))
     except tomllib.TOMLDecodeError as err:

@@ -39,6 +39,21 @@ def check_template(table: Table, key: str, argv: tuple[str, ...]) -> None:
                 raise table.fail(key, f"bad placeholder {shown} in {word!r}; allowed: {allowed}")
 
 
+def is_env_name(name: str) -> bool:
+    """What execve(2) can pass as a variable name (and os.environ accepts): not
+    empty, no `=` (it ends the name, environ(7)), no NUL (it ends the string)."""
+    return bool(name) and "=" not in name and "\0" not in name
+
+
+def check_env_name(t: Table, key: str) -> str | None:
+    """The text at `key`, which names an environment variable ("" as unset);
+    ConfigError if it cannot be one."""
+    name = t.text(key, None)
+    if name and not is_env_name(name):
+        raise t.fail(key, f"bad variable name {name!r}: empty, or holds '=' or a NUL")
+    return name
+
+
 def check_exec_strings(t: Table, argv: tuple[str, ...], env: Mapping[str, str]) -> None:
     """What execve(2) cannot pass: a NUL ends a C string, so the child would get
     another argv than the config says (the spawn failed, and nothing said so);
@@ -47,7 +62,7 @@ def check_exec_strings(t: Table, argv: tuple[str, ...], env: Mapping[str, str]) 
         if "\0" in word:
             raise t.fail("command", f"item {i} contains a NUL byte: {word!r}")
     for name, value in env.items():
-        if not name or "=" in name or "\0" in name:
+        if not is_env_name(name):
             raise t.fail("env", f"bad variable name {name!r}: empty, or holds '=' or a NUL")
         if "\0" in value:
             raise t.fail(f"env.{name}", f"contains a NUL byte: {value!r}")

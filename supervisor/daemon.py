@@ -5,10 +5,11 @@ the event loop (uvloop): the engine first (until its readiness probe passes),
 then one worker per rank, each spawned through the exec shim so it is bound
 from its first instruction, each in its own process group, each restarted by
 the policy of `supervisor.run.restart`. Every state change is an Event in the
-`StateStore`, which the API and metrics read. SIGTERM/SIGINT only set a flag;
-the shutdown that follows stops workers first, then the engine.
-Over 500 lines because it is the root: it builds every collaborator and runs
-the ordered start and shutdown; each collaborator itself lives in its folder.
+`StateStore`, which the API and metrics read. The processes are a fleet
+(supervisor.run.fleet: spawned, or with adopted workers), the plan they run by
+the plan in force (supervisor.plan.in_force), which only the check loop replaces.
+SIGTERM/SIGINT only set a flag; the shutdown that follows stops workers first,
+then the engine. SIGHUP only asks for a config reload (supervisor.service.reload).
 """
 
 from __future__ import annotations
@@ -23,42 +24,54 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from types import MappingProxyType
 from typing import Any, Protocol
 
+from supervisor.bind.capability import probe_capabilities
 from supervisor.bind.fdlimit import FdLimit, raise_fd_limit
+from supervisor.bind.irq_checkpoint import IrqCheckpoint
 from supervisor.config import (
     Config,
     check_listen,
     discovery_options,
-    load_config,
+    load_config_digest,
     read_token_file,
 )
 from supervisor.errors import ConfigError, SupervisorError
 from supervisor.events import Recorder
 from supervisor.hostfs import HostFS
 from supervisor.logs import format_fields, setup_logging
+from supervisor.plan.in_force import PlanInForce
 from supervisor.plan.keys import ProcKey, key_label
 from supervisor.plan.placement import Placement
 from supervisor.plan.planner import plan
 from supervisor.plan.render import render_plan_table
 from supervisor.run import users
-from supervisor.run.runner import Runner, Runtime, first_of
-from supervisor.run.spec import ChildSpec, build_specs
+from supervisor.run.fleet import Fleet, plan_keys, spawned_fleet
+from supervisor.run.procs import first_of
+from supervisor.run.runner import Runtime
+from supervisor.run.spec import PlanSpecs
 from supervisor.serve.routes import Actions
 from supervisor.serve.server import ApiServer
-from supervisor.service.cgroups import ManagedCgroups, cgroups_for, instance_suffix, remove_cgroups
+from supervisor.service.cgroups import (
+    ManagedCgroups,
+    cgroups_and_capability,
+    instance_suffix,
+    remove_cgroups,
+)
 from supervisor.service.instance_lock import hold_instance_lock
+from supervisor.service.preflight import check_processes, check_spawns, refuse
+from supervisor.service.reload import Reloader
 from supervisor.service.sdnotify import Notifier, watchdog_interval_s
-from supervisor.state import ProcessStatus, Snapshot, StateStore
+from supervisor.service.state_dir import irq_checkpoint_for
+from supervisor.service.status import ServiceStatus
+from supervisor.state import Capability, CapabilityName, ProcessStatus, Snapshot, StateStore
 from supervisor.topology.accelerators import CPU
 from supervisor.topology.discover import read_topology, reread_cpus
 from supervisor.topology.model import Topology
-from supervisor.trees.adopt import Adopter, AdoptRunner
+from supervisor.trees.adopt import AdoptingFleet
 from supervisor.trees.guardian import Guardian
 from supervisor.trees.keeper import TreeKeeper
-from supervisor.watch.cpuset import Replanner
 from supervisor.watch.irqs import IrqKeeper
 from supervisor.watch.loop import CheckLoop
 
@@ -90,7 +103,7 @@ class Server(Protocol):
 
 
 class Daemon:
-    """Wires the runners, the API, systemd notification and the check loop."""
+    """Wires the fleet, the API, systemd notification and the check loop."""
 
     def __init__(
         self,
@@ -107,10 +120,11 @@ class Daemon:
         api: bool = True,
         guardian: bool = True,
         subreaper: bool = False,
+        irq_checkpoint: IrqCheckpoint | None = None,
+        capabilities: Mapping[CapabilityName, Capability] | None = None,
+        config_hash: str | None = None,
     ) -> None:
-        self.config = config
-        self.placement = placement
-        self.topology = topology
+        self.plan = PlanInForce(config, topology, placement)
         self.listen = listen
         self.env = dict(os.environ if env is None else env)
         self.notifier = notifier if notifier is not None else Notifier.from_env(self.env)
@@ -124,73 +138,64 @@ class Daemon:
         self.subreaper = subreaper
         self.guardian: Guardian | None = None
         self.trees: TreeKeeper | None = None
-        self.adopt_executor: ThreadPoolExecutor | None = None  # binds of adoptions
         self.server: Server | None = None
         kind = placement.ranks[0].device.kind if placement.ranks else CPU.name
         # Who engines and workers run as, looked up once: a typo is exit 2.
-        self.accounts = users.resolve_accounts(config)
-        specs = self.specs_for(placement, sys.executable)
+        self.specs = PlanSpecs(self.plan, self.env, sys.executable, users.resolve_accounts(config))
+        self.keys = plan_keys(self.plan)
         initial = Snapshot(
             placement=placement,
             topology=topology,
-            processes=MappingProxyType({s.key: ProcessStatus(s.key) for s in specs}),
+            processes=MappingProxyType({k: ProcessStatus(k) for k in self.keys}),
             started_at=time.time(),
             accelerator_kind=kind,
             config_path=config.path,
+            config_hash=config_hash,
             local_memory_threshold=config.drift.local_memory_threshold,
             ready_timeout_s=None if config.ready is None else config.ready.timeout_s,
+            capabilities=MappingProxyType(dict(capabilities or {})),
         )
         self.store = StateStore(initial)
-        self.specs = specs
         self.fs = fs if fs is not None else HostFS("/")
+        if capabilities is None:  # embedded (tests, benchmarks): probed here, as run_command does
+            cgroup_cap = Capability("cgroup", cgroups is not None, config.cgroup == "auto")
+            caps = probe_capabilities(
+                self.fs, topology.allowed.mems, cgroup=cgroup_cap, irq_wanted=config.irq.enabled
+            )
+            self.store.update(capabilities=MappingProxyType(caps))
         self.cgroups = cgroups
         # The devices' IRQs (supervisor.watch.irqs): applied while the ranks start, put
         # back after they stop. The check loop observes and enforces through it;
         # what the keeper saw or did is recorded here, on the loop.
-        self.irq_keeper = IrqKeeper(self.fs, placement, config.irq)
+        self.irq_checkpoint = irq_checkpoint  # the originals on disk, for after a crash
+        self.irq_keeper = IrqKeeper(self.fs, config.irq, checkpoint=irq_checkpoint)
         self.recorder = Recorder(self.store, log)
         self.irq_task: asyncio.Task[None] | None = None
-        self.runners: list[Runner] = []
+        self.fleet: Fleet | None = None
         self.rt: Runtime | None = None
         self.signals_received = 0
         self.failed = False  # a supervision task died: the daemon exits 1
         self.actions = DaemonActions(self)  # the API's
-        self._ready_sent = False
-        self._last_status = ""
-        self._was_ready = False
+        self.status = ServiceStatus(
+            self.store,
+            self.notifier,
+            self.recorder,
+            lambda: self.fleet,
+            lambda: self.rt is not None and self.rt.stopping.is_set(),
+        )
+        self.reloader = Reloader(self)  # SIGHUP
+        self.early_hups: list[int] = []  # HUPs before run() took the signal over
+        self.started = asyncio.Event()  # READY=1 sent: a reload may run
 
-    # -- pieces for the API and the check loop ------------------------------
+    @property
+    def config(self) -> Config:
+        """The config in force (a reload replaces it)."""
+        return self.plan.config
 
-    def replace_placement(self, placement: Placement, topology: Topology) -> None:
-        """Swap in a new plan (the check loop's re-plan after a cpuset change).
-
-        Each runner's next spawn uses its new slot; the API shows the plan at once.
-        """
-        self.placement = placement
-        self.topology = topology
-        self.specs = self.specs_for(placement, self.runtime.python)
-        by_key = {spec.key: spec for spec in self.specs}
-        for r in self.runners:
-            r.spec = by_key[r.key]
-        self.store.update(placement=placement, topology=topology)
-
-    def specs_for(self, placement: Placement, python: str) -> list[ChildSpec]:
-        """The child specs of `placement`, each with its account (engine's, workers')
-        and that account's HOME/USER/LOGNAME in its environment."""
-        out: list[ChildSpec] = []
-        for spec in build_specs(self.config, placement, self.env, python):
-            account = self.accounts.get("engine" if spec.key == "engine" else "workers")
-            if account is None:
-                out.append(spec)
-            else:
-                out.append(replace(spec, account=account, env={**spec.env, **account.env()}))
-        return out
-
-    def runner(self, key: ProcKey) -> Runner:
-        for r in self.runners:
-            if r.key == key:
-                return r
-        raise KeyError(key)
+    @property
+    def placement(self) -> Placement:
+        """The placement in force."""
+        return self.plan.placement
 
     @property
     def runtime(self) -> Runtime:
@@ -214,28 +219,30 @@ class Daemon:
             self.fs,
             executor,
             cgroups=self.cgroups,
-            on_state_change=self._publish_status,
+            on_state_change=self.status.publish,
         )
         installed: list[signal.Signals] = []
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self._on_signal, signum)
             installed.append(signum)
+        # A HUP (systemctl reload, kill -HUP, a closed terminal's to our group) is a
+        # reload, never a death; the children, in their own sessions, never see it.
+        loop.add_signal_handler(signal.SIGHUP, self.reloader.request, signal.SIGHUP)
+        installed.append(signal.SIGHUP)
+        if self.early_hups:  # the config may have changed since it was read: once more
+            self.reloader.request(signal.SIGHUP)
+        reload_task = asyncio.create_task(self.reloader.run(self.started), name="reload")
         watchdog: asyncio.Task[None] | None = None
         try:
             self.checker = self._check_loop(self.rt)
             await self._start_api(self.checker.stale_after_s)
-            self.runners, adopter = self._make_runners()
-            self._start_trees(adopter)
+            self.fleet = fleet = self._make_fleet(self.rt)
+            self._start_trees(fleet)
             self.irq_task = asyncio.create_task(self._apply_irqs(), name="irq_apply")
-            engine = next((r for r in self.runners if r.key == "engine"), None)
-            for r in self.runners:
-                if engine is not None and r is not engine:
-                    r.gate = engine
-            for r in self.runners:
-                r.task = asyncio.create_task(r.run(), name=f"runner-{r.label}")
+            fleet.start()
             interval = watchdog_interval_s(self.env, os.getpid())
             if interval is not None:
-                watchdog = asyncio.create_task(self._watchdog_loop(interval), name="watchdog")
+                watchdog = asyncio.create_task(self.status.watchdog_loop(interval), name="watchdog")
             # The check loop starts once the IRQs are applied (its IRQ checks
             # compare against them), not once every process is up: an engine
             # can take many minutes to load a model, and its threads, the
@@ -247,23 +254,27 @@ class Daemon:
                 )
             await self._wait_started()
             if not self.rt.stopping.is_set():
-                self._notify_ready()
+                self.status.notify_ready()
+                self.started.set()
             await self._wait_stop()
         finally:
+            reload_task.cancel()  # a reload in flight ends here: the stop goes first
+            with contextlib.suppress(asyncio.CancelledError):
+                await reload_task
             await self._shutdown()
-            if watchdog is not None:
-                watchdog.cancel()
+            for task in (watchdog,) if watchdog is not None else ():
+                task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
-                    await watchdog
+                    await task
             for signum in installed:
                 loop.remove_signal_handler(signum)
             executor.shutdown(wait=False, cancel_futures=True)
-            if self.adopt_executor is not None:
-                self.adopt_executor.shutdown(wait=False, cancel_futures=True)
+            if self.fleet is not None:
+                self.fleet.close()
             self.notifier.close()
         return 1 if self.failed else 0
 
-    def _start_trees(self, adopter: Adopter | None) -> None:
+    def _start_trees(self, fleet: Fleet) -> None:
         """The guardian (first: it must outlive us), then the tree keeper."""
         assert self.rt is not None
         if self.want_guardian:
@@ -276,6 +287,8 @@ class Daemon:
             if self.guardian is not None:
                 for path in dirs:
                     self.guardian.cgroup(path)
+                if (cp := self.irq_checkpoint) is not None:  # before the first IRQ write
+                    self.guardian.irq_checkpoint(cp.path, cp.pid)
         self.trees = TreeKeeper(
             self.fs,
             self.store,
@@ -285,37 +298,26 @@ class Daemon:
             guardian=self.guardian,
             use_connector=os.geteuid() == 0 and self.env.get(PROC_EVENTS_ENV) != "0",
             subreaper=self.subreaper,
-            adopter=adopter,
-            on_refresh=None if adopter is None else adopter.note_pass,
+            adopter=fleet.adopter,
+            on_refresh=fleet.on_refresh,
         )
         self.rt.trees = self.trees
         self.trees.start()
 
-    def _make_runners(self) -> tuple[list[Runner], Adopter | None]:
-        """One runner per process; with engine-spawned workers, the adopter that
-        names them for the tree keeper."""
-        assert self.rt is not None
+    def _make_fleet(self, rt: Runtime) -> Fleet:
+        """The spawned fleet; with `[workers] spawned_by = "engine"`, the adopting one."""
         workers = self.config.workers
         if workers.spawned_by != "engine":
-            return [Runner(self.rt, spec) for spec in self.specs], None
-        nodes = [n.id for n in self.topology.nodes]
-        self.adopt_executor = ThreadPoolExecutor(1, thread_name_prefix="ps-adopt")
-        runners: list[Runner] = []
-        adopters: dict[int, AdoptRunner] = {}
-        for spec in self.specs:
-            if spec.key == "engine":
-                runners.append(Runner(self.rt, spec))
-            else:
-                adopters[spec.key] = AdoptRunner(self.rt, spec, nodes, self.adopt_executor)
-                runners.append(adopters[spec.key])
-        adopter = Adopter(self.rt, adopters, workers, self.placement, engine=self.config.engine)
-        return runners, adopter
+            return spawned_fleet(rt, self.plan, self.specs)
+        return AdoptingFleet(
+            rt, self.plan, self.specs, workers, self.cgroups, engine=self.config.engine
+        )
 
     def _cgroup_dir(self, key: ProcKey) -> str | None:
         return None if self.cgroups is None else self.cgroups.cpuset_dir(key)
 
     def _direct_children(self) -> list[int]:
-        pids = [r.child.pid for r in self.runners if r.child is not None]
+        pids = self.fleet.child_pids() if self.fleet is not None else []
         if self.guardian is not None:
             pids.append(self.guardian.pid)
         return pids
@@ -342,111 +344,38 @@ class Daemon:
         waits on the engine, or a stop. Not until the engine's probe passes: that
         may take ready.timeout_s (a 10-minute model load), longer than any start
         timeout systemd should wait; STATUS= and /readyz show it instead."""
-        assert self.rt is not None
-        await first_of(
-            self.rt.stopping.wait(), asyncio.gather(*(r.launched.wait() for r in self.runners))
-        )
+        assert self.rt is not None and self.fleet is not None
+        await first_of(self.rt.stopping.wait(), self.fleet.wait_launched())
 
     async def _wait_stop(self) -> None:
-        assert self.rt is not None
-        stop = asyncio.ensure_future(self.rt.stopping.wait())
-        tasks = {r.task for r in self.runners if r.task is not None}
-        waits: set[asyncio.Future[Any]] = {stop, *tasks}
-        try:
-            while not stop.done():
-                done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    if task is stop:
-                        continue
-                    waits.discard(task)
-                    # A runner only returns when stopping; anything else is a bug:
-                    # log it and stop everything rather than run unsupervised.
-                    if task.cancelled() or task.exception() is not None:
-                        exc = None if task.cancelled() else task.exception()
-                        self.recorder.note(
-                            "error", None, f"supervision task died: {exc!r}",
-                            log_message="runner died", level=logging.ERROR,
-                            error=repr(exc), action="shutdown",
-                        )  # fmt: skip
-                        self.failed = True  # exit 1: systemd's Restart=on-failure applies
-                        self.rt.stopping.set()
-        finally:
-            stop.cancel()
+        assert self.fleet is not None
+        await self.fleet.watch(self._supervision_died)
 
-    def status_line(self) -> str:
-        """systemd's STATUS=: "2/3 running; failed: rank 1; not ready" and the like.
-
-        Says which processes are down for good (failed, or stopped by their
-        policy), what the engine's probe is waiting for, and whether the whole
-        is ready (every process running and bound: what /readyz answers).
-        """
-        snap = self.store.snapshot
-        procs = snap.processes
-        running = sum(1 for p in procs.values() if p.state == "running")
-        parts = [f"{running}/{len(procs)} running"]
-        parts += [r.waiting for r in self.runners if r.waiting]
-        for state in ("failed", "stopped"):
-            down = [
-                f"rank {k}" if k != "engine" else k for k, p in procs.items() if p.state == state
-            ]
-            if down:
-                parts.append(f"{state}: {', '.join(down)}")
-        parts.append("ready" if snap.ready else "not ready")
-        return "; ".join(parts)
-
-    def _publish_status(self) -> None:
-        """systemd STATUS= whenever the summary changes; a log line when some
-        process is down for good, or when everything first becomes ready."""
-        status = self.status_line()
-        if status == self._last_status:
-            return
-        self._last_status = status
-        self.notifier.status(status)
-        snap = self.store.snapshot
-        if any(p.state == "failed" for p in snap.processes.values()):
-            log.warning("degraded %s", format_fields(status=status, action="stay up"))
-        elif snap.ready and not self._was_ready:
-            log.info("ready %s", format_fields(status=status))
-        self._was_ready = snap.ready
-
-    def _notify_ready(self) -> None:
-        """READY=1: the API listens and every process is spawned and bound (or
-        waits for the engine); the engine's own readiness follows in STATUS=."""
-        status = self.status_line()
-        self._ready_sent = True
-        self._last_status = status
-        self._was_ready = self.store.snapshot.ready
-        self.notifier.ready(status)
+    def _supervision_died(self, exc: BaseException | None) -> None:
+        # A runner only returns when stopping; anything else is a bug: log it
+        # and stop everything rather than run unsupervised.
         self.recorder.note(
-            "ready", None, f"supervisor started: {status}", log_message="supervisor started",
-            status=status, pid=os.getpid(),
+            "error", None, f"supervision task died: {exc!r}", log_message="runner died",
+            level=logging.ERROR, error=repr(exc), action="shutdown",
         )  # fmt: skip
-
-    async def _watchdog_loop(self, interval_s: float) -> None:
-        """WATCHDOG=1 every interval while the loop runs and every runner is alive."""
-        while True:
-            if all(r.task is None or not r.task.done() for r in self.runners) or (
-                self.rt is not None and self.rt.stopping.is_set()
-            ):
-                self.notifier.watchdog()
-            await asyncio.sleep(interval_s)
+        self.failed = True  # exit 1: systemd's Restart=on-failure applies
+        self.runtime.stopping.set()
 
     def _check_loop(self, rt: Runtime) -> CheckLoop:
         """The check loop with exactly the collaborators it uses."""
         fs = self.fs
         return CheckLoop(
             store=self.store,
+            plan=self.plan,
             fs=fs,
             executor=rt.executor,
             drift=self.config.drift,
             roles=self.config.threads,
-            supervised=lambda: [(r.key, r.status, r.spec.slot) for r in self.runners],
+            supervised=lambda: [] if self.fleet is None else self.fleet.supervised(),
             stopping=rt.stopping,
             irqs=self.irq_keeper,
             cgroups=self.cgroups,
-            replanner=Replanner(
-                lambda old: reread_cpus(fs, old), self.config.placement, self.replace_placement
-            ),
+            read_topology=lambda old: reread_cpus(fs, old),
         )
 
     async def _run_check_loop(self, checker: CheckLoop) -> None:
@@ -464,7 +393,9 @@ class Daemon:
         """The devices' IRQs onto their ranks' irq CPUs (blocking writes: the executor)."""
         loop = asyncio.get_running_loop()
         try:
-            await loop.run_in_executor(self.runtime.executor, self.irq_keeper.apply)
+            await loop.run_in_executor(
+                self.runtime.executor, self.irq_keeper.apply, self.plan.placement
+            )
         except Exception as err:  # IRQs degrade alone, never the workers
             self.recorder.error(
                 f"IRQ binding failed: {err!r}", repr(err), what="irq apply",
@@ -493,41 +424,37 @@ class Daemon:
         self.notifier.stopping("stopping: workers first, then the engine")
         self.recorder.note(
             "stopping", None, "supervisor stopping", log_message="stopping",
-            processes=len(self.runners), action="stop workers",
+            processes=len(self.keys), action="stop workers",
         )  # fmt: skip
         if self.check_task is not None:
             self.check_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self.check_task
-        workers = [r for r in self.runners if r.key != "engine"]
-        engine = [r for r in self.runners if r.key == "engine"]
-        await asyncio.gather(*(r.shutdown() for r in workers), return_exceptions=True)
-        await asyncio.gather(*(r.shutdown() for r in engine), return_exceptions=True)
+        if self.fleet is not None:
+            await self.fleet.shutdown()  # workers first, then the engine
         if self.trees is not None:
             # Whatever is left of any tree (a setsid grandchild, an orphan) ends
             # now, so that no process outlives us and every cgroup can go.
-            for r in engine + workers:
-                await self.trees.end_tree(r.key, self.config.stop_timeout_s)
+            for key in self.keys:
+                await self.trees.end_tree(key, self.config.stop_timeout_s)
             await self.trees.stop()
         await self._restore_irqs()
         if self.cgroups is not None:
             await asyncio.get_running_loop().run_in_executor(
-                self.runtime.executor, remove_cgroups, self.cgroups, [r.key for r in self.runners]
+                self.runtime.executor, remove_cgroups, self.cgroups, list(self.keys)
             )
         if self.guardian is not None:
             self.guardian.close()  # a clean stop: it exits without killing
         if self.server is not None:
             await self.server.stop()
-        log.info("stopped %s", format_fields(status=self.status_line()))
+        log.info("stopped %s", format_fields(status=self.status.line()))
 
     # -- actions (API) ---------------------------------------------------------
 
     async def restart_rank(self, key: ProcKey) -> dict[str, Any]:
-        if self.rt is None or self.rt.stopping.is_set():
+        if self.rt is None or self.rt.stopping.is_set() or self.fleet is None:
             raise SupervisorError("the supervisor is stopping")
-        runner = self.runner(key)
-        old = runner.status
-        runner.request_restart()
+        old = self.fleet.request_restart(key)  # KeyError -> 404
         self.recorder.note(
             "restart_requested", key, f"{key_label(key)}: restart requested",
             log_message="restart requested", previous_state=old.state, action="restart",
@@ -543,8 +470,8 @@ class DaemonActions:
 
     async def rebind(self, rank: ProcKey | None) -> dict[str, Any]:
         """One enforcing pass of the check loop now (the one rebind path)."""
-        if rank is not None:
-            self.daemon.runner(rank)  # KeyError -> 404
+        if rank is not None and rank not in self.daemon.keys:
+            raise KeyError(rank)  # -> 404
         checker = self.daemon.checker
         if checker is None:
             raise SupervisorError("the supervisor is not running")
@@ -577,21 +504,34 @@ def run_command(args: argparse.Namespace) -> int:
     """
     env = dict(os.environ)
     setup_logging(env)
+    # Until the event loop takes SIGHUP over, a HUP is noted, not a death (a
+    # Python handler: unlike SIG_IGN, exec(2) does not pass it on to children).
+    early_hups: list[int] = []
+    signal.signal(signal.SIGHUP, lambda signum, _frame: early_hups.append(signum))
     if not getattr(args, "config", None):
         raise ConfigError("run: --config FILE is required")
-    config = load_config(args.config)
+    config, digest = load_config_digest(args.config)
     listen = getattr(args, "listen", None)
     if listen is not None:
         check_listen("--listen", listen)
     if config.api.token_file is not None:
         read_token_file(config.api.token_file)  # a bad token file stops us before any spawn
-    _log_fd_limit(raise_fd_limit())  # before the API sizes its cap from it
+    refuse(check_processes(config, env, sys.executable))  # what would crash-loop: exit 2
     # Before any cgroup or process is touched: a second daemon of this config
     # (whatever its --listen) would share them. Held until this returns (the
     # kernel drops it at exit, however this process ends).
-    lock = hold_instance_lock(instance_suffix(config, env), env, f"{config.path}")
+    instance = instance_suffix(config, env)
+    lock = hold_instance_lock(instance, env, f"{config.path}")
+    _log_fd_limit(raise_fd_limit())  # before the API sizes its cap; after the lock (one line)
     fs = HostFS("/")
+    checkpoint = irq_checkpoint_for(instance, env, fs)  # restores one left behind first
     topology, placement = prepare(config, env, fs)
+    refuse(check_spawns(config, placement, env, sys.executable))  # argv + env over E2BIG
+    cgroups, cgroup_cap = cgroups_and_capability(config, fs, env)
+    # Once, before any spawn: what this host (a container's runtime) lets us bind.
+    capabilities = probe_capabilities(
+        fs, topology.allowed.mems, cgroup=cgroup_cap, irq_wanted=config.irq.enabled
+    )
     daemon = Daemon(
         config,
         topology,
@@ -599,14 +539,18 @@ def run_command(args: argparse.Namespace) -> int:
         listen=listen,
         env=env,
         fs=fs,
-        cgroups=cgroups_for(config, fs, env),
+        cgroups=cgroups,
         check_loop=True,
         subreaper=True,
+        irq_checkpoint=checkpoint,
+        capabilities=capabilities,
+        config_hash=digest,
     )
+    daemon.early_hups = early_hups
     log.info(
         "starting %s",
         format_fields(
-            config=config.path, pid=os.getpid(), processes=len(daemon.specs), action="spawn"
+            config=config.path, pid=os.getpid(), processes=len(daemon.keys), action="spawn"
         ),
     )
     with lock:

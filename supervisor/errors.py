@@ -1,6 +1,6 @@
 """The project's error hierarchy. No I/O.
 
-User-facing errors carry the exit code of DESIGN 3.1 and one message that
+User-facing errors carry the exit code of docs/contracts.md §1 and one message that
 names the file, field or value. Kernel errors are translated once, at the
 boundary (`translate_oserror`), into a small hierarchy with fields, so callers
 decide by kind (gone, denied, invalid, managed IRQ) and never by errno.

@@ -398,6 +398,25 @@ class Recorder:
             bound=bound,
         )
 
+    def unnamed(self, pid: int, start_time: int) -> None:
+        """unnamed_processes += 1: an engine process no `rank_from` source named for long."""
+        c = self.store.snapshot.counters
+        self.store.update(counters=replace(c, unnamed_processes=c.unnamed_processes + 1))
+        self.log.info(
+            "unnamed process %s",
+            format_fields(pid=pid, start_time=start_time, action="leave it the engine's"),
+        )
+
+    def process_read_failed(self) -> None:
+        """process_read_failures += 1: a process's /proc files there but unreadable
+        (trees.tree.ReadFailures logs it, at most once a minute)."""
+        c = self.store.snapshot.counters
+        self.store.update(counters=replace(c, process_read_failures=c.process_read_failures + 1))
+
+    def restart_counted(self, key: ProcKey) -> None:
+        """restarts{rank} += 1 for a restart asked for (the API's), not scheduled."""
+        self.store.count("restarts", key_label(key))
+
     def cpuset_changed(
         self, old_cpus: frozenset[int], old_mems: frozenset[int], new_cpus: frozenset[int],
         new_mems: frozenset[int], action: str,

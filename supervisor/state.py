@@ -32,6 +32,7 @@ DriftKind = Literal[
     "cpuset_changed",
     "process_gone",
     "self_rebind",
+    "cgroup",
 ]
 BindTarget = Literal["process", "thread", "memory", "irq", "cgroup"]
 BindReason = Literal["gone", "denied", "invalid", "managed", "error"]
@@ -45,7 +46,8 @@ EventKind = Literal[
     "spawn", "spawn_failed", "exit", "state", "restart", "restart_requested", "not_started",
     "ready", "ready_failed", "stopping", "error",
     "bind_failed", "drift", "rebind", "migrate", "cpuset", "plan", "plan_failed",
-    "irq", "irq_moved", "irq_restored", "irqbalance", "adopt", "rank_conflict", "rank_waiting",
+    "irq", "irq_moved", "irq_restored", "irqbalance", "adopt", "reload", "rank_conflict",
+    "rank_waiting",
 ]  # fmt: skip
 DRIFT_KINDS: tuple[DriftKind, ...] = get_args(DriftKind)
 BIND_TARGETS: tuple[BindTarget, ...] = get_args(BindTarget)
@@ -62,7 +64,39 @@ HOST_LABEL = "supervisor"
 # the parser refused (400), headers or a body slower than api.header_timeout_s /
 # api.body_timeout_s (closed; 408 for the body).
 HttpBadReason = Literal["headers_too_large", "malformed", "header_timeout", "body_timeout"]
+# How a config reload (SIGHUP) ended: put in force, the file refused as invalid
+# (or not plannable here), or valid but needing a restart (supervisor.service.reload).
+ReloadResult = Literal["ok", "invalid", "refused"]
+RELOAD_RESULTS: tuple[ReloadResult, ...] = get_args(ReloadResult)
 HTTP_BAD_REASONS: tuple[HttpBadReason, ...] = get_args(HttpBadReason)
+# What the host lets the supervisor bind, probed once at start (supervisor.bind.capability):
+# a memory policy (seccomp may fail set_mempolicy/mbind with EPERM), per-process
+# cgroups (a writable delegated subtree), IRQ affinity (a writable /proc/irq).
+CapabilityName = Literal["mempolicy", "cgroup", "irq"]
+CAPABILITY_NAMES: tuple[CapabilityName, ...] = get_args(CapabilityName)
+
+
+@dataclass(frozen=True, slots=True)
+class Capability:
+    """One kind of binding and whether this host allows it (probed once at start).
+
+    `wanted`: the config asks for it (cgroup = "auto", irq.enabled); what is
+    not wanted is never missing. Readiness is "bound as far as allowed": a
+    capability the host denies shows here, in /placement and in the metric
+    `placement_capability`, never in /readyz.
+    """
+
+    name: CapabilityName
+    available: bool
+    wanted: bool = True
+    reason: str | None = None  # why not, when not available
+
+    @property
+    def missing(self) -> bool:
+        return self.wanted and not self.available
+
+    def to_doc(self) -> dict[str, Any]:
+        return {"available": self.available, "wanted": self.wanted, "reason": self.reason}
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,8 +114,9 @@ class ProcessStatus:
     mempolicy: MemPolicyStep | None = None  # what the shim got from the kernel
     mempolicy_reason: str | None = None
     cgroup: str | None = None  # the process's own cgroup, when it has one
-    bound: bool = False  # every bind of the plan applied and read back
-    adopted: bool = False  # spawned by the engine and adopted (DESIGN 3.6)
+    bound: bool = False  # every bind of the plan the host allows applied and read back
+    cpus_bound: bool = False  # the kernel read back exactly the planned CPUs
+    adopted: bool = False  # spawned by the engine and adopted (docs/contracts.md §6)
     ppid: int | None = None  # an adopted worker's parent
     # Unix time it stopped running, or first started when it never ran; None
     # while it runs (and before its first status: the daemon's start then).
@@ -91,7 +126,7 @@ class ProcessStatus:
 
 @dataclass(frozen=True, slots=True)
 class TreeMember:
-    """A process of a supervised process's tree other than itself (DESIGN 3.6)."""
+    """A process of a supervised process's tree other than itself (docs/contracts.md §6)."""
 
     pid: int
     ppid: int
@@ -126,6 +161,24 @@ class IrqObservation:
 
 
 @dataclass(frozen=True, slots=True)
+class CgroupObservation:
+    """A process's own cgroup as the check found it: what someone else may have changed."""
+
+    missing: tuple[str, ...] = ()  # its dirs (absolute) that are gone
+    cpus: tuple[int, ...] | None = None  # its cpuset.cpus as written; None: none (v1) or gone
+    mems: tuple[int, ...] | None = None  # its cpuset.mems as written
+    outside: bool = False  # the process is not in its cgroup (in every hierarchy)
+
+    def to_doc(self) -> dict[str, Any]:
+        return {
+            "missing": list(self.missing),
+            "cpus": None if self.cpus is None else list(self.cpus),
+            "mems": None if self.mems is None else list(self.mems),
+            "outside": self.outside,
+        }
+
+
+@dataclass(frozen=True, slots=True)
 class Observation:
     """Live state of one process, as the last check found it."""
 
@@ -134,6 +187,7 @@ class Observation:
     local_memory_ratio: float | None = None
     irqs: tuple[IrqObservation, ...] = ()
     observed_at: float = 0.0  # unix time
+    cgroup: CgroupObservation | None = None  # its own cgroup; None: it has none
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,7 +234,7 @@ class Event:
 
 @dataclass(frozen=True, slots=True)
 class Counters:
-    """Monotonic counters behind the `_total` metrics of DESIGN 3.5."""
+    """Monotonic counters behind the `_total` metrics of docs/contracts.md §5."""
 
     bind_failures: Mapping[tuple[str, str, str], int] = field(default_factory=dict)
     drift_events: Mapping[tuple[str, str], int] = field(default_factory=dict)  # rank, kind
@@ -195,6 +249,7 @@ class Counters:
     # The API's malformed or too slow requests (supervisor.serve.guard), by reason.
     http_bad_requests: Mapping[str, int] = field(default_factory=dict)
     http_connections_refused: int = 0  # over api.max_connections: answered 503, closed
+    config_reloads: Mapping[str, int] = field(default_factory=dict)  # result
     checks: int = 0
     check_seconds_sum: float = 0.0
     last_check_duration_s: float = 0.0
@@ -226,6 +281,7 @@ class Snapshot:
     stopping: bool = False
     accelerator_kind: str = CPU.name
     config_path: str | None = None
+    config_hash: str | None = None  # sha256 of the config file in force (hex)
     # drift.local_memory_threshold, exported for the alert that compares the
     # ratio with it; None where no config made the snapshot (tests).
     local_memory_threshold: float | None = None
@@ -233,10 +289,18 @@ class Snapshot:
     # as failed (alert PlacementRankNotUp waits that long); None: no probe.
     ready_timeout_s: float | None = None
     self_usage: SelfUsage | None = None  # None until the first sample
+    # What the host allows binding (supervisor.bind.capability), by name; empty
+    # where nothing was probed (tests, a Daemon embedded without run_command).
+    capabilities: Mapping[CapabilityName, Capability] = field(default_factory=dict)
+
+    def allows(self, name: CapabilityName) -> bool:
+        """False only when the probe found the host denies `name`."""
+        cap = self.capabilities.get(name)
+        return cap is None or cap.available
 
     @property
     def ready(self) -> bool:
-        """Every process running and bound as planned (what /readyz answers)."""
+        """Every process running and bound as far as the host allows (what /readyz answers)."""
         return not self.stopping and all(
             p.state == "running" and p.bound for p in self.processes.values()
         )
@@ -330,6 +394,7 @@ class StateStore:
             "restarts",
             "adoptions",
             "http_bad_requests",
+            "config_reloads",
             "waiting_warnings",
         ],
         label: tuple[str, ...] | str,

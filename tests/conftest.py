@@ -1,4 +1,4 @@
-"""Shared pytest fixtures: where the repo is, and the numavm guest runner."""
+"""Shared pytest fixtures: where the repo is, and the test guest runner."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     """In CI (`CI` set, as .ci/run is run) a skip is a failure.
 
     Tests skip where this machine lacks something (root, a second CPU, the
-    numavm guest, prometheus); CI runs on a machine that has it all, so a
+    test guest, prometheus); CI runs on a machine that has it all, so a
     skip there means the test silently proved nothing.
     """
     outcome = yield

@@ -4,7 +4,7 @@ Every `[threads.*]` pattern under configs/ must match a thread name a real
 runtime sets (each listed here with where it comes from), and NCCL's names
 only where the config sets NCCL_SET_THREAD_NAME=1. configs/engines/ holds
 the vLLM, SGLang and torchrun examples: they start engines that spawn their
-own workers, so they use `[workers] spawned_by` / `rank_from` (DESIGN 3.6).
+own workers, so they use `[workers] spawned_by` / `rank_from` (docs/contracts.md §6).
 Where this branch's loader does not know those keys yet, the file is loaded
 with them swapped for a stand-in command and the keys are checked here.
 """
@@ -172,8 +172,8 @@ def test_engine_examples_adopt_by_the_engines_own_titles_and_bind_nothing_themse
         assert config.engine.env["SGLANG_AUTO_NUMA_BIND"] == "0"
 
 
-def test_readme_says_which_engine_flag_to_turn_off() -> None:
-    text = (REPO / "README.md").read_text()
+def test_the_engines_page_says_which_engine_flag_to_turn_off() -> None:
+    text = (REPO / "docs/engines.md").read_text()
     for needle in ("--numa-bind", "SGLANG_AUTO_NUMA_BIND", "--numa-node", "--numa-binding"):
         assert needle in text
     for name in ("vllm.toml", "sglang.toml", "torchrun.toml"):

@@ -3,7 +3,7 @@
 
 Every shipped config (configs/**/*.toml) must plan on the example of its
 accelerator kind, the one its "no devices were found" error names, and the
-plan must keep the DESIGN 3.3 invariants.
+plan must keep the docs/contracts.md §3 invariants.
 """
 
 from __future__ import annotations

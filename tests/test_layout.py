@@ -1,4 +1,4 @@
-"""The package's import layout (DESIGN section 2): no import cycle, and the pure
+"""The package's import layout (docs/architecture.md): no import cycle, and the pure
 layers import nothing of the I/O layers above them (reads supervisor/**/*.py).
 
 Every `import` statement counts, wherever it stands: at module level, inside a
@@ -20,8 +20,13 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "supervisor"
 
 # The layers below the process-running ones: topology (host -> Topology), the
-# plan (Topology -> Placement) and the check loop's pure decision.
-PURE = ("supervisor.topology", "supervisor.plan", "supervisor.watch.decide")
+# plan (Topology -> Placement) and the check loop's pure decisions (a pass's, an adoption's).
+PURE = (
+    "supervisor.topology",
+    "supervisor.plan",
+    "supervisor.watch.decide",
+    "supervisor.watch.adoption",
+)
 # What they must never reach: kernel writes, processes, the API, the root.
 ABOVE = (
     "supervisor.bind",
@@ -392,3 +397,96 @@ def test_a_kind_spelled_out_elsewhere_is_found(tmp_path: Path) -> None:
         assert [f.split(": ", 1)[1] for f in found] == [shown], (module, found)
         assert found[0].startswith(f"supervisor/{module}:")
         (tmp_path / "supervisor" / module).write_text(clean.get(module, ""))
+
+
+# -- the package's shape: one child's life in run/, the check loop below it ---------------
+
+RUN_MODULES_MAX = 10
+
+
+def package_modules(root: Path, package: str) -> list[str]:
+    """The modules of one package folder (its *.py files but __init__), sorted."""
+    folder = root / package.replace(".", "/")
+    return sorted(p.stem for p in folder.glob("*.py") if p.name != "__init__.py")
+
+
+def watch_imports_of_run(graph: dict[str, set[str]]) -> list[str]:
+    """Each `module -> imported` edge from supervisor.watch into supervisor.run."""
+    return [
+        f"{me} -> {target}"
+        for me in sorted(graph)
+        if _within(me, ("supervisor.watch",))
+        for target in sorted(graph[me])
+        if _within(target, ("supervisor.run",))
+    ]
+
+
+def test_run_holds_at_most_10_modules() -> None:
+    modules = package_modules(ROOT, "supervisor.run")
+    assert "runner" in modules  # the folder was read
+    assert len(modules) <= RUN_MODULES_MAX, modules
+
+
+def test_no_watch_module_imports_run() -> None:
+    graph = import_graph(ROOT)
+    assert "supervisor.watch.loop" in graph
+    assert watch_imports_of_run(graph) == []
+
+
+def test_an_eleventh_run_module_is_counted(tmp_path: Path) -> None:
+    files = {**BASE, **{f"run/m{i}.py": "" for i in range(9)}}
+    tree = _tree(tmp_path, files)
+    assert len(package_modules(tree, "supervisor.run")) == RUN_MODULES_MAX  # runner + 9
+    (tree / "supervisor/run/m9.py").write_text("")
+    assert len(package_modules(tree, "supervisor.run")) == RUN_MODULES_MAX + 1
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "from supervisor.run.runner import R\n",
+        "import supervisor.run\n",
+        "def f():\n    from ..run import runner\n",
+    ],
+)
+def test_a_watch_module_importing_run_is_found(tmp_path: Path, line: str) -> None:
+    assert watch_imports_of_run(import_graph(_tree(tmp_path, BASE))) == []
+    files = {**BASE, "watch/loop.py": line}
+    found = watch_imports_of_run(import_graph(_tree(tmp_path, files)))
+    assert found and found[0].startswith("supervisor.watch.loop -> supervisor.run"), found
+
+
+# -- the picture: who imports whom, folder by folder --------------------------------------
+
+
+def folder_of(module: str) -> str:
+    """`supervisor.watch.loop` -> "watch/", `supervisor.daemon` -> "daemon"."""
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "supervisor"
+    is_folder = (PACKAGE / parts[1]).is_dir()
+    return f"{parts[1]}/" if is_folder else parts[1]
+
+
+def folder_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """{folder or root module: the other folders and root modules it imports}."""
+    out: dict[str, set[str]] = {}
+    for me, targets in graph.items():
+        mine = folder_of(me)
+        for target in targets:
+            theirs = folder_of(target)
+            if theirs not in (mine, "supervisor"):
+                out.setdefault(mine, set()).add(theirs)
+    return out
+
+
+def test_the_folder_graph_shows_the_flow() -> None:
+    folders = folder_graph(import_graph(ROOT))
+    assert "run/" not in folders["watch/"] and "bind/" in folders["watch/"]
+    assert not folders["plan/"] & {"bind/", "run/", "trees/", "service/", "serve/", "daemon"}
+    assert {"run/", "trees/", "watch/", "serve/"} <= folders["daemon"]
+
+
+if __name__ == "__main__":  # .venv/bin/python -m tests.test_layout
+    for name, targets in sorted(folder_graph(import_graph(ROOT)).items()):
+        print(f"{name:16s} -> {' '.join(sorted(targets))}")

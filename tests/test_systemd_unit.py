@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from supervisor.config import load_config, parse_config
+from supervisor.service.state_dir import DEFAULT_STATE_DIR
 
 REPO = Path(__file__).resolve().parent.parent
 UNIT = REPO / "systemd/placement-supervisor.service"
@@ -69,6 +70,8 @@ def test_the_unit_says_what_the_daemon_needs() -> None:
     assert d["KillMode"] == ["mixed"]
     assert d["Delegate"] == ["yes"]
     assert d["Restart"] == ["on-failure"]
+    # The IRQ checkpoint's home is the one the daemon falls back to without systemd.
+    assert [f"/var/lib/{v}" for v in d["StateDirectory"]] == [DEFAULT_STATE_DIR]
     assert set(d["RestartPreventExitStatus"][0].split()) == {"2", "3"}
     exec_start = d["ExecStart"][0].split()
     assert exec_start[0].endswith("/placement-supervisor")
@@ -148,10 +151,10 @@ def test_start_timeout_covers_start_up_not_model_loading() -> None:
 
 
 def test_the_readme_installs_the_real_vllm_config_where_the_unit_reads_it() -> None:
-    """README's install step copies configs/engines/vllm.toml (`vllm serve`, its workers
+    """docs/operations.md's install step copies configs/engines/vllm.toml (`vllm serve`, its workers
     adopted), not a made-up worker command, to the path in the unit's ExecStart; the
     token file it creates and the unit's RuntimeDirectory are the config's [api]."""
-    readme = (REPO / "README.md").read_text()
+    readme = (REPO / "docs/operations.md").read_text()
     block = readme.split("## Privileges and installing under systemd")[1].split("```sh")[1]
     block = block.split("```")[0]
     installs = re.findall(r"^install -D -m 0644 (\S+) (\S+)$", block, re.M)
@@ -161,9 +164,9 @@ def test_the_readme_installs_the_real_vllm_config_where_the_unit_reads_it() -> N
     assert d["ExecStart"][0].split()[-1] == target
     config = load_config(str(REPO / source))
     assert config.engine is not None and config.engine.command[1] == "serve"
-    assert config.engine.command[0].startswith("/opt/vllm/")  # the venv the README makes
+    assert config.engine.command[0].startswith("/opt/vllm/")  # the venv docs/operations.md makes
     assert config.workers.spawned_by == "engine"  # vLLM starts them; the supervisor adopts
-    # The token the README writes is the one the config reads; the socket is in
+    # The token the install step writes is the one the config reads; the socket is in
     # the directory systemd creates for the unit.
     assert config.api.token_file is not None
     assert f"> {config.api.token_file})" in block

@@ -3,11 +3,19 @@
 Every path goes through `HostFS`. Layout (`<inst>` = "placement-supervisor"
 plus an optional "-<suffix>", so parallel instances and tests never clash):
 
-- cgroup v1: `sys/fs/cgroup/cpuset/<own cpuset path>/<inst>/<name>` and
-  `sys/fs/cgroup/memory/<own memory path>/<inst>/<name>`; the shim joins both.
-  A v1 cpuset takes no task until `cpuset.mems` and `cpuset.cpus` are set, and
-  moves a task's pages when its mems change only with `cpuset.memory_migrate`=1
-  (Documentation/admin-guide/cgroup-v1/cpusets.rst 1.4, 2.1).
+- cgroup v1: `sys/fs/cgroup/memory/<own memory path>/<inst>/<name>` only: no
+  child cpusets. A v1 child cpuset must hold CPUs and mems (it takes no task
+  until both are set) that are a subset of its parent's, and the kernel
+  refuses (EBUSY) a parent write that would leave a child's outside the new
+  set, even a child equal to its parent (kernel/cgroup/cpuset.c
+  validate_change; tried on 6.18). So any per-rank cpuset blocks the plain
+  shrink that the supervisor's owner makes (`docker update --cpuset-cpus`,
+  `runc update`, the kubelet). The ranks stay in the supervisor's own cpuset,
+  which the owner then shrinks freely (the kernel moves every task at once);
+  each rank's CPUs are its threads' affinity and its memory the shim's
+  memory policy plus the check loop's migrate_pages, and its memory cgroup
+  still counts its pages per node (memory.numa_stat). Without a writable v1
+  memory hierarchy there are no per-rank cgroups.
 - cgroup v2: `<own>/<inst>/<name>`, with `cpuset` and `memory` enabled in the
   `cgroup.subtree_control` of `<own>` and `<inst>`. v2 allows no processes in
   a non-root cgroup that enables controllers for its children ("no internal
@@ -16,7 +24,8 @@ plus an optional "-<suffix>", so parallel instances and tests never clash):
   `<own>/<inst>/supervisor`: the layout systemd documents for a service with
   `Delegate=yes`. Other processes in `<own>` make that fail (EBUSY): we then
   move back and run without cgroups. v2 migrates pages whenever
-  `cpuset.mems` changes; there is no memory_migrate switch.
+  `cpuset.mems` changes, and a child's cpuset never blocks its parent's
+  write (the child's effective set is narrowed instead, cgroup-v2.rst 5-3).
 
 A failure here never stops a worker: callers catch `KernelError`, count it
 (target "cgroup") and run the worker with affinity and memory policy only.
@@ -35,6 +44,8 @@ from typing import Literal
 from supervisor.cpulist import format_cpulist, parse_cpulist
 from supervisor.errors import KernelError, translate_oserror
 from supervisor.hostfs import HostFS
+from supervisor.state import CgroupObservation
+from supervisor.topology.mountinfo import CgroupDir, map_cgroup_path, read_mounts
 
 PREFIX = "placement-supervisor"
 CGROUP_ROOT = "sys/fs/cgroup"
@@ -56,14 +67,22 @@ class CgroupSetup:
     """Where this supervisor may create child cgroups (relative to the HostFS root)."""
 
     version: CgroupVersion
-    cpuset_parent: str  # v1: the cpuset hierarchy's own dir; v2: the own cgroup dir
+    cpuset_parent: str  # v1: the cpuset hierarchy's own dir (only read); v2: the own cgroup dir
     memory_parent: str | None  # v1: the memory hierarchy's own dir; v2: cpuset_parent or None
     own_path: str  # the supervisor's cgroup path as /proc/self/cgroup names it
     evict_self: bool = False  # v2, non-root: the supervisor moves into a leaf first
 
     @property
     def controllers(self) -> tuple[str, ...]:
+        """The controllers of the per-process cgroups (v1: memory only, see above)."""
+        if self.version == 1:
+            return ("memory",)
         return ("cpuset", "memory") if self.memory_parent is not None else ("cpuset",)
+
+    @property
+    def rank_cpusets(self) -> bool:
+        """Whether each process gets a cpuset of its own (v2 only)."""
+        return self.version == 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,9 +91,21 @@ class ProcessCgroup:
 
     name: str
     version: CgroupVersion
-    cpuset_dir: str  # relative to the HostFS root
+    cpuset_dir: str | None  # relative to the HostFS root; None on v1 (no child cpusets)
     memory_dir: str | None
     dirs: tuple[str, ...]
+
+    @property
+    def procs_dir(self) -> str:
+        """The dir whose cgroup.procs lists the process (relative to the HostFS root)."""
+        rel = self.cpuset_dir or self.memory_dir
+        assert rel is not None  # a ProcessCgroup has at least one dir
+        return rel
+
+    @property
+    def rels(self) -> tuple[str, ...]:
+        """Its dirs relative to the HostFS root, one per hierarchy."""
+        return tuple(dict.fromkeys(d for d in (self.cpuset_dir, self.memory_dir) if d))
 
 
 def parse_proc_cgroup(text: str) -> list[CgroupEntry]:
@@ -118,9 +149,19 @@ def _writable(fs: HostFS, rel: str) -> bool:
     return os.access(fs.path(rel), os.W_OK)
 
 
+def _mapped(fs: HostFS, controllers: tuple[str, ...], path: str) -> CgroupDir | None:
+    """The dir of cgroup `path` through /proc/self/mountinfo (a container's cgroupfs
+    is mounted with its own cgroup as the root); None without mountinfo."""
+    mounts = read_mounts(fs)
+    return None if mounts is None else map_cgroup_path(mounts, controllers, path)
+
+
 def _v1_dir(fs: HostFS, entry: CgroupEntry, controller: str) -> str | None:
-    # A v1 hierarchy is mounted at sys/fs/cgroup/<controller> or, co-mounted,
-    # at sys/fs/cgroup/<controllers joined by ",">.
+    mapped = _mapped(fs, entry.controllers, entry.path)
+    if mapped is not None:
+        return mapped.rel
+    # Without mountinfo (fixture trees): a v1 hierarchy is mounted at
+    # sys/fs/cgroup/<controller> or, co-mounted, at sys/fs/cgroup/<controllers joined by ",">.
     for mount in (",".join(entry.controllers), controller):
         base = f"{CGROUP_ROOT}/{mount}"
         if fs.is_dir(base):
@@ -136,7 +177,16 @@ def read_cgroup_setup(fs: HostFS) -> tuple[CgroupSetup | None, str]:
     entries = parse_proc_cgroup(text)
     unified = next((e for e in entries if e.hierarchy == 0 and not e.controllers), None)
     if fs.exists(f"{CGROUP_ROOT}/cgroup.controllers") and unified is not None:
-        own = (CGROUP_ROOT + unified.path).rstrip("/")
+        mapped = _mapped(fs, (), unified.path)
+        own = mapped.rel if mapped is not None else (CGROUP_ROOT + unified.path).rstrip("/")
+        if mapped is not None and mapped.is_mount_root and mapped.mount.root != "/":
+            # A container's own cgroup, mounted as its cgroupfs root: it belongs to
+            # the runtime (or the kubelet), which writes its cpuset; enabling
+            # controllers in it, or moving ourselves below it, would take it over.
+            return None, (
+                f"cgroup v2: {fs.path(own)} is the container's own cgroup "
+                f"({mapped.mount.root}); no subtree is delegated below it"
+            )
         available = (fs.read_optional(f"{own}/cgroup.controllers") or "").split()
         if "cpuset" not in available:
             return None, (
@@ -155,18 +205,17 @@ def read_cgroup_setup(fs: HostFS) -> tuple[CgroupSetup | None, str]:
     cpuset_dir = _v1_dir(fs, cpuset_entry, "cpuset")
     if cpuset_dir is None or not fs.exists(f"{cpuset_dir}/cpuset.cpus"):
         return None, f"cgroup v1: cpuset hierarchy for {cpuset_entry.path} not found"
-    if not _writable(fs, cpuset_dir):
-        return None, f"cgroup v1: {fs.path(cpuset_dir)} is not writable"
-    memory_dir: str | None = None
     memory_entry = by_controller.get("memory")
-    if memory_entry is not None:
-        candidate = _v1_dir(fs, memory_entry, "memory")
-        if candidate is not None and fs.is_dir(candidate) and _writable(fs, candidate):
-            memory_dir = candidate
+    memory_dir = None if memory_entry is None else _v1_dir(fs, memory_entry, "memory")
+    if memory_dir is None or not fs.is_dir(memory_dir):
+        return None, (
+            "cgroup v1: no memory hierarchy (per-rank cpusets would block a shrink "
+            "of the supervisor's own cpuset, so v1 uses memory cgroups only)"
+        )
+    if not _writable(fs, memory_dir):
+        return None, f"cgroup v1: {fs.path(memory_dir)} is not writable"
     setup = CgroupSetup(1, cpuset_dir, memory_dir, cpuset_entry.path)
-    return setup, f"cgroup v1 at {fs.path(cpuset_dir)}" + (
-        f" and {fs.path(memory_dir)}" if memory_dir else " (no memory hierarchy)"
-    )
+    return setup, f"cgroup v1 memory at {fs.path(memory_dir)} (cpuset {fs.path(cpuset_dir)})"
 
 
 def detect_cgroup_setup(fs: HostFS) -> CgroupSetup | None:
@@ -255,14 +304,13 @@ class CgroupManager:
     @property
     def instance_dirs(self) -> tuple[str, ...]:
         s = self.setup
-        dirs = [f"{s.cpuset_parent}/{self.instance}"]
-        if s.version == 1 and s.memory_parent is not None:
-            dirs.append(f"{s.memory_parent}/{self.instance}")
-        return tuple(dirs)
+        parent = s.memory_parent if s.version == 1 else s.cpuset_parent
+        return (f"{parent}/{self.instance}",)
 
     def prepare(self) -> None:
-        """Create the instance dir (once). Raises KernelError; `create` calls it."""
-        if self._prepared:
+        """Create the instance dir (again, when someone removed it). Raises
+        KernelError; `create` calls it."""
+        if self._prepared and all(self.fs.is_dir(d) for d in self.instance_dirs):
             return
         if self.setup.version == 1:
             self._prepare_v1()
@@ -271,16 +319,7 @@ class CgroupManager:
         self._prepared = True
 
     def _prepare_v1(self) -> None:
-        s = self.setup
-        inst = f"{s.cpuset_parent}/{self.instance}"
-        self._mkdir(inst)
-        # A new v1 cpuset starts with empty cpus and mems: give the instance its
-        # parent's, so that each rank's subset is valid (mems first, as tasks
-        # can only join once both are set).
-        self._write(f"{inst}/cpuset.mems", self._read(f"{s.cpuset_parent}/cpuset.mems").strip())
-        self._write(f"{inst}/cpuset.cpus", self._read(f"{s.cpuset_parent}/cpuset.cpus").strip())
-        if s.memory_parent is not None:
-            self._mkdir(f"{s.memory_parent}/{self.instance}")
+        self._mkdir(self.instance_dirs[0])  # memory only: see the module docstring
 
     def _prepare_v2(self) -> None:
         s = self.setup
@@ -321,7 +360,7 @@ class CgroupManager:
         """
         if not self._prepared or self._moved_self:
             return
-        for rel in self.instance_dirs:
+        for rel in self.instance_dirs:  # one
             with contextlib.suppress(KernelError):
                 self._rmdir(rel, timeout_s)
         self._prepared = False
@@ -336,29 +375,12 @@ class CgroupManager:
         if not name or "/" in name or name in (".", "..", SUPERVISOR_LEAF):
             raise ValueError(f"bad cgroup name {name!r}")
         self.prepare()
-        s = self.setup
-        cpuset_dir = f"{s.cpuset_parent}/{self.instance}/{name}"
-        memory_dir: str | None
-        if s.version == 1:
-            memory_dir = f"{s.memory_parent}/{self.instance}/{name}" if s.memory_parent else None
-        else:
-            memory_dir = cpuset_dir if s.memory_parent else None
+        pc = self.process_cgroup(name)
         made: list[str] = []
         try:
-            if self._mkdir(cpuset_dir):
-                made.append(cpuset_dir)
-            if memory_dir is not None and memory_dir != cpuset_dir and self._mkdir(memory_dir):
-                made.append(memory_dir)
-            pc = ProcessCgroup(
-                name,
-                s.version,
-                cpuset_dir,
-                memory_dir,
-                tuple(self.fs.path(d) for d in dict.fromkeys([cpuset_dir, memory_dir]) if d),
-            )
-            if s.version == 1:
-                # Pages follow a change of cpuset.mems only with memory_migrate set.
-                self._write(f"{cpuset_dir}/cpuset.memory_migrate", "1")
+            for rel in pc.rels:
+                if self._mkdir(rel):
+                    made.append(rel)
             self.update(pc, cpus, mems)
         except KernelError:
             for rel in reversed(made):
@@ -367,33 +389,62 @@ class CgroupManager:
             raise
         return pc
 
+    def process_cgroup(self, name: str) -> ProcessCgroup:
+        """Where the cgroup `name` lives (no I/O; `create` makes it)."""
+        s = self.setup
+        if s.version == 1:
+            memory_dir = f"{s.memory_parent}/{self.instance}/{name}"
+            return ProcessCgroup(name, 1, None, memory_dir, (self.fs.path(memory_dir),))
+        cpuset_dir = f"{s.cpuset_parent}/{self.instance}/{name}"
+        memory_dir_v2 = cpuset_dir if s.memory_parent else None
+        return ProcessCgroup(name, 2, cpuset_dir, memory_dir_v2, (self.fs.path(cpuset_dir),))
+
     def update(self, pc: ProcessCgroup, cpus: Iterable[int], mems: Iterable[int]) -> None:
-        """Set the cgroup's cpus and mems (pages of its tasks follow a mems change)."""
+        """Set the cgroup's cpus and mems (pages of its tasks follow a mems change).
+
+        No-op on v1 (no child cpusets: affinity and memory policy place the ranks)."""
         cpu_text, mem_text = format_cpulist(cpus), format_cpulist(mems)
         if not cpu_text or not mem_text:
             raise translate_oserror(
-                self.fs.path(pc.cpuset_dir),
+                self.fs.path(pc.procs_dir),
                 OSError(errno.EINVAL, "a cgroup needs at least one CPU and one memory node"),
             )
+        if pc.cpuset_dir is None:
+            return
         # Mems first: a v1 cpuset with CPUs but no mems takes no task, and a
         # mems change then migrates pages while the old CPUs still run them.
         self._write(f"{pc.cpuset_dir}/cpuset.mems", mem_text)
         self._write(f"{pc.cpuset_dir}/cpuset.cpus", cpu_text)
 
+    def join(self, pc: ProcessCgroup, pid: int) -> None:
+        """Move process `pid`, all of its threads (cgroups(7)), into the cgroup; every
+        dir is tried, the first refusal raised (KernelError) after."""
+        first: KernelError | None = None
+        for rel in dict.fromkeys([pc.cpuset_dir, pc.memory_dir]):
+            if rel is None:
+                continue
+            try:
+                self._write(f"{rel}/cgroup.procs", str(pid))
+            except KernelError as err:
+                first = first or err
+        if first is not None:
+            raise first
+
     def remove(self, pc: ProcessCgroup, timeout_s: float = 2.0) -> None:
         """rmdir the cgroup after its processes exited (and were reaped); retries while busy."""
-        for rel in dict.fromkeys([pc.cpuset_dir, pc.memory_dir]):
-            if rel is not None:
-                self._rmdir(rel, timeout_s)
+        for rel in pc.rels:
+            self._rmdir(rel, timeout_s)
 
     def read_effective(self, pc: ProcessCgroup) -> tuple[frozenset[int], frozenset[int]]:
-        """The CPUs and memory nodes the kernel grants the cgroup (after its ancestors)."""
-        if self.setup.version == 1:
-            cpu_file, mem_file = "cpuset.effective_cpus", "cpuset.effective_mems"
-        else:
-            cpu_file, mem_file = "cpuset.cpus.effective", "cpuset.mems.effective"
-        cpus = parse_cpulist(self._read(f"{pc.cpuset_dir}/{cpu_file}"))
-        mems = parse_cpulist(self._read(f"{pc.cpuset_dir}/{mem_file}"))
+        """The CPUs and memory nodes the kernel grants the cgroup (after its ancestors);
+        on v1 the supervisor's own cpuset's, which its processes share."""
+        where, cpu_file, mem_file = (
+            (self.setup.cpuset_parent, "cpuset.effective_cpus", "cpuset.effective_mems")
+            if pc.cpuset_dir is None
+            else (pc.cpuset_dir, "cpuset.cpus.effective", "cpuset.mems.effective")
+        )
+        cpus = parse_cpulist(self._read(f"{where}/{cpu_file}"))
+        mems = parse_cpulist(self._read(f"{where}/{mem_file}"))
         return cpus, mems
 
     def read_numa_stat(self, pc: ProcessCgroup) -> dict[int, int]:
@@ -406,7 +457,51 @@ class CgroupManager:
         text = self._read(f"{pc.memory_dir}/memory.numa_stat")
         return parse_numa_stat(text, self.page_size if pc.version == 1 else 1)
 
+    def observe(self, pc: ProcessCgroup, pid: int) -> CgroupObservation:
+        """The cgroup as it is now: dirs someone removed, its cpuset as written
+        (v2), whether `pid` is still in it. Raises KernelError when unreadable."""
+        missing: list[str] = []
+        outside = False
+        for rel in pc.rels:
+            try:
+                text = self.fs.read_text(f"{rel}/cgroup.procs")
+            except FileNotFoundError:
+                missing.append(self.fs.path(rel))
+                continue
+            except OSError as err:
+                raise translate_oserror(self.fs.path(rel), err) from None
+            outside = outside or str(pid) not in text.split()
+        cpus = mems = None
+        if pc.cpuset_dir is not None and self.fs.path(pc.cpuset_dir) not in missing:
+            try:
+                cpus = tuple(sorted(parse_cpulist(self._read(f"{pc.cpuset_dir}/cpuset.cpus"))))
+                mems = tuple(sorted(parse_cpulist(self._read(f"{pc.cpuset_dir}/cpuset.mems"))))
+            except KernelError as err:
+                if err.reason != "gone":
+                    raise
+                missing.append(self.fs.path(pc.cpuset_dir))  # removed between the reads
+        return CgroupObservation(tuple(missing), cpus, mems, outside and not missing)
+
+    def repair(
+        self, pc: ProcessCgroup, cpus: Iterable[int], mems: Iterable[int], pids: Iterable[int]
+    ) -> None:
+        """Make the cgroup as planned again: the instance dir and the process's dirs
+        (re-made where someone removed them), its cpuset (v2), and `pids` back in
+        (cgroup.procs moves a whole thread group, cgroups(7)). KernelError on failure."""
+        self.prepare()
+        for rel in pc.rels:
+            self._mkdir(rel)
+        self.update(pc, cpus, mems)
+        for rel in pc.rels:
+            for pid in pids:
+                try:
+                    self.fs.write_text(f"{rel}/cgroup.procs", str(pid))
+                except ProcessLookupError:
+                    continue  # exited meanwhile: its runner reports that
+                except OSError as err:
+                    raise translate_oserror(self.fs.path(f"{rel}/cgroup.procs"), err) from None
+
     def read_procs(self, pc: ProcessCgroup) -> list[int]:
         """The pids in the cgroup (cgroup.procs)."""
-        text = self._read(f"{pc.cpuset_dir}/cgroup.procs")
+        text = self._read(f"{pc.procs_dir}/cgroup.procs")
         return [int(word) for word in text.split()]

@@ -1,8 +1,9 @@
 """IRQ affinity writes and irqbalance coordination (does I/O: /proc/irq, a unix socket).
 
 `IrqBinder` writes `proc/irq/N/smp_affinity_list` through HostFS, remembers
-each IRQ's original affinity the first time it touches it, and puts them all
-back on `restore_all()`. irqbalance would move our IRQs again within its
+each IRQ's original affinity the first time it touches it (in memory, and
+before the write in the checkpoint file when given one: supervisor.bind.irq_checkpoint),
+and puts them all back on `restore_all()`. irqbalance would move our IRQs again within its
 10 s cycle: `ban_irqs` asks it (through its own control socket) to leave them
 alone. irqbalance itself is never stopped or reconfigured otherwise.
 """
@@ -13,8 +14,9 @@ import errno
 import os
 import socket
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 from supervisor.cpulist import format_cpulist, parse_cpulist
 from supervisor.errors import KernelError, ManagedIrq, translate_oserror
@@ -26,14 +28,26 @@ IRQBALANCE_COMM = "irqbalance"
 _IRQBALANCE_MAX_REQUEST = 500
 
 
+class OriginalsStore(Protocol):
+    """Where originals go before the first write (supervisor.bind.irq_checkpoint.IrqCheckpoint)."""
+
+    def __contains__(self, irq: object) -> bool: ...
+
+    def add(self, originals: Mapping[int, Iterable[int]]) -> None: ...
+
+    def discard(self, irqs: Iterable[int]) -> None: ...
+
+
 class IrqBinder:
     """Sets IRQ affinity and restores what it changed."""
 
-    __slots__ = ("_original", "fs")
+    __slots__ = ("_original", "_saved", "checkpoint", "fs")
 
-    def __init__(self, fs: HostFS) -> None:
+    def __init__(self, fs: HostFS, checkpoint: OriginalsStore | None = None) -> None:
         self.fs = fs
+        self.checkpoint = checkpoint
         self._original: dict[int, frozenset[int]] = {}
+        self._saved: set[int] = set()  # IRQs this binder put in the checkpoint
 
     def __repr__(self) -> str:
         return f"IrqBinder({self.fs!r}, touched={sorted(self._original)})"
@@ -64,6 +78,23 @@ class IrqBinder:
         """IRQs changed so far, with the affinity each had before the first change."""
         return dict(self._original)
 
+    def save_originals(self, irqs: Iterable[int]) -> None:
+        """Put the current affinity of those `irqs` not yet in the checkpoint into it, in
+        one write (before a batch of binds: `bind` would write the file once per IRQ).
+        An IRQ that cannot be read is left to `bind` to report."""
+        if self.checkpoint is None:
+            return
+        found: dict[int, frozenset[int]] = {}
+        for irq in irqs:
+            if irq in self.checkpoint or irq in self._original or irq in found:
+                continue
+            try:
+                found[irq] = self.read_affinity(irq)
+            except KernelError:
+                continue
+        self.checkpoint.add(found)
+        self._saved.update(found)
+
     def bind(self, irq: int, cpus: Iterable[int]) -> frozenset[int]:
         """Write `cpus` to the IRQ's smp_affinity_list; returns the effective affinity
         read back (the affinity itself where effective_affinity_list is absent).
@@ -76,6 +107,11 @@ class IrqBinder:
         wanted = frozenset(cpus)
         target = f"irq {irq}"
         before = self.read_affinity(irq)
+        if self.checkpoint is not None and irq not in self._original:
+            # Durable before the first write: whatever ends this process next,
+            # the host's own affinity can be found again (no-op when saved).
+            self.checkpoint.add({irq: before})
+            self._saved.add(irq)
         self._write(irq, format_cpulist(wanted), target)
         # Remembered only once a write went through: a refused IRQ is unchanged.
         self._original.setdefault(irq, before)
@@ -105,26 +141,40 @@ class IrqBinder:
 
     def restore(self, irq: int) -> None:
         """Put one IRQ's original affinity back (no-op for an IRQ never bound)."""
+        self._restore(irq)
+        self._forget((irq,))
+
+    def _restore(self, irq: int) -> None:
         original = self._original.get(irq)
         if original is None:
             return
         self._write(irq, format_cpulist(original), f"irq {irq}")
         del self._original[irq]
 
+    def _forget(self, irqs: Iterable[int]) -> None:
+        """Drop IRQs that are back (or never moved) from the checkpoint."""
+        done = [irq for irq in irqs if irq in self._saved and irq not in self._original]
+        if self.checkpoint is not None and done:
+            self.checkpoint.discard(done)
+        self._saved.difference_update(done)
+
     def restore_all(self) -> list[tuple[int, KernelError | None]]:
         """Restore every IRQ this binder changed; one (irq, error or None) per IRQ.
 
-        An IRQ that vanished (device unplugged: Gone) counts as restored.
+        An IRQ that vanished (device unplugged: Gone) counts as restored. Every
+        restored IRQ (and any saved but never moved) leaves the checkpoint in
+        one write, which removes the file when nothing failed.
         """
         results: list[tuple[int, KernelError | None]] = []
         for irq in sorted(self._original):
             try:
-                self.restore(irq)
+                self._restore(irq)
                 results.append((irq, None))
             except KernelError as err:
                 if err.reason == "gone":
                     self._original.pop(irq, None)
                 results.append((irq, err))
+        self._forget(sorted(self._saved))
         return results
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import supervisor
+from supervisor.plan.placement import Slot
 from supervisor.state import MemPolicyStep
 
 PDEATHSIGS = ("TERM", "KILL", "HUP", "INT")
@@ -207,3 +208,23 @@ def shim_argv(
     cmd.append("--")
     cmd.extend(argv)
     return cmd
+
+
+# -- the report against the plan (pure) ---------------------------------------------
+
+
+def bound_as_planned(report: ShimReport, slot: Slot, *, mempolicy_allowed: bool = True) -> bool:
+    """True when the kernel read back exactly the planned CPUs and an MPOL_BIND to the
+    mems; with `mempolicy_allowed` False (the host denies a memory policy, probed at
+    start: supervisor.bind.capability) the CPUs alone: bound as far as allowed."""
+    memory = report.mempolicy == "bind" and tuple(report.mems) == tuple(sorted(slot.mems))
+    return (
+        cpus_as_planned(report, slot)
+        and (memory or not mempolicy_allowed)
+        and not report.cgroup_errors
+    )
+
+
+def cpus_as_planned(report: ShimReport, slot: Slot) -> bool:
+    """The kernel read back exactly the planned CPUs."""
+    return report.affinity_error is None and tuple(report.cpus) == tuple(sorted(slot.cpus))

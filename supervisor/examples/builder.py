@@ -1,6 +1,6 @@
 """FakeHost: a fluent builder that writes a host tree of real Linux-format files.
 
-The tree holds exactly the files discovery reads (DESIGN 3.2): sysfs CPU and
+The tree holds exactly the files discovery reads (docs/contracts.md §2): sysfs CPU and
 node directories, /proc/self/{status,cgroup}, cgroup cpuset files, PCI device
 directories, the NVIDIA procfs information files, /dev nodes (as empty
 files), ubcore entries, InfiniBand/net class links and /proc/interrupts.

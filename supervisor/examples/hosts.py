@@ -1,4 +1,4 @@
-"""Fixture hosts: one function per class of real machine (DESIGN 3.2), built with FakeHost.
+"""Fixture hosts: one function per class of real machine (contracts §2), built with FakeHost.
 
 Each takes a directory and returns the root of a new host tree under it
 (`<dir>/<name>`; writes only there). The layouts follow public documentation

@@ -1,6 +1,6 @@
 """The engine start-up hook, supervisor side: what goes in a child's environment (pure).
 
-`[threads.<role>] executors = [...]` (DESIGN 3.7) is carried out inside the
+`[threads.<role>] executors = [...]` (docs/contracts.md §7) is carried out inside the
 engine's own Python by `pythonpath/sitecustomize.py`, a stdlib-only file the
 engine imports at start-up. This module builds the two variables that turn
 it on for one supervised process and its whole tree (they are inherited):

@@ -1,7 +1,7 @@
 """The plan: which CPUs, roles and memory nodes each process gets (no I/O).
 
 `supervisor.plan.planner.plan()` produces a `Placement`; `to_doc()` renders the plan
-document of DESIGN 3.3 (the `plan --json` output and the base of
+document of docs/contracts.md §3 (the `plan --json` output and the base of
 `GET /placement`). `from_doc()` reads it back (the `status` command, tests).
 A rank's planned IRQs (`RankPlacement.irqs`, from supervisor.plan.irqs) are
 part of the plan; the document lists them as "irqs" only where there are some.

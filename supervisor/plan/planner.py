@@ -65,7 +65,7 @@ def plan(topology: Topology, settings: PlanSettings) -> Placement:
         )
     # Two orders: shares and slices go by the host's device order, so every
     # supervisor on the host computes the same ones; ranks go by the
-    # visibility list (DESIGN 3.3), the ordinal the engine's workers use.
+    # visibility list (docs/contracts.md §3), the ordinal the engine's workers use.
     devices = sorted(topology.devices, key=device_order)
     visible = sorted((d for d in devices if d.visible), key=rank_order)
     if not visible:
@@ -349,7 +349,7 @@ def _rank_placement(
 
 
 def _device_mems(view: HostView, draft: Draft, d: Device, strategy: DeviceStrategy) -> list[int]:
-    """DESIGN 3.3: the device's node, or for a CPU-less (HBM) device node the
+    """docs/contracts.md §3: the device's node, or for a CPU-less (HBM) device node the
     nearest node with CPUs; global-slice: the nodes of the slice's CPUs. Then
     kept inside the allowed mems (nearest allowed node with CPUs otherwise)."""
     if strategy == "numa-affine" and d.numa_node is not None:

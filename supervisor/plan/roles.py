@@ -171,7 +171,7 @@ def engine_mems(
     view: HostView, engine_node: int | None, rank0_mems: tuple[int, ...]
 ) -> tuple[int, ...]:
     """The engine's memory: its own node when it sits apart (where allowed),
-    else rank 0's nodes (DESIGN 3.3)."""
+    else rank 0's nodes (docs/contracts.md §3)."""
     if engine_node is not None and (not view.allowed_mems or engine_node in view.allowed_mems):
         return (engine_node,)
     return rank0_mems

@@ -8,7 +8,7 @@ respected unless `enforce_pinned` says otherwise (vllm-ascend's binder
 re-bound such threads and undid the workload's own placement). The re-binds
 themselves are decided in one place, supervisor.watch.decide.
 
-Which roles apply where (DESIGN 3.7, `process` covers the named process and
+Which roles apply where (docs/contracts.md §7, `process` covers the named process and
 its whole tree): `role_kinds` chooses the kinds per supervised process, and
 `with_engine_roles` gives an adopted worker's tree the engine's role CPUs
 where its cpuset lets it use them.

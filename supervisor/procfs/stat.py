@@ -1,7 +1,9 @@
-"""/proc/<pid>/stat: the fields the supervisor uses (`parse_*` pure, `read_*` via HostFS)."""
+"""/proc/<pid>/stat: the fields the supervisor uses, one process or the whole table
+(`parse_*` and `children_map` pure, `read_*` and `scan_*` via HostFS)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from supervisor.errors import KernelError
@@ -70,3 +72,27 @@ def read_proc_stat(fs: HostFS, pid: int) -> ProcStat | None:
         return parse_proc_stat(raw.decode("utf-8", "replace"))
     except ValueError:
         return None
+
+
+def scan_procs(fs: HostFS) -> dict[int, ProcStat]:
+    """Every process's /proc/<pid>/stat (threads are not listed in /proc itself)."""
+    return scan_pids(fs, (int(name) for name in fs.listdir("proc") if name.isdigit()))
+
+
+def scan_pids(fs: HostFS, pids: Iterable[int]) -> dict[int, ProcStat]:
+    """/proc/<pid>/stat of `pids` alone (those still there): a tree pass scoped
+    to the trees' cgroups reads a few dozen files, not every process of the host."""
+    table: dict[int, ProcStat] = {}
+    for pid in pids:
+        stat = read_proc_stat(fs, pid)
+        if stat is not None:
+            table[stat.pid] = stat
+    return table
+
+
+def children_map(table: Mapping[int, ProcStat]) -> dict[int, list[int]]:
+    """ppid -> child pids (pure)."""
+    out: dict[int, list[int]] = {}
+    for stat in table.values():
+        out.setdefault(stat.ppid, []).append(stat.pid)
+    return out

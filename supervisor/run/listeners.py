@@ -24,7 +24,7 @@ from supervisor.bind.sock_diag import (
     dump_tcp_listeners_in,
 )
 from supervisor.hostfs import HostFS
-from supervisor.trees.tree import children_map, scan_procs
+from supervisor.procfs.stat import children_map, scan_procs
 
 TCP_LISTEN = "0A"  # include/net/tcp_states.h: TCP_LISTEN = 10
 

@@ -18,9 +18,9 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from functools import partial
-from typing import Literal
+from typing import Any, Literal
 
 from supervisor.errors import KernelError, translate_oserror
 from supervisor.procfs.identity import open_pidfd
@@ -243,3 +243,28 @@ async def read_until_eof(fd: int, timeout_s: float, limit_bytes: int = 1 << 16) 
         loop.remove_reader(fd)
         os.close(fd)
     return b"".join(chunks)[:limit_bytes]
+
+
+# -- waiting ------------------------------------------------------------------------
+
+
+async def first_of(*waits: Awaitable[Any]) -> None:
+    """Wait until the first of `waits` completes.
+
+    Coroutines (and gathers) given here are wrapped and cancelled afterwards;
+    futures and tasks the caller passes in (a child's exit) are left alone.
+    """
+    futures: list[asyncio.Future[Any]] = []
+    owned: list[asyncio.Future[Any]] = []
+    for w in waits:
+        if isinstance(w, asyncio.Future):
+            futures.append(w)
+        else:
+            wrapped: asyncio.Future[Any] = asyncio.ensure_future(w)
+            futures.append(wrapped)
+            owned.append(wrapped)
+    try:
+        await asyncio.wait(futures, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for f in owned:
+            f.cancel()

@@ -3,10 +3,8 @@
 `Runner` spawns the engine or one rank through the exec shim, records the
 shim's bind report, restarts the child by the policy of `supervisor.run.restart`
 and stops it (TERM to its group, KILL after a timeout). `Runtime` is what the
-daemon's runners share; `bound_as_planned` reads a report (pure).
-Over 500 lines because `Runner` owns its child from spawn to reap (report,
-readiness, restart policy, stop): every path out of `run()` must stop and
-reap it, which one class keeps in view.
+daemon's runners share. Whether a report is bound as planned is
+`supervisor.bind.report.bound_as_planned` (pure).
 """
 
 from __future__ import annotations
@@ -18,12 +16,19 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from supervisor.bind.report import ShimReport, ShimReportError, parse_shim_report, shim_argv
+from supervisor.bind.report import (
+    ShimReport,
+    ShimReportError,
+    bound_as_planned,
+    cpus_as_planned,
+    parse_shim_report,
+    shim_argv,
+)
 from supervisor.config import Config
 from supervisor.cpulist import format_cpulist
 from supervisor.errors import KernelError, reason_of_errno
@@ -35,28 +40,14 @@ from supervisor.plan.placement import Slot
 from supervisor.procfs.stat import read_proc_stat
 from supervisor.run import restart
 from supervisor.run.probe import describe_probe, wait_ready
-from supervisor.run.procs import ChildProcess, read_until_eof, spawn
+from supervisor.run.procs import ChildProcess, first_of, read_until_eof, spawn
 from supervisor.run.restart import RestartDecision, RestartHistory, RunOutcome, decide_restart
-from supervisor.run.spec import ChildSpec
+from supervisor.run.spec import ChildSpec, SpecOf
 from supervisor.state import BindTarget, ProcessState, ProcessStatus, StateStore
 
 log = logging.getLogger("placement_supervisor.runner")
 
 REPORT_TIMEOUT_S = 30.0  # the shim binds and execs in milliseconds; this is a hung cgroup write
-
-
-# -- reading the shim's report (pure) -----------------------------------------------
-
-
-def bound_as_planned(report: ShimReport, slot: Slot) -> bool:
-    """True when the kernel read back exactly the planned CPUs and an MPOL_BIND to the mems."""
-    return (
-        report.affinity_error is None
-        and tuple(report.cpus) == tuple(sorted(slot.cpus))
-        and report.mempolicy == "bind"
-        and tuple(report.mems) == tuple(sorted(slot.mems))
-        and not report.cgroup_errors
-    )
 
 
 # -- what the runners share (the composition root fills it) -------------------------
@@ -115,11 +106,11 @@ class Runner:
     reaps it. Restart requests and the daemon's stop arrive as `interrupt`.
     """
 
-    def __init__(self, rt: Runtime, spec: ChildSpec) -> None:
+    def __init__(self, rt: Runtime, key: ProcKey, spec_of: SpecOf) -> None:
         self.rt = rt
-        self.spec = spec
-        self.key = spec.key
-        self.label = key_label(spec.key)
+        self.spec_of = spec_of
+        self.key = key
+        self.label = key_label(key)
         self.child: ChildProcess | None = None
         self.history = RestartHistory()
         self.interrupt = asyncio.Event()
@@ -139,6 +130,11 @@ class Runner:
     # -- state -----------------------------------------------------------
 
     @property
+    def spec(self) -> ChildSpec:
+        """What to run now: the plan in force's, asked at each spawn."""
+        return self.spec_of(self.key)
+
+    @property
     def status(self) -> ProcessStatus:
         return self.rt.store.snapshot.processes.get(self.key) or ProcessStatus(self.key)
 
@@ -148,13 +144,9 @@ class Runner:
         self.rt.store.set_process(new)
         if new.state != old.state:
             self.recorder.note(
-                "state",
-                self.key,
-                f"{self.label}: {old.state} -> {new.state}",
-                old=old.state,
-                new=new.state,
-                pid=new.pid,
-            )
+                "state", self.key, f"{self.label}: {old.state} -> {new.state}",
+                old=old.state, new=new.state, pid=new.pid,
+            )  # fmt: skip
             for watcher in self._watchers:
                 if not watcher.done():
                     watcher.set_result(None)
@@ -291,7 +283,7 @@ class Runner:
         self.restart_requested = False
         self.interrupt.clear()
         self.history = RestartHistory()
-        self.rt.store.count("restarts", self.label)
+        self.recorder.restart_counted(self.key)
         self.set_status(restarts=self.status.restarts + 1, backoff_s=0.0, next_start_at=None)
 
     async def _wait_interrupt(self, timeout_s: float | None) -> bool:
@@ -521,18 +513,22 @@ class Runner:
             self.record_bind_failure(
                 "process", reason_of_errno(report.affinity_errno), report.affinity_error
             )
-        if report.mempolicy != "bind":
+        mempolicy_allowed = self.rt.store.snapshot.allows("mempolicy")
+        if report.mempolicy != "bind" and mempolicy_allowed:
+            # Where the host denies a memory policy the start said so once
+            # (capability missing): not a failure of this process, not counted.
             why = report.reason or f"mempolicy {report.mempolicy}"
             self.record_bind_failure("memory", reason_of_errno(report.mempolicy_errno), why)
         for i, err in enumerate(report.cgroup_errors):
             number = report.cgroup_errnos[i] if i < len(report.cgroup_errnos) else None
             self.record_bind_failure("cgroup", reason_of_errno(number), err)
-        bound = bound_as_planned(report, slot)
+        bound = bound_as_planned(report, slot, mempolicy_allowed=mempolicy_allowed)
         self.set_status(
             mempolicy=report.mempolicy,
             mempolicy_reason=report.reason,
             cgroup=report.cgroups[0] if report.cgroups else None,
             bound=bound,
+            cpus_bound=cpus_as_planned(report, slot),
         )
         cpus = format_cpulist(report.cpus)
         mems = format_cpulist(report.mems)
@@ -578,28 +574,3 @@ class Runner:
         if self.task is not None:
             with contextlib.suppress(asyncio.CancelledError):
                 await self.task
-
-
-# -- waiting ------------------------------------------------------------------------
-
-
-async def first_of(*waits: Awaitable[Any]) -> None:
-    """Wait until the first of `waits` completes.
-
-    Coroutines (and gathers) given here are wrapped and cancelled afterwards;
-    futures and tasks the caller passes in (a child's exit) are left alone.
-    """
-    futures: list[asyncio.Future[Any]] = []
-    owned: list[asyncio.Future[Any]] = []
-    for w in waits:
-        if isinstance(w, asyncio.Future):
-            futures.append(w)
-        else:
-            wrapped: asyncio.Future[Any] = asyncio.ensure_future(w)
-            futures.append(wrapped)
-            owned.append(wrapped)
-    try:
-        await asyncio.wait(futures, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for f in owned:
-            f.cancel()

@@ -2,6 +2,7 @@
 
 `build_specs` turns the config and the plan into one `ChildSpec` for the
 engine (when planned) and one per rank; `supervisor.run.runner` spawns them.
+`PlanSpecs` is each process's spec of the plan in force (rebuilt after an install).
 """
 
 from __future__ import annotations
@@ -9,12 +10,13 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from supervisor.config import Config, ProcessConfig
 from supervisor.hook import HOOK_ENV, hook_env, hook_roles
+from supervisor.plan.in_force import PlanInForce
 from supervisor.plan.keys import ProcKey
 from supervisor.plan.placement import Placement, RankPlacement, Slot
 from supervisor.service.sdnotify import NOTIFY_VARS
@@ -33,7 +35,47 @@ class ChildSpec:
     argv: tuple[str, ...]
     env: Mapping[str, str]
     slot: Slot
-    account: Account | None = None  # run as this user (Daemon.specs_for)
+    account: Account | None = None  # run as this user (PlanSpecs)
+
+
+SpecOf = Callable[[ProcKey], ChildSpec]
+"""What a runner asks at each spawn: its process's spec now."""
+
+
+class PlanSpecs:
+    """Every process's `ChildSpec` of the plan in force, each with its account (the
+    engine's, the workers') and that account's HOME/USER/LOGNAME; built again when
+    an install replaced the plan, so each spawn runs by the plan in force."""
+
+    def __init__(
+        self,
+        plan: PlanInForce,
+        env: Mapping[str, str],
+        python: str,
+        accounts: Mapping[str, Account],
+    ) -> None:
+        self.plan = plan
+        self.env = dict(env)
+        self.python = python
+        self.accounts = dict(accounts)
+        self._generation = -1
+        self._specs: dict[ProcKey, ChildSpec] = {}
+
+    def __call__(self, key: ProcKey) -> ChildSpec:
+        return self.by_key()[key]
+
+    def by_key(self) -> Mapping[ProcKey, ChildSpec]:
+        if self._generation != self.plan.generation:
+            out: dict[ProcKey, ChildSpec] = {}
+            for spec in build_specs(self.plan.config, self.plan.placement, self.env, self.python):
+                account = self.accounts.get("engine" if spec.key == "engine" else "workers")
+                out[spec.key] = (
+                    spec
+                    if account is None
+                    else replace(spec, account=account, env={**spec.env, **account.env()})
+                )
+            self._specs, self._generation = out, self.plan.generation
+        return self._specs
 
 
 def visible_devices_var(kind: DeviceKind, override: str | None) -> str | None:
@@ -53,7 +95,7 @@ def visible_value(rank: RankPlacement, var: str, base_env: Mapping[str, str]) ->
     by UUID where the operator's list in `var` (one of the kind's visibility
     variables that takes UUIDs, CUDA_VISIBLE_DEVICES) names devices by UUID,
     because a UUID means the same GPU whatever CUDA_DEVICE_ORDER says. The
-    rank itself is the device's place in the operator's list (DESIGN 3.3).
+    rank itself is the device's place in the operator's list (docs/contracts.md §3).
     """
     devices = rank.all_devices
     record = BY_NAME.get(rank.device.kind)

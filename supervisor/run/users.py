@@ -2,7 +2,7 @@
 
 `resolve_account` turns `[engine] user`/`group` into numeric ids once, at
 start-up, so that a typo is a config error (exit 2) rather than a crash loop;
-the daemon puts them on the child specs (`Daemon.specs_for`); the exec shim
+the daemon puts them on the child specs (`supervisor.run.spec.PlanSpecs`); the exec shim
 then drops to them after binding, before exec.
 """
 

@@ -1,4 +1,4 @@
-"""The JSON documents of the API (DESIGN 3.4), pure functions of a `Snapshot` (no I/O).
+"""The JSON documents of the API (docs/contracts.md §4), pure functions of a `Snapshot` (no I/O).
 
 /placement (with `PlacementRenderer`, its per-process reuse), /topology,
 /events, /healthz and /readyz, and `not_ready_reasons`, which /readyz,
@@ -143,7 +143,37 @@ def observation_doc(obs: Observation | None) -> dict[str, Any]:
             {"irq": i.irq, "cpus": list(i.cpus), "planned": list(i.planned)} for i in obs.irqs
         ],
         "observed_at": obs.observed_at or None,
+        # Its own cgroup as found: a dir someone removed, a cpuset someone rewrote.
+        "cgroup": None if obs.cgroup is None else obs.cgroup.to_doc(),
     }
+
+
+def not_bound(snap: Snapshot, key: ProcKey, status: ProcessStatus) -> list[dict[str, Any]]:
+    """What of `key`'s plan is not bound, and why: `"allowed": false` where the host
+    denies it (a capability probed at start), which readiness does not wait for."""
+    if status.pid is None:
+        return []
+    out: list[dict[str, Any]] = []
+    if not status.cpus_bound:
+        out.append({"target": "cpus", "reason": "the kernel read back other CPUs", "allowed": True})
+    if status.mempolicy is not None and status.mempolicy != "bind":
+        cap = snap.capabilities.get("mempolicy")
+        reason = status.mempolicy_reason or f"mempolicy {status.mempolicy}"
+        if cap is not None and not cap.available:
+            out.append({"target": "memory", "reason": cap.reason or reason, "allowed": False})
+        else:
+            out.append({"target": "memory", "reason": reason, "allowed": True})
+    cgroup = snap.capabilities.get("cgroup")
+    if cgroup is not None and cgroup.missing:
+        out.append({"target": "cgroup", "reason": cgroup.reason, "allowed": False})
+    irq = snap.capabilities.get("irq")
+    if irq is not None and irq.missing and _has_irqs(snap.placement, key):
+        out.append({"target": "irqs", "reason": irq.reason, "allowed": False})
+    return out
+
+
+def _has_irqs(placement: Placement, key: ProcKey) -> bool:
+    return any(r.rank == key and r.irqs for r in placement.ranks)
 
 
 def process_doc(snap: Snapshot, key: ProcKey) -> dict[str, Any]:
@@ -153,6 +183,8 @@ def process_doc(snap: Snapshot, key: ProcKey) -> dict[str, Any]:
         "pid": status.pid,
         "state": status.state,
         "bound": status.bound,
+        "cpus_bound": status.cpus_bound,
+        "not_bound": not_bound(snap, key, status),
         "restarts": status.restarts,
         "exit_code": status.exit_code,
         "backoff": {"seconds": status.backoff_s, "next_start_at": status.next_start_at},
@@ -173,6 +205,8 @@ def supervisor_doc(snap: Snapshot) -> dict[str, Any]:
         "version": __version__,
         "accelerator": snap.accelerator_kind,
         "config": snap.config_path,
+        "config_hash": snap.config_hash,
+        "config_reloads": dict(snap.counters.config_reloads),
         "started_at": snap.started_at,
         "stopping": snap.stopping,
         "ready": not reasons,
@@ -180,11 +214,12 @@ def supervisor_doc(snap: Snapshot) -> dict[str, Any]:
         "last_check_at": snap.counters.last_check_at or None,
         "checks": snap.counters.checks,
         "cpuset_changes": snap.counters.cpuset_changes,
+        "capabilities": {name: cap.to_doc() for name, cap in snap.capabilities.items()},
     }
 
 
 def placement_doc(snap: Snapshot) -> dict[str, Any]:
-    """GET /placement: the plan document (DESIGN 3.3) with live state per process."""
+    """GET /placement: the plan document (docs/contracts.md §3) with live state per process."""
     doc = snap.placement.to_doc()
     if doc["engine"] is not None:
         doc["engine"].update(process_doc(snap, "engine"))

@@ -1,4 +1,4 @@
-"""The `placement_*` metric families (DESIGN 3.5), each a function of the inputs it names (no I/O).
+"""The `placement_*` metric families (contracts §5), each a function of its inputs (no I/O).
 
 `FAMILIES` is the exposition, in order. A family is one function registered
 with `@FAMILIES.add(kind, name, help, labels)`; its parameters after the
@@ -40,9 +40,13 @@ from supervisor.serve.documents import process_keys, readiness
 from supervisor.serve.exposition import FamilyTable, SnapshotCollector
 from supervisor.state import BIND_REASONS as ALL_BIND_REASONS
 from supervisor.state import (
+    CAPABILITY_NAMES,
     HOST_LABEL,
     HTTP_BAD_REASONS,
+    RELOAD_RESULTS,
     BindTarget,
+    Capability,
+    CapabilityName,
     DriftKind,
     Finding,
     MemPolicyStep,
@@ -78,6 +82,7 @@ REBIND_REASONS: tuple[str, ...] = (
 
 Processes = Mapping[ProcKey, ProcessStatus]
 Observed = Mapping[ProcKey, Observation]
+Capabilities = Mapping[CapabilityName, Capability]
 
 FAMILIES = FamilyTable()
 
@@ -118,6 +123,33 @@ def _ready(
     m: GaugeMetricFamily, placement: Placement, processes: Processes, stopping: bool
 ) -> None:
     m.add_metric([], 0.0 if readiness(placement, processes, stopping) else 1.0)
+
+
+@FAMILIES.add(
+    "gauge",
+    "placement_capability",
+    "1 when the host lets the supervisor bind this (mempolicy, cgroup, irq; probed at start), "
+    "else 0. Not in readiness: see placement_capability_wanted and GET /placement.",
+    ("name",),
+)
+def _capability(m: GaugeMetricFamily, capabilities: Capabilities) -> None:
+    for name in CAPABILITY_NAMES:
+        cap = capabilities.get(name)
+        if cap is not None:
+            m.add_metric([name], 1.0 if cap.available else 0.0)
+
+
+@FAMILIES.add(
+    "gauge",
+    "placement_capability_wanted",
+    "1 when the config asks for this kind of binding (cgroup = auto, irq.enabled), else 0.",
+    ("name",),
+)
+def _capability_wanted(m: GaugeMetricFamily, capabilities: Capabilities) -> None:
+    for name in CAPABILITY_NAMES:
+        cap = capabilities.get(name)
+        if cap is not None:
+            m.add_metric([name], 1.0 if cap.wanted else 0.0)
 
 
 # -- each process's state ---------------------------------------------------------------
@@ -321,7 +353,7 @@ def _bind_failures(
     "counter",
     "placement_host_bind_failures",
     "Binds of the supervisor's own (instance cgroup, IRQ re-plan) the kernel refused; "
-    "DESIGN 3.5 keeps `rank` for ranks and the engine.",
+    "docs/contracts.md §5 keeps `rank` for ranks and the engine.",
     ("target", "reason"),
 )
 def _host_bind_failures(
@@ -373,7 +405,26 @@ def _cpuset_changes(m: CounterMetricFamily, cpuset_changes: int) -> None:
     m.add_metric([], cpuset_changes)
 
 
-# -- adoption (DESIGN 3.6) ----------------------------------------------------------------
+@FAMILIES.add(
+    "counter",
+    "placement_config_reloads",
+    "Config reloads (SIGHUP), by result: ok, invalid (old config kept), refused (needs a restart).",
+    ("result",),
+)
+def _config_reloads(m: CounterMetricFamily, config_reloads: Mapping[str, int]) -> None:
+    table = dict.fromkeys(RELOAD_RESULTS, 0) | dict(config_reloads)
+    for result, n in sorted(table.items()):
+        m.add_metric([result], n)
+
+
+@FAMILIES.add(
+    "info", "placement_config", "The config file in force: its path and sha256 (value 1)."
+)
+def _config_info(m: InfoMetricFamily, config_path: str | None, config_hash: str | None) -> None:
+    m.add_metric([], {"path": config_path or "", "sha256": config_hash or ""})
+
+
+# -- adoption (contracts §6) ----------------------------------------------------------------
 
 
 @FAMILIES.add(

@@ -3,7 +3,8 @@
 
 `cgroups_for` finds a writable subtree and prepares it once, before any spawn;
 `ManagedCgroups` makes each process's cgroup at its first start and reuses it
-after; `instance_suffix` names the instance's dir (pure).
+after (re-made, when someone removed it, at each start and by the check
+loop's `repair`); `instance_suffix` names the instance's dir (pure).
 """
 
 from __future__ import annotations
@@ -15,18 +16,20 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 
-from supervisor.bind.cgroup import CgroupManager, ProcessCgroup, detect_cgroup_setup
+from supervisor.bind.cgroup import CgroupManager, ProcessCgroup, read_cgroup_setup
 from supervisor.config import Config
 from supervisor.errors import ConfigError, KernelError
 from supervisor.hostfs import HostFS
 from supervisor.logs import format_fields
 from supervisor.plan.keys import ProcKey, key_label
 from supervisor.plan.placement import Slot
+from supervisor.service.instance_lock import INSTANCE_ENV
+from supervisor.state import Capability
 from supervisor.trees.guardian import sweep_leftovers
 
 log = logging.getLogger("placement_supervisor.daemon")
 
-INSTANCE_ENV = "PLACEMENT_SUPERVISOR_INSTANCE"
+__all__ = ["INSTANCE_ENV", "ManagedCgroups", "cgroups_for", "instance_suffix", "remove_cgroups"]
 
 
 class ManagedCgroups:
@@ -47,18 +50,22 @@ class ManagedCgroups:
         return self.manager.instance_dirs
 
     def cpuset_dir(self, key: ProcKey) -> str | None:
-        """The cpuset dir of `key`'s cgroup; None before its first start."""
+        """The dir whose cgroup.procs lists `key`'s processes (its cpuset on v2, its
+        memory cgroup on v1, which has no per-process cpusets); None before its first start."""
         pc = self.made.get(key)
-        return None if pc is None else pc.cpuset_dir
+        return None if pc is None else pc.procs_dir
 
     def create(self, key: ProcKey, slot: Slot) -> tuple[str, ...]:
-        pc = self.made.get(key)
-        if pc is None:
-            pc = self.manager.create(self.name(key), slot.cpus, slot.mems)
-            self.made[key] = pc
-        else:
-            self.manager.update(pc, slot.cpus, slot.mems)
+        """Before each start: the cgroup made (again, when someone removed it) and set."""
+        pc = self.manager.create(self.name(key), slot.cpus, slot.mems)
+        self.made[key] = pc
         return pc.dirs
+
+    def repair(self, key: ProcKey, slot: Slot, pids: Sequence[int]) -> None:
+        """The check loop: `key`'s cgroup as planned again, `pids` back in it."""
+        pc = self.made.get(key)
+        if pc is not None:
+            self.manager.repair(pc, slot.cpus, slot.mems, pids)
 
     def remove(self, key: ProcKey) -> None:
         pc = self.made.pop(key, None)
@@ -88,33 +95,48 @@ def instance_suffix(config: Config, env: Mapping[str, str]) -> str:
 def cgroups_for(config: Config, fs: HostFS, env: Mapping[str, str]) -> ManagedCgroups | None:
     """Per-process cgroups when `cgroup = "auto"` and a writable subtree exists,
     in a dir of this instance's own (`instance_suffix`)."""
+    return cgroups_and_capability(config, fs, env)[0]
+
+
+def cgroups_and_capability(
+    config: Config, fs: HostFS, env: Mapping[str, str]
+) -> tuple[ManagedCgroups | None, Capability]:
+    """`cgroups_for`, and the "cgroup" capability it found (with why not)."""
     if config.cgroup == "off":
-        return None
-    setup = detect_cgroup_setup(fs)
+        return None, Capability("cgroup", False, wanted=False, reason='cgroup = "off"')
+    setup, why = read_cgroup_setup(fs)
     if setup is None:
         log.info(
-            "cgroups none %s", format_fields(reason="no writable cgroup subtree", action="skip")
+            "cgroups none %s",
+            format_fields(reason="no writable cgroup subtree", detail=why, action="skip"),
         )
-        return None
+        return None, Capability("cgroup", False, reason=f"no writable cgroup subtree: {why}")
     suffix = instance_suffix(config, env)
     try:
         manager = CgroupManager(fs, setup, suffix=suffix)
     except ValueError as err:
         raise ConfigError(f"{INSTANCE_ENV}={suffix!r}: {err}") from None
+    cgroups, error = _prepared(manager, setup.version)
+    return cgroups, Capability("cgroup", cgroups is not None, reason=error)
+
+
+def _prepared(manager: CgroupManager, version: int) -> tuple[ManagedCgroups | None, str | None]:
     try:
         # Once, here, before any runner spawns: preparing lazily from the
         # executor's threads raced, and a failure was redone at every spawn.
         manager.prepare()
     except KernelError as err:
         log.warning("cgroups none %s", format_fields(error=str(err), action="skip cgroups"))
-        return None
+        return None, f"{err}"
     # What an earlier instance of this config left (it died with its guardian) ends first.
     sweep_leftovers(manager)
     log.info(
         "cgroups %s",
-        format_fields(version=setup.version, parent=setup.cpuset_parent, instance=manager.instance),
+        format_fields(
+            version=version, parent=manager.setup.cpuset_parent, instance=manager.instance
+        ),
     )
-    return ManagedCgroups(manager)
+    return ManagedCgroups(manager), None
 
 
 def remove_cgroups(cgroups: ManagedCgroups, keys: Sequence[ProcKey]) -> None:

@@ -6,14 +6,18 @@ other's engine. `hold_instance_lock` takes an exclusive flock(2) on
 touched, and writes the holder's pid into it; a second daemon gets
 `InstanceBusy` (exit 2) naming that pid. The kernel drops the lock when the
 holder exits, however it exits. The fd is close-on-exec: children never hold it.
+A file that outlived its holder (KILL, HUP) holds no lock: the next daemon takes
+it over with one log line. `check_instance_env` vets PLACEMENT_SUPERVISOR_INSTANCE.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import errno
 import fcntl
 import hashlib
+import logging
 import os
 import re
 import stat
@@ -22,7 +26,16 @@ import time
 from collections.abc import Mapping
 
 from supervisor.errors import ConfigError
+from supervisor.logs import format_fields
 
+log = logging.getLogger("placement_supervisor.daemon")
+
+INSTANCE_ENV = "PLACEMENT_SUPERVISOR_INSTANCE"
+# What an explicit instance may hold: it names cgroup dirs and the lock file, and
+# systemd's %i (unit names: ASCII letters, digits, ":", "-", "_", ".", "\\",
+# systemd.unit(5)) is its usual source; "\\" (systemd-escape) and the rest are
+# refused rather than mangled. A newline made every cgroup mkdir fail (EINVAL).
+INSTANCE_RE = re.compile(r"[A-Za-z0-9_:@-][A-Za-z0-9_.:@-]{0,199}")
 DEFAULT_RUNTIME_DIR = "/run/placement-supervisor"
 PID_WAIT_S = 1.0  # the holder writes its pid right after it locks; wait that long for it
 
@@ -34,6 +47,17 @@ class InstanceBusy(ConfigError):
     def __init__(self, message: str, pid: int | None) -> None:
         super().__init__(message)
         self.pid = pid
+
+
+def check_instance_env(env: Mapping[str, str]) -> str | None:
+    """Why INSTANCE_ENV cannot name an instance, or None (unset or "" is the default) (pure)."""
+    value = env.get(INSTANCE_ENV)
+    if not value or INSTANCE_RE.fullmatch(value):
+        return None
+    return (
+        f"{INSTANCE_ENV}={value!r}: an instance name is 1-200 of A-Z a-z 0-9 _ . : @ - "
+        "(not starting with '.'); it names this daemon's cgroup dirs and lock file"
+    )
 
 
 def lock_name(instance: str) -> str:
@@ -69,6 +93,7 @@ class InstanceLock:
     def release(self) -> None:
         if self.fd < 0:
             return
+        atexit.unregister(self.release)
         # Unlink while still holding it: a daemon that opened the old file
         # sees it is no longer at `path` and retries (see _try_lock).
         with contextlib.suppress(OSError):
@@ -83,7 +108,7 @@ class InstanceLock:
         self.release()
 
 
-def _usable_dir(path: str) -> bool:
+def usable_dir(path: str) -> bool:
     """`path` exists (made 0700 if not), is a directory of ours or root's, and is writable."""
     try:
         os.makedirs(path, mode=0o700, exist_ok=True)
@@ -127,6 +152,35 @@ def _try_lock(path: str) -> int | None:
         os.close(fd)  # the holder unlinked it as we opened it: take the new one
 
 
+def _note_stale(fd: int, path: str) -> None:
+    """One log line when the file we just locked names an earlier holder: a daemon
+    that was killed (KILL, HUP) or exited before removing it. Nobody holds its
+    flock, so it is stale whatever that pid is now (dead, or reused by another
+    program); we take it over."""
+    text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+    if not text:
+        return
+    pid = int(text) if text.isdigit() else None
+    alive = False
+    if pid is not None:
+        try:
+            os.kill(pid, 0)
+            alive = True
+        except PermissionError:
+            alive = True
+        except OSError:
+            alive = False
+    log.info(
+        "instance lock stale %s",
+        format_fields(
+            path=path,
+            pid=pid if pid is not None else text[:16],
+            pid_alive="yes (another process: it holds no lock)" if alive else "no",
+            action="take over",
+        ),
+    )
+
+
 class _Busy(Exception):
     def __init__(self, fd: int) -> None:
         super().__init__()
@@ -139,7 +193,7 @@ def hold_instance_lock(instance: str, env: Mapping[str, str], what: str) -> Inst
     name = lock_name(instance)
     errors = []
     for d in runtime_dirs(env):
-        if not _usable_dir(d):
+        if not usable_dir(d):
             errors.append(d)
             continue
         path = os.path.join(d, name)
@@ -159,7 +213,13 @@ def hold_instance_lock(instance: str, env: Mapping[str, str], what: str) -> Inst
             errors.append(f"{path}: {err.strerror or err}")
             continue
         assert fd is not None
+        _note_stale(fd, path)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        return InstanceLock(fd, path)
+        lock = InstanceLock(fd, path)
+        # Every exit of the interpreter removes the file, an error raised after
+        # the lock (exit 2, 3) included; only a signal's death (KILL, HUP)
+        # leaves it, and the next start takes it over (_note_stale).
+        atexit.register(lock.release)
+        return lock
     raise ConfigError(f"{what}: no directory for the instance lock: {'; '.join(errors)}")

@@ -2,7 +2,8 @@
 
 systemd passes `NOTIFY_SOCKET` (a path, or "@name" for the abstract
 namespace) to a Type=notify service; the service sends newline-separated
-KEY=VALUE datagrams: READY=1, STATUS=..., WATCHDOG=1, STOPPING=1. Without the
+KEY=VALUE datagrams: READY=1, STATUS=..., WATCHDOG=1, STOPPING=1, and
+RELOADING=1 (with MONOTONIC_USEC) before a config reload's READY=1. Without the
 variable every call is a no-op, so the daemon runs the same outside systemd.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 from collections.abc import Mapping
 
 log = logging.getLogger("placement_supervisor.sdnotify")
@@ -112,6 +114,17 @@ class Notifier:
 
     def watchdog(self) -> bool:
         return self.send(WATCHDOG="1")
+
+    def reloading(self, status: str, monotonic_usec: int | None = None) -> bool:
+        """RELOADING=1 with MONOTONIC_USEC (CLOCK_MONOTONIC now, in µs): sd_notify(3)
+        asks for both, and Type=notify-reload (systemd 253+) refuses a
+        RELOADING=1 without the timestamp. READY=1 ends the reload."""
+        usec = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
+        return self.send(
+            RELOADING="1",
+            MONOTONIC_USEC=str(usec if monotonic_usec is None else monotonic_usec),
+            STATUS=status,
+        )
 
     def stopping(self, status: str | None = None) -> bool:
         if status is None:

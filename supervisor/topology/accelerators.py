@@ -177,7 +177,7 @@ DISCOVERED: tuple[AcceleratorKind, ...] = tuple(k for k in KINDS if k.discovered
 # The `accelerator` config values: every kind, or auto.
 AUTO: Literal["auto"] = "auto"
 SETTINGS: tuple[AcceleratorSetting, ...] = get_args(AcceleratorSetting)
-# Every variable with the CUDA meaning of DESIGN 3.1, in kind order.
+# Every variable with the CUDA meaning of docs/contracts.md §1, in kind order.
 VISIBILITY_VARIABLES: tuple[str, ...] = tuple(v for k in KINDS for v in k.visibility)
 VENDOR_IDS: tuple[int, ...] = tuple(v for k in KINDS for v in k.vendor_ids)
 

@@ -18,6 +18,7 @@ from supervisor.errors import TopologyError
 from supervisor.hostfs import HostFS
 from supervisor.topology.cpus import parse_list_text
 from supervisor.topology.model import Allowed
+from supervisor.topology.mountinfo import map_cgroup_path, read_mounts
 
 STATUS = "proc/self/status"
 PROC_CGROUP = "proc/self/cgroup"
@@ -98,6 +99,30 @@ def _find_cpuset(
     return Cpuset(version, path or "/", None, None, ())
 
 
+def _read_mapped(fs: HostFS, line: CgroupLine) -> Cpuset | None:
+    """The cpuset of `line` in the dir /proc/self/mountinfo maps its path to (a
+    container's cgroupfs is mounted with its own cgroup as root); None when
+    mountinfo is absent or maps nothing, or the dir has no cpuset files."""
+    mounts = read_mounts(fs)
+    mapped = None if mounts is None else map_cgroup_path(mounts, line.controllers, line.path)
+    if mapped is None:
+        return None
+    version: Literal[1, 2] = 1 if line.controllers else 2
+    names = (
+        ("cpuset.effective_cpus", "cpuset.effective_mems")
+        if version == 1
+        else ("cpuset.cpus.effective", "cpuset.mems.effective")
+    )
+    cpus_rel, mems_rel = f"{mapped.rel}/{names[0]}", f"{mapped.rel}/{names[1]}"
+    cpus_text = fs.read_optional(cpus_rel)
+    if cpus_text is None:
+        return None  # the walk up (older kernels' names, or a v2 cgroup without cpuset)
+    cpus = parse_list_text(cpus_text, cpus_rel, "cpuset CPU list")
+    mems_text = fs.read_optional(mems_rel)
+    mems = None if mems_text is None else parse_list_text(mems_text, mems_rel, "cpuset mems")
+    return Cpuset(version, line.path or "/", cpus, mems, (cpus_rel, mems_rel))
+
+
 def read_cpuset(fs: HostFS) -> Cpuset | None:
     """The cpuset confining this process, or None when /proc/self/cgroup is absent."""
     text = fs.read_optional(PROC_CGROUP)
@@ -106,6 +131,9 @@ def read_cpuset(fs: HostFS) -> Cpuset | None:
     lines = parse_proc_cgroup(text)
     for line in lines:
         if "cpuset" in line.controllers:
+            mapped = _read_mapped(fs, line)
+            if mapped is not None:
+                return mapped
             cs = _find_cpuset(
                 fs, 1, V1_CPUSET_ROOT, line.path, ("cpuset.effective_cpus", "cpuset.effective_mems")
             )
@@ -116,6 +144,9 @@ def read_cpuset(fs: HostFS) -> Cpuset | None:
             return cs
     for line in lines:
         if line.hierarchy == 0 and not line.controllers:
+            mapped = _read_mapped(fs, line)
+            if mapped is not None:
+                return mapped
             # Pure cgroup2 mounts at sys/fs/cgroup; hybrid hosts at sys/fs/cgroup/unified.
             mount = (
                 "sys/fs/cgroup"

@@ -117,7 +117,7 @@ def device_order(device: Device) -> tuple[int, int]:
 
 def rank_order(device: Device) -> tuple[int, int, int]:
     """Sort key of visible devices into ranks: kind, then visibility ordinal
-    (DESIGN 3.3: rank r drives the r-th device of the list), then index; a
+    (docs/contracts.md §3: rank r drives the r-th device of the list), then index; a
     device without an ordinal counts by its index (PCI bus order)."""
     ordinal = device.index if device.ordinal is None else device.ordinal
     return (kind_rank(device.kind), ordinal, device.index)

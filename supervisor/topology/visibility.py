@@ -1,11 +1,11 @@
 """Which devices this supervisor's engine may use: the visibility variables, CUDA meaning (pure).
 
-DESIGN 3.1: unset = all; empty or "-1" = none; else comma-separated indices
+docs/contracts.md §1: unset = all; empty or "-1" = none; else comma-separated indices
 into the kind's devices (NVIDIA also "GPU-<uuid>", any unique prefix, as
 CUDA accepts). A negative entry ends the list, as in CUDA. A kind's
 variables (accelerators.AcceleratorKind.visibility) apply in order, each
 indexing into what the ones before it left. The list's order is the device
-ordinal the engine sees, and so the rank order (DESIGN 3.3).
+ordinal the engine sees, and so the rank order (docs/contracts.md §3).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from supervisor.errors import TopologyError
 from supervisor.topology.accelerators import BY_NAME, VISIBILITY_VARIABLES
 from supervisor.topology.model import Device
 
-# VISIBILITY_VARIABLES have the CUDA meaning of DESIGN 3.1. Discovery never
+# VISIBILITY_VARIABLES have the CUDA meaning of docs/contracts.md §1. Discovery never
 # reads os.environ itself: the CLI and the daemon hand them over.
 
 

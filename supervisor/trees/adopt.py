@@ -5,11 +5,14 @@ live in `supervisor.trees.rank_source`. `read_proc_facts` reads
 /proc/<pid>/{environ,cmdline,fd} through HostFS.
 `AdoptRunner` stands where a spawning `Runner` would for a rank of
 `[workers] spawned_by = "engine"`: it waits (state `waiting`) for the
-engine's tree to show a process its sources name, moves it into the rank's
-cgroup, binds every thread to the rank's CPUs, migrates its pages to the
-rank's nodes, and makes it the rank's pid, so the check loop checks,
-re-binds and migrates it like a spawned worker. When it exits the rank waits
-for the next one; the engine, not the supervisor, restarts workers.
+engine's tree to show a process its sources name, then adopts it: the pure
+`watch.adoption.decide_adoption` says what to do (join the rank's cgroups,
+every thread onto the rank's CPUs, pages onto its nodes) and the one
+`watch.apply.Applier` does it, identity checks included; it becomes the rank's
+pid, so the check loop checks, re-binds and migrates it like a spawned worker.
+When it exits the rank waits for the next one; the engine, not the supervisor,
+restarts workers. `AdoptingFleet` is the daemon's fleet of such ranks and the
+engine (supervisor.run.fleet).
 """
 
 from __future__ import annotations
@@ -21,26 +24,30 @@ import os
 import signal
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
-from concurrent.futures import Executor
-from dataclasses import dataclass, replace
+from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass
 
 from supervisor.bind.binder import Binder
 from supervisor.config import ProcessConfig
-from supervisor.errors import Gone, KernelError, translate_oserror
+from supervisor.errors import KernelError
 from supervisor.events import Recorder
 from supervisor.hostfs import HostFS
-from supervisor.plan.keys import key_label
-from supervisor.plan.placement import Placement
-from supervisor.procfs.files import read_cmdline, read_environ
-from supervisor.procfs.identity import ProcessId
-from supervisor.run.runner import Runner, Runtime, first_of
-from supervisor.run.spec import ChildSpec
-from supervisor.state import BindTarget
+from supervisor.plan.in_force import PlanInForce
+from supervisor.plan.keys import ProcKey, key_label
+from supervisor.plan.placement import Placement, Slot
+from supervisor.procfs.files import list_tids, read_cmdline, read_environ
+from supervisor.procfs.identity import ProcessId, read_thread_start
+from supervisor.run.fleet import RunnerFleet, plan_keys
+from supervisor.run.procs import first_of
+from supervisor.run.runner import Runner, Runtime
+from supervisor.run.spec import SpecOf
 from supervisor.topology.device_minors import device_rank_by_number, read_char_devices
 from supervisor.trees.kind_rules import rules_for
 from supervisor.trees.naming import Verdict, decide_rank, waiting_warnings
 from supervisor.trees.rank_source import ProcFacts, RankSource, bdf_ranks, rank_tables
 from supervisor.trees.tree import Member, ReadFailures
+from supervisor.watch.adoption import Adoptee, AdoptResult, adoption_result, decide_adoption
+from supervisor.watch.apply import Applier, CgroupsLike
 
 log = logging.getLogger("placement_supervisor.adopt")
 
@@ -93,74 +100,50 @@ class Candidate:
         return ProcessId(self.pid, self.start_time)
 
 
-@dataclass(frozen=True, slots=True)
-class AdoptResult:
-    cpus: tuple[int, ...]  # every thread's affinity read back (union)
-    cgroup: str | None
-    errors: tuple[tuple[BindTarget, str], ...]  # (target, message)
-    moved: int  # processes moved into the cgroup (the worker and its descendants)
-    pages_left: int = 0
-
-
 def _set_done(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_result(None)
 
 
+def read_adoptees(fs: HostFS, candidate: Candidate, pids: Sequence[int]) -> list[Adoptee]:
+    """The candidate (first) and each of `pids` still running, with their threads'
+    start times: what the Applier checks before each write. Blocking."""
+    out: list[Adoptee] = []
+    for pid in pids:
+        if pid == candidate.pid:
+            start: int | None = candidate.start_time
+        else:
+            ident = ProcessId.read(fs, pid)
+            if ident is None:
+                continue  # exited meanwhile
+            start = ident.start_time
+        try:
+            tids = list_tids(fs, pid)
+        except OSError:
+            tids = []
+        threads = ((tid, read_thread_start(fs, pid, tid)) for tid in tids)
+        out.append(Adoptee(pid, start, tuple((t, ts) for t, ts in threads if ts is not None)))
+    return out
+
+
 def adopt_process(  # noqa: PLR0917 - one call site, run in the executor
     fs: HostFS,
-    binder: Binder,
+    applier: Applier,
+    key: ProcKey,
     candidate: Candidate,
     pids: Sequence[int],
-    cgroup_dirs: Sequence[str],
-    cpus: Sequence[int],
-    mems: Sequence[int],
+    slot: Slot,
     all_nodes: Sequence[int],
+    join: bool,
 ) -> AdoptResult:
-    """Move `pids` (the candidate first, then its descendants) into the rank's
-    cgroups, bind each of their threads to `cpus`, migrate the candidate's
-    pages onto `mems`. Blocking (the executor). Raises Gone when the candidate
-    is no longer the process it was."""
+    """Read the candidate (`pids`: it, then its descendants), decide its adoption
+    (pure) and carry it out through the Applier. Blocking (the executor)."""
     if not candidate.id.is_running(fs):
-        raise translate_oserror(f"pid {candidate.pid}", OSError(3, "No such process"))
-    errors: list[tuple[BindTarget, str]] = []
-    moved = 0
-    # The cgroup first: its cpuset then bounds whatever the process does next.
-    # Writing a pid to cgroup.procs moves all of its threads (cgroups(7)).
-    for pid in pids:
-        ok = True
-        for directory in cgroup_dirs:
-            try:
-                with open(os.path.join(directory, "cgroup.procs"), "w") as f:
-                    f.write(str(pid))
-            except OSError as err:
-                ok = False
-                if pid == candidate.pid:
-                    errors.append(("cgroup", str(translate_oserror(directory, err))))
-        moved += ok
-    seen: set[int] = set()
-    for pid in pids:
-        try:
-            done = binder.set_process_affinity(pid, cpus)
-        except Gone:
-            continue
-        except KernelError as err:
-            errors.append(("process", str(err)))
-            continue
-        for kept in done.bound.values():
-            seen.update(kept)
-        for tid, failure in done.failed.items():
-            errors.append(("thread", f"tid {tid}: {failure}"))
-    left = 0
-    remote = sorted(set(all_nodes) - set(mems))
-    if remote and mems:
-        try:
-            left = binder.migrate_pages(candidate.pid, remote, mems)
-        except KernelError as err:
-            errors.append(("memory", str(err)))
-    return AdoptResult(
-        tuple(sorted(seen)), cgroup_dirs[0] if cgroup_dirs else None, tuple(errors), moved, left
-    )
+        return AdoptResult(True, (), (), 0)
+    adoptees = read_adoptees(fs, candidate, pids)
+    decision = decide_adoption(key, adoptees, slot, all_nodes, join=join)
+    (out,) = applier.apply([decision], {key: candidate.start_time})
+    return adoption_result(decision, out, len(adoptees))
 
 
 # -- the rank's runner ------------------------------------------------------------------
@@ -169,14 +152,16 @@ def adopt_process(  # noqa: PLR0917 - one call site, run in the executor
 class AdoptRunner(Runner):
     """A rank whose worker the engine spawns: adopt, watch, wait for the next one."""
 
-    def __init__(
+    def __init__(  # noqa: PLR0917 - made in one place, AdoptingFleet
         self,
         rt: Runtime,
-        spec: ChildSpec,
+        key: ProcKey,
+        spec_of: SpecOf,
         all_nodes: Sequence[int],
+        applier: Applier,
         executor: Executor | None = None,
     ) -> None:
-        super().__init__(rt, spec)
+        super().__init__(rt, key, spec_of)
         # The binds of an adoption run here: a thread of their own (the daemon's
         # pool may be busy with a check pass) keeps fork-to-bound short.
         self.bind_executor = executor if executor is not None else rt.executor
@@ -185,7 +170,7 @@ class AdoptRunner(Runner):
         self.seen: set[tuple[int, int]] = set()  # adopted before (an offer may come twice)
         self.cgroup_dirs: tuple[str, ...] = ()
         self.all_nodes = tuple(all_nodes)
-        self.binder = Binder(rt.fs)
+        self.applier = applier
         self.recorder = Recorder(rt.store, log)  # its lines under this module's logger
         # The rank the sources give a pid now (the Adopter's `resolve`).
         self.names: Callable[[int], int | None] = lambda pid: None
@@ -259,20 +244,19 @@ class AdoptRunner(Runner):
             pids += trees.descendants(candidate.pid)
         slot = self.spec.slot
         self.adopted = candidate
-        try:
-            result = await loop.run_in_executor(
-                self.bind_executor,
-                adopt_process,
-                self.rt.fs,
-                self.binder,
-                candidate,
-                pids,
-                self.cgroup_dirs,
-                slot.cpus,
-                slot.mems,
-                self.all_nodes,
-            )
-        except KernelError:
+        result = await loop.run_in_executor(
+            self.bind_executor,
+            adopt_process,
+            self.rt.fs,
+            self.applier,
+            self.key,
+            candidate,
+            pids,
+            slot,
+            self.all_nodes,
+            bool(self.cgroup_dirs),
+        )
+        if result.gone:
             self.adopted = None
             return False  # gone before we got to it
         if not candidate.id.is_running(self.rt.fs):
@@ -281,8 +265,8 @@ class AdoptRunner(Runner):
         self.seen.add((candidate.pid, candidate.start_time))
         if trees is not None:
             trees.set_root(self.key, candidate.pid, candidate.start_time, adopted=True)
-        for target, message in result.errors:
-            self.record_bind_failure(target, "error", message)
+        for target, reason, message in result.errors:
+            self.record_bind_failure(target, reason, message)
         bound = not result.errors and result.cpus == tuple(sorted(slot.cpus))
         self.set_status(
             state="running",
@@ -290,8 +274,9 @@ class AdoptRunner(Runner):
             start_time=candidate.start_time,
             ppid=candidate.ppid,
             adopted=True,
-            cgroup=result.cgroup,
+            cgroup=self.cgroup_dirs[0] if self.cgroup_dirs else None,
             bound=bound,
+            cpus_bound=result.cpus == tuple(sorted(slot.cpus)),
             mempolicy=None,
         )
         self.ready.set()
@@ -301,7 +286,7 @@ class AdoptRunner(Runner):
             pid=candidate.pid,
             ppid=candidate.ppid,
             cpus=result.cpus,
-            cgroup=result.cgroup,
+            cgroup=self.cgroup_dirs[0] if self.cgroup_dirs else None,
             moved=result.moved,
             bound=bound,
         )
@@ -475,10 +460,7 @@ class Adopter:
             verdict = self.verdicts.get(m.pid)
             expected = verdict is None or verdict.expected or self.rules is None
             if passes == UNNAMED_AFTER_PASSES and expected:
-                counters = self.rt.store.snapshot.counters
-                self.rt.store.update(
-                    counters=replace(counters, unnamed_processes=counters.unnamed_processes + 1)
-                )
+                self.recorder.unnamed(m.pid, m.start_time)
         self.named &= live
         for ident in list(self.unnamed_passes):
             if ident not in live:
@@ -536,3 +518,42 @@ class Adopter:
                 titles=",".join(w.titles),
                 action="keep waiting",
             )
+
+
+# -- the fleet ------------------------------------------------------------------------------
+
+
+class AdoptingFleet(RunnerFleet):
+    """The engine, spawned by the daemon, and one `AdoptRunner` per rank, whose
+    worker the engine spawns and the `Adopter` names for the tree keeper."""
+
+    def __init__(
+        self,
+        rt: Runtime,
+        plan: PlanInForce,
+        spec_of: SpecOf,
+        workers: ProcessConfig,
+        cgroups: CgroupsLike | None,
+        *,
+        engine: ProcessConfig | None = None,
+    ) -> None:
+        # The binds of adoptions run on a thread of their own (the daemon's pool
+        # may be busy with a check pass): it keeps fork-to-bound short.
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="ps-adopt")
+        applier = Applier(rt.fs, Binder(rt.fs), None, cgroups)
+        nodes = [n.id for n in plan.topology.nodes]
+        runners: list[Runner] = []
+        ranks: dict[int, AdoptRunner] = {}
+        for key in plan_keys(plan):
+            if key == "engine":
+                runners.append(Runner(rt, key, spec_of))
+            else:
+                ranks[key] = AdoptRunner(rt, key, spec_of, nodes, applier, self.executor)
+                runners.append(ranks[key])
+        super().__init__(rt, plan, runners)
+        self.naming = Adopter(rt, ranks, workers, plan.placement, engine=engine)
+        self.adopter = self.naming
+        self.on_refresh = self.naming.note_pass
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)

@@ -13,17 +13,19 @@ What the kernel offers, and what it does not:
   included), the kernel closes the write end, the guardian reads EOF and
   SIGKILLs every process in those cgroups (`cgroup.kill` where v2 has it)
   and every listed process still the same (pid + start time), then removes
-  the cgroups. A clean stop writes "bye" first, and the guardian exits
-  without killing.
+  the cgroups, then puts the IRQs the daemon moved back from its checkpoint
+  file (supervisor.bind.irq_checkpoint) and removes that. A clean stop writes
+  "bye" first, and the guardian exits without killing.
 - What cannot be covered: a SIGKILL of the guardian and the daemon together
   (`kill -9 -PGID` of both, the OOM killer taking both). The daemon's next
   start then ends what its instance's cgroups still hold (`sweep_leftovers`)
-  and says so; processes without a cgroup are beyond reach then.
+  and says so, and restores the IRQ checkpoint; processes without a cgroup
+  are beyond reach then.
   Under systemd, KillMode=control-group also ends the unit's whole cgroup.
 
 The guardian is `python -I -S -c GUARDIAN_STUB` (standard library only).
 Protocol, one line each: "cgroup DIR" (it and every cgroup below it), "pid PID START",
-"forget PID", "bye".
+"forget PID", "irqs PID PATH" (the IRQ checkpoint file that daemon PID writes), "bye".
 """
 
 from __future__ import annotations
@@ -38,8 +40,9 @@ import sys
 import time
 
 from supervisor.bind.cgroup import SUPERVISOR_LEAF, CgroupManager
+from supervisor.bind.irq_checkpoint import restore_checkpoint
 from supervisor.hostfs import HostFS
-from supervisor.logs import format_fields
+from supervisor.logs import format_fields, setup_logging
 from supervisor.procfs.identity import ProcessId
 from supervisor.procfs.stat import read_proc_stat
 from supervisor.trees.tree import read_cgroup_procs
@@ -111,10 +114,17 @@ def guardian_main() -> None:
         signal.signal(signum, signal.SIG_IGN)  # only the daemon's death ends us
     cgroups: dict[str, None] = {}
     pids: dict[int, int] = {}
+    checkpoint: tuple[int, str] | None = None  # (its writer's pid, its path)
     clean = False
     for raw in sys.stdin.buffer:
-        words = raw.decode(errors="replace").split()
+        line = raw.decode(errors="replace")
+        words = line.split()
         if not words:
+            continue
+        if words[0] == "irqs" and len(words) >= 3 and words[1].isdigit():
+            # The pid comes with it: a daemon may die before this process has
+            # even started, and then our parent is no longer the writer.
+            checkpoint = int(words[1]), line.rstrip("\n").split(" ", 2)[2]  # spaces in a path
             continue
         if words[0] == "bye":
             clean = True
@@ -144,6 +154,17 @@ def guardian_main() -> None:
         f"guardian: supervisor gone pid={supervisor_pid} killed={killed} "
         f"cgroups={len(cgroups)} action=ended its trees\n"
     )
+    if checkpoint is not None:
+        restore_irqs(checkpoint[1], checkpoint[0])
+
+
+def restore_irqs(checkpoint: str, daemon: int) -> None:
+    """The dead daemon's IRQs back from its checkpoint (only its own: `daemon` wrote it)."""
+    setup_logging()
+    try:
+        restore_checkpoint(HostFS("/"), checkpoint, owner=daemon)
+    except Exception as err:  # the guardian's last act: say it, never a traceback
+        sys.stderr.write(f"guardian: irq restore failed path={checkpoint} error={err!r}\n")
 
 
 # -- the daemon's side ----------------------------------------------------------------
@@ -209,6 +230,11 @@ class Guardian:
         if pid not in self._sent_pids:
             self._sent_pids.add(pid)
             self._send(f"pid {pid} {start_time}")
+
+    def irq_checkpoint(self, path: str, writer: int) -> None:
+        """The IRQ checkpoint file that `writer` (the daemon's pid) keeps: restored by
+        the guardian if the daemon dies unclean."""
+        self._send(f"irqs {writer} {path}")
 
     def forget(self, pid: int) -> None:
         if pid in self._sent_pids:

@@ -37,7 +37,7 @@ from supervisor.hostfs import HostFS
 from supervisor.logs import format_fields
 from supervisor.plan.keys import ProcKey, key_label
 from supervisor.procfs.identity import ProcessId
-from supervisor.procfs.stat import read_proc_stat
+from supervisor.procfs.stat import read_proc_stat, scan_pids, scan_procs
 from supervisor.state import StateStore, TreeMember
 from supervisor.trees.guardian import Guardian
 from supervisor.trees.proc_events import ProcEvent, ProcEvents, open_proc_events
@@ -48,8 +48,6 @@ from supervisor.trees.tree import (
     assign_owners,
     read_cgroup_procs,
     read_member_info,
-    scan_pids,
-    scan_procs,
 )
 
 log = logging.getLogger("placement_supervisor.trees")

@@ -3,7 +3,7 @@
 `env:NAME` (the integer value of NAME in its environment), `cmdline:REGEX`
 (group 1 of a search in its command line, words joined by single spaces:
 setproctitle rewrites it, and comm is cut at 15 bytes), `device` (the
-accelerator device node it holds open). DESIGN 3.6.
+accelerator device node it holds open). docs/contracts.md §6.
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ parent, so torchrun's workers stay under torchrun; an orphan reparented to
 the daemon (a child subreaper, prctl(2) PR_SET_CHILD_SUBREAPER) is no
 longer under its owner by PPid, so a member, once seen, stays its owner's
 until it exits. Processes are always pid + start time (/proc/PID/stat field 22).
-`assign_owners` is pure; `scan_procs`, `scan_pids` and `read_member_info` read /proc.
+`assign_owners` is pure; `read_member_info` reads /proc (the process table itself is
+`supervisor.procfs.stat.scan_procs`).
 """
 
 from __future__ import annotations
@@ -17,14 +18,15 @@ import logging
 import os
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
+from supervisor.events import Recorder
 from supervisor.hostfs import HostFS
 from supervisor.logs import format_fields
 from supervisor.plan.keys import ProcKey
 from supervisor.procfs.files import read_cmdline
 from supervisor.procfs.identity import ProcessId
-from supervisor.procfs.stat import ProcStat, parse_proc_stat
+from supervisor.procfs.stat import ProcStat, children_map
 from supervisor.state import StateStore, TreeMember
 
 CMDLINE_MAX_CHARS = 512  # /placement shows this much of a member's command line
@@ -50,39 +52,10 @@ class Member:
     owner: ProcKey
 
 
-def scan_procs(fs: HostFS) -> dict[int, ProcStat]:
-    """Every process's /proc/<pid>/stat (threads are not listed in /proc itself)."""
-    return scan_pids(fs, (int(name) for name in fs.listdir("proc") if name.isdigit()))
-
-
-def scan_pids(fs: HostFS, pids: Iterable[int]) -> dict[int, ProcStat]:
-    """/proc/<pid>/stat of `pids` alone (those still there): a tree pass scoped
-    to the trees' cgroups reads a few dozen files, not every process of the host."""
-    table: dict[int, ProcStat] = {}
-    for pid in pids:
-        text = fs.read_optional(f"proc/{pid}/stat")
-        if text is None:
-            continue
-        try:
-            stat = parse_proc_stat(text)
-        except ValueError:
-            continue
-        table[stat.pid] = stat
-    return table
-
-
 def read_cgroup_procs(fs: HostFS, cgroup_dir: str) -> list[int]:
     """The pids in a cgroup (cgroup.procs); [] when it is gone."""
     text = fs.read_optional(f"{cgroup_dir}/cgroup.procs") or ""
     return [int(word) for word in text.split() if word.isdigit()]
-
-
-def children_map(table: Mapping[int, ProcStat]) -> dict[int, list[int]]:
-    """ppid -> child pids (pure)."""
-    out: dict[int, list[int]] = {}
-    for stat in table.values():
-        out.setdefault(stat.ppid, []).append(stat.pid)
-    return out
 
 
 def assign_owners(
@@ -165,16 +138,13 @@ class ReadFailures:
     Called on the event loop (the store's one writer)."""
 
     def __init__(self, store: StateStore, logger: logging.Logger) -> None:
-        self.store = store
+        self.recorder = Recorder(store, logger)
         self.log = logger
         self.next_log_at = 0.0
         self.held_back = 0
 
     def note(self, pid: int, error: object) -> None:
-        counters = self.store.snapshot.counters
-        self.store.update(
-            counters=replace(counters, process_read_failures=counters.process_read_failures + 1)
-        )
+        self.recorder.process_read_failed()
         now = time.monotonic()
         if now < self.next_log_at:
             self.held_back += 1

@@ -1,15 +1,17 @@
 """Carry out the check loop's decisions through bind/ (blocking: run in the executor).
 
-`Applier.apply(decisions)` makes every thread bind, memory migration and IRQ
-re-write of a pass, each failure isolated to its thread, process or IRQ set,
+`Applier.apply(decisions)` makes every cgroup join (an adoption's), thread
+bind, memory migration and IRQ re-write of a pass or of an adoption, each
+failure isolated to its process, thread or IRQ set,
 and returns one `settle.Outcomes` per decision. It touches a tid only while
 it is still the thread the scan saw: before and after each write it checks
 the tid's Tgid and start time (a tid handed to an unrelated process is never
 written; issue 11): the Tgid is the tree member the thread runs in where the
 bind names one, else the decision's process. A pid is checked by its start
-time before its pages move.
+time before it joins a cgroup or its pages move.
 `update_cgroups` sets the instance dir and the moved processes' cgroups to a
-new plan. Nothing here writes the StateStore.
+new plan; `repair_cgroup` puts back a process's own cgroup that someone else
+removed or rewrote. Nothing here writes the StateStore.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from supervisor.errors import Gone, KernelError, translate_oserror
 from supervisor.hostfs import HostFS
 from supervisor.logs import format_fields
 from supervisor.plan.keys import ProcKey, key_label
-from supervisor.plan.placement import Slot
+from supervisor.plan.placement import Placement, Slot
 from supervisor.plan.replan import AllowedSet
 from supervisor.procfs.identity import is_leader_since, is_thread_of
 from supervisor.watch.decide import Decision, MemoryMove, ThreadBind
@@ -44,6 +46,8 @@ class CgroupsLike(Protocol):
     made: dict[ProcKey, ProcessCgroup]
 
     def create(self, key: ProcKey, slot: Slot) -> tuple[str, ...]: ...
+
+    def repair(self, key: ProcKey, slot: Slot, pids: Sequence[int]) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,25 +76,77 @@ class Applier:
     # -- one pass ------------------------------------------------------------------
 
     def apply(
-        self, decisions: Sequence[Decision], starts: Mapping[ProcKey, int | None]
+        self,
+        decisions: Sequence[Decision],
+        starts: Mapping[ProcKey, int | None],
+        placement: Placement | None = None,
     ) -> list[Outcomes]:
-        """Every bind of a pass. `starts`: each process's start time (pid reuse)."""
+        """Every bind of a pass. `starts`: each process's start time (pid reuse);
+        `placement`: the plan in force, whose IRQs a decision's re-write puts back."""
         out: list[Outcomes] = []
         for d in decisions:
             start = starts.get(d.key)
-            if (d.binds or d.moves) and not is_leader_since(self.fs, d.pid, start):
+            if (d.binds or d.moves or d.joins or d.cgroup) and not is_leader_since(
+                self.fs, d.pid, start
+            ):
                 # The pid names another process now (reaped and reused): nothing of
                 # it is ours. Its runner reports the exit.
                 gone = Outcome(gone=True)
-                out.append(Outcomes(dict.fromkeys((b.tid for b in d.binds), gone)))
+                out.append(Outcomes(dict.fromkeys((b.tid for b in d.binds), gone), gone=True))
                 continue
+            # The cgroups first: their cpuset then bounds whatever the process does
+            # next (and a thread bind outside a wrong cpuset would fail).
+            cgroup = self.repair_cgroup(d) if d.cgroup is not None else None
+            joins = tuple(self.join(d.key, pid, since) for pid, since in d.joins)
             threads = {
                 b.tid: self.bind_thread(d.pid if b.pid is None else b.pid, b) for b in d.binds
             }
             moves = tuple(self.migrate(d.pid, starts.get(d.key), m) for m in d.moves)
-            irq = self.enforce_irqs(d.key) if d.irq_reason is not None else None
-            out.append(Outcomes(threads, moves, irq))
+            irq = (
+                self.enforce_irqs(d.key, placement)
+                if d.irq_reason is not None and placement is not None
+                else None
+            )
+            out.append(Outcomes(threads, moves, irq, joins, cgroup=cgroup))
         return out
+
+    def join(self, key: ProcKey, pid: int, start_time: int | None) -> Outcome:
+        """Move process `pid` into the cgroups of `key`, only while it is the process
+        that started at `start_time`."""
+        cgroups = self.cgroups
+        pc = cgroups.made.get(key) if cgroups is not None else None
+        if cgroups is None or pc is None:
+            return Outcome()
+        if not is_leader_since(self.fs, pid, start_time):
+            return Outcome(gone=True)
+        try:
+            cgroups.manager.join(pc, pid)
+        except Gone:
+            return Outcome(gone=True)
+        except KernelError as err:
+            return Outcome(error=err)
+        return Outcome()
+
+    def repair_cgroup(self, d: Decision) -> Outcome:
+        """Re-make/repair the process's own cgroup and put its processes back in."""
+        if self.cgroups is None or d.cgroup is None:
+            return Outcome(gone=True)
+        r = d.cgroup
+        try:
+            self.cgroups.repair(d.key, Slot(r.cpus, r.mems), r.pids)
+        except KernelError as err:
+            return Outcome(error=err)
+        log.info(
+            "cgroup repaired %s",
+            format_fields(
+                rank=key_label(d.key),
+                cpus=format_cpulist(r.cpus),
+                mems=format_cpulist(r.mems),
+                pids=",".join(map(str, r.pids)),
+                reason=r.reason,
+            ),
+        )
+        return Outcome()
 
     def bind_thread(self, pid: int, b: ThreadBind) -> Outcome:
         """sched_setaffinity(2) on `b.tid`, only while it is the thread of `pid` the
@@ -135,11 +191,11 @@ class Applier:
         except KernelError as err:
             return Outcome(error=err)
 
-    def enforce_irqs(self, key: ProcKey) -> Outcome:
+    def enforce_irqs(self, key: ProcKey, placement: Placement) -> Outcome:
         if self.irqs is None:
             return Outcome()
         try:
-            outcomes = self.irqs.enforce(key)
+            outcomes = self.irqs.enforce(key, placement)
         except KernelError as err:
             return Outcome(error=err)
         except Exception as err:  # the keeper's bug stays the keeper's
@@ -154,47 +210,17 @@ class Applier:
     def update_cgroups(
         self, allowed: AllowedSet, slots: Mapping[ProcKey, Slot], moved: Iterable[ProcKey]
     ) -> list[tuple[ProcKey | None, KernelError]]:
-        """Instance dir (v1) to the new allowed set, then each moved process's cgroup.
-
-        cgroup v1: the kernel refuses (EBUSY) to shrink a cpuset below the
-        CPUs of a child (Documentation/admin-guide/cgroup-v1/cpusets.rst), so
-        on a shrink the children go first; on growth the instance dir does.
-        """
+        """Each moved process's cgroup to the new plan (a no-op on v1, which has no
+        per-process cpusets: supervisor.bind.cgroup). `allowed` is the new allowed set."""
         cgroups = self.cgroups
         if cgroups is None:
             return []
         failed: list[tuple[ProcKey | None, KernelError]] = []
-        manager = cgroups.manager
-        keys = [k for k in moved if k in cgroups.made]
-
-        def update_children() -> None:
-            for key in keys:
-                if any(k == key for k, _ in failed):
-                    continue
-                try:
-                    cgroups.create(key, slots[key])
-                except KernelError as err:
-                    failed.append((key, err))
-
-        if manager.setup.version == 1 and cgroups.made:
+        for key in moved:
+            if key not in cgroups.made:
+                continue
             try:
-                self._write_instance(manager, allowed)
-            except KernelError:
-                update_children()
-                try:
-                    self._write_instance(manager, allowed)
-                except KernelError as err:
-                    failed.append((None, err))
-        update_children()
+                cgroups.create(key, slots[key])
+            except KernelError as err:
+                failed.append((key, err))
         return failed
-
-    @staticmethod
-    def _write_instance(manager: CgroupManager, allowed: AllowedSet) -> None:
-        inst = manager.instance_dirs[0]
-        # Mems first on growth, so the cpus write never meets an empty mems.
-        for name, values in (("cpuset.mems", allowed.mems), ("cpuset.cpus", allowed.cpus)):
-            rel = f"{inst}/{name}"
-            try:
-                manager.fs.write_text(rel, format_cpulist(values))
-            except OSError as err:
-                raise translate_oserror(manager.fs.path(rel), err) from None

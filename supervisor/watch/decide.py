@@ -60,6 +60,7 @@ ENFORCED_KINDS: tuple[DriftKind, ...] = (
     "memory_locality",
     "irq_affinity",
     "self_rebind",
+    "cgroup",
 )
 # Findings about one thread's CPUs: a thread off its role, or a process that
 # bound all of itself outside its slot (vLLM --numa-bind, SGLang's numactl).
@@ -174,6 +175,17 @@ class MemoryMove:
 
 
 @dataclass(frozen=True, slots=True)
+class CgroupRepair:
+    """Make the process's own cgroup as planned again (re-made where removed) and
+    put its processes back in: the main pid first, then its tree's members."""
+
+    cpus: tuple[int, ...]
+    mems: tuple[int, ...]
+    pids: tuple[int, ...]
+    reason: Literal["api", "cgroup"] = "cgroup"
+
+
+@dataclass(frozen=True, slots=True)
 class Note:
     """Something decided that is worth an event (and a log line), counted nowhere."""
 
@@ -194,7 +206,10 @@ class Decision:
     moves: tuple[MemoryMove, ...] = ()
     irq_reason: RebindReason | None = None  # re-write this process's drifted IRQs
     notes: tuple[Note, ...] = ()
+    cgroup: CgroupRepair | None = None  # before the thread binds: they need its cpuset
     state: RepairState = field(default_factory=RepairState)
+    # (pid, start time) to move into the process's cgroups, before any bind (adoption)
+    joins: tuple[tuple[int, int | None], ...] = ()
 
 
 # -- deciding -------------------------------------------------------------------------
@@ -227,6 +242,7 @@ def decide(
     binds: list[ThreadBind] = []
     moves: list[MemoryMove] = []
     irq_reason: RebindReason | None = None
+    cgroup: CgroupRepair | None = None
     for f in findings:
         if f.kind in THREAD_KINDS:
             tid = target_id(f)
@@ -268,6 +284,14 @@ def decide(
                 moves.append(move)
         elif f.kind == "irq_affinity" and f.action == "enforce":
             irq_reason = "api" if policy.force else "irq_affinity"
+        elif f.kind == "cgroup" and f.action == "enforce" and cgroup is None:
+            members = sorted({t.pid for t in obs.threads if t.pid is not None} - {seen.pid})
+            cgroup = CgroupRepair(
+                tuple(sorted(set(slot.cpus))),
+                tuple(sorted(set(slot.mems))),
+                (seen.pid, *members),
+                "api" if policy.force else "cgroup",
+            )
     if policy.cause == "cpuset_changed":
         reported = set(state.reported)
         if policy.move_memory:
@@ -298,7 +322,8 @@ def decide(
         tuple(moves),
         irq_reason,
         tuple(w.notes),
-        RepairState(
+        cgroup=cgroup,
+        state=RepairState(
             placed=_placed(state, obs, drift_tids),
             bound=_live(state.bound, obs),
             reported=frozenset(reported),

@@ -2,7 +2,7 @@
 
 `diff()` compares one process's `Observation` with its `Slot` and returns
 `Finding`s (thread_affinity, self_rebind, memory_locality, irq_affinity,
-process_gone);
+process_gone, cgroup);
 `irq_drifted()` is the one IRQ drift rule (the IRQ keeper uses it too).
 `apply_policy()` marks each finding "observe" or "enforce" per the config's
 `[drift.policy]`. No I/O: supervisor.watch.decide calls these.
@@ -17,7 +17,7 @@ from typing import Literal
 from supervisor.cpulist import format_cpulist
 from supervisor.plan.placement import Slot
 from supervisor.plan.threads import thread_verdict
-from supervisor.state import Finding, Observation, ThreadObservation
+from supervisor.state import CgroupObservation, Finding, Observation, ThreadObservation
 
 PolicyAction = Literal["observe", "enforce"]
 
@@ -42,6 +42,9 @@ def diff(
     - memory_locality: the local memory ratio is below `threshold`.
     - irq_affinity: an IRQ's effective CPUs are not within its planned CPUs
       (an IRQ observed with no CPUs is gone and skipped). target "irq <n>".
+    - cgroup: the process's own cgroup differs from what the supervisor made
+      (`cgroup_findings`): someone else removed it, rewrote its cpuset, or
+      moved the process out.
     """
     if not process_alive:
         return (Finding("process_gone", "process", "running", "exited"),)
@@ -64,6 +67,8 @@ def diff(
                 )
             )
     findings = _self_rebind(slot, observation, findings)
+    if observation.cgroup is not None:
+        findings.extend(cgroup_findings(slot, observation.cgroup))
     ratio = observation.local_memory_ratio
     if ratio is not None and ratio < threshold:
         findings.append(
@@ -85,6 +90,30 @@ def diff(
                 )
             )
     return tuple(findings)
+
+
+def cgroup_findings(slot: Slot, cg: CgroupObservation) -> list[Finding]:
+    """What someone else changed in a process's own cgroup (kind "cgroup").
+
+    Targets: "cgroup" (its dirs removed; the process then runs outside the
+    instance's cgroups), "cgroup cpuset.cpus" / "cgroup cpuset.mems" (v2: a
+    cpuset rewritten, narrower, wider or elsewhere: any difference from the
+    slot), "cgroup.procs" (the process moved out of a dir that is still there).
+    """
+    if cg.missing:
+        return [Finding("cgroup", "cgroup", "present", "removed: " + " ".join(cg.missing))]
+    out: list[Finding] = []
+    for name, want, got in (
+        ("cpuset.cpus", slot.cpus, cg.cpus),
+        ("cpuset.mems", slot.mems, cg.mems),
+    ):
+        if got is not None and got != tuple(sorted(set(want))):
+            out.append(
+                Finding("cgroup", f"cgroup {name}", format_cpulist(want), format_cpulist(got))
+            )
+    if cg.outside:
+        out.append(Finding("cgroup", "cgroup.procs", "in its cgroup", "outside"))
+    return out
 
 
 def irq_drifted(delivered: Iterable[int], planned: Iterable[int]) -> bool:

@@ -1,8 +1,9 @@
 """The IRQ keeper: keeps every rank's planned IRQs on its `irq` CPUs (does I/O:
 /proc/irq through IrqBinder, irqbalance's control socket).
 
-`IrqKeeper` writes the IRQ plan the Placement carries (`RankPlacement.irqs`,
-made by the planner through supervisor.plan.irqs; it plans nothing itself),
+`IrqKeeper` writes the IRQ plan of the placement it is handed at each call
+(`RankPlacement.irqs`, made by the planner through supervisor.plan.irqs: the
+plan in force, supervisor.plan.in_force; it plans nothing and holds no plan),
 reads it back with the one reader (`observe.read_irq_delivery`), reports drift
 by the one rule (`drift.irq_drifted`), re-writes on request and puts the
 originals back when the daemon stops. Its methods block (file writes, a unix
@@ -30,6 +31,7 @@ from supervisor.bind.irq import (
     detect_irqbalance,
     read_banned_irqs,
 )
+from supervisor.bind.irq_checkpoint import IrqCheckpoint
 from supervisor.config import IrqConfig
 from supervisor.cpulist import format_cpulist
 from supervisor.errors import Denied, KernelError
@@ -87,8 +89,8 @@ class IrqOutcome:
 class IrqKeeper:
     """Keeps every rank's planned IRQs on its `irq` CPUs for the daemon's lifetime.
 
-    The IRQs are the placement's (`RankPlacement.irqs`, given to the
-    constructor and to `replan`); `config` says only whether to write them
+    The IRQs are those of the placement each call is given (`RankPlacement.irqs`
+    of the plan in force); `config` says only whether to write them
     (`enabled`) and how to treat irqbalance. Blocking: every public method
     reads or writes /proc/irq (and may talk to irqbalance's socket), so the
     daemon calls them through `loop.run_in_executor`. Calls are serialised by
@@ -101,13 +103,15 @@ class IrqKeeper:
     /proc/irq (Denied) turns IRQ binding off for the run with one warning.
     """
 
-    def __init__(self, fs: HostFS, placement: Placement, config: IrqConfig) -> None:
+    def __init__(
+        self, fs: HostFS, config: IrqConfig, *, checkpoint: IrqCheckpoint | None = None
+    ) -> None:
         self.fs = fs
         self.config = config
-        self.binder = IrqBinder(fs)
+        # With a checkpoint, every original is in its file before our first write.
+        self.binder = IrqBinder(fs, checkpoint)
         self._lock = threading.Lock()
         self._facts: list[IrqFact] = []
-        self._plan = _irq_plan(placement)
         self._status: dict[int, IrqStatus] = {}
         self._reported: set[tuple[int, str]] = set()  # (irq, reason) failures already counted
         self._moved: dict[int, tuple[int, ...]] = {}  # IRQs seen off their CPUs, and where
@@ -140,7 +144,8 @@ class IrqKeeper:
         )
 
     def __repr__(self) -> str:
-        return f"IrqKeeper({self.fs!r}, irqs={len(self.planned_irqs())}, off={self._off_reason!r})"
+        bound = sum(1 for s in self._status.values() if s == "bound")
+        return f"IrqKeeper({self.fs!r}, bound={bound}, off={self._off_reason!r})"
 
     # -- queries (no I/O) ------------------------------------------------------
 
@@ -159,10 +164,12 @@ class IrqKeeper:
         """The IRQs irqbalance was asked to leave alone."""
         return self._banned
 
-    def planned_irqs(self, key: ProcKey | None = None) -> dict[int, tuple[int, ...]]:
+    def planned_irqs(
+        self, placement: Placement, key: ProcKey | None = None
+    ) -> dict[int, tuple[int, ...]]:
         """IRQ -> planned CPUs of the IRQs we keep (bound ones), of one rank or all."""
         out: dict[int, tuple[int, ...]] = {}
-        for k, assignments in self._plan.items():
+        for k, assignments in _irq_plan(placement).items():
             if key is not None and k != key:
                 continue
             for a in assignments:
@@ -172,21 +179,35 @@ class IrqKeeper:
 
     # -- apply ------------------------------------------------------------------
 
-    def apply(self) -> tuple[IrqOutcome, ...]:
-        """Write every planned IRQ's affinity; then ask irqbalance to keep off them.
+    def apply(self, placement: Placement) -> tuple[IrqOutcome, ...]:
+        """Write every IRQ `placement` plans; then ask irqbalance to keep off them.
 
-        Blocking; call from the executor. Returns one outcome per IRQ tried.
+        IRQs written before that `placement` no longer plans (a new plan put in
+        force) get their original affinity back first. Blocking; call from the
+        executor. Returns one outcome per IRQ tried.
         """
         if not self.config.enabled:
             return ()
+        plan = _irq_plan(placement)
         with self._lock:
-            outcomes = self._apply_locked()
-            self._coordinate_irqbalance()
+            keep = {a.irq for assignments in plan.values() for a in assignments}
+            for irq in sorted(self.binder.touched):
+                if irq not in keep:
+                    self._restore_one(irq)
+            self._status = {irq: s for irq, s in self._status.items() if irq in keep}
+            if self._off_reason is not None:
+                return ()
+            outcomes = self._apply_locked(plan)
+            self._coordinate_irqbalance(placement)
         return outcomes
 
-    def _apply_locked(self) -> tuple[IrqOutcome, ...]:
+    def _apply_locked(
+        self, plan: Mapping[ProcKey, tuple[IrqAssignment, ...]]
+    ) -> tuple[IrqOutcome, ...]:
         outcomes: list[IrqOutcome] = []
-        for key, assignments in self._plan.items():
+        if self._off_reason is None:  # every original saved in one write, before any bind
+            self.binder.save_originals(a.irq for assignments in plan.values() for a in assignments)
+        for key, assignments in plan.items():
             if self._off_reason is not None:
                 break
             done = [self._bind_one(key, a) for a in assignments if self._off_reason is None]
@@ -295,7 +316,7 @@ class IrqKeeper:
 
     # -- irqbalance ---------------------------------------------------------------
 
-    def _coordinate_irqbalance(self) -> None:
+    def _coordinate_irqbalance(self, placement: Placement) -> None:
         """Detect irqbalance; in "ban" mode ask it to leave our bound IRQs alone.
 
         It is never stopped: it keeps balancing everything else. When its
@@ -309,7 +330,7 @@ class IrqKeeper:
             if changed:
                 self._banned, self._banned_before = frozenset(), None
             return
-        ours = frozenset(self.planned_irqs())
+        ours = frozenset(self.planned_irqs(placement))
         if self.config.irqbalance != "ban" or not ours:
             if changed:
                 log.info(
@@ -357,8 +378,8 @@ class IrqKeeper:
 
     # -- observe and enforce -------------------------------------------------------
 
-    def observe(self) -> Mapping[ProcKey, tuple[IrqObservation, ...]]:
-        """Where each rank's IRQs are delivered now, with the planned CPUs.
+    def observe(self, placement: Placement) -> Mapping[ProcKey, tuple[IrqObservation, ...]]:
+        """Where each rank's IRQs (`placement`'s) are delivered now, with the planned CPUs.
 
         `planned` is empty for an IRQ we do not keep (managed, refused, or
         binding off), so drift.diff skips it; the API still shows where it is.
@@ -370,7 +391,7 @@ class IrqKeeper:
             return MappingProxyType({})
         out: dict[ProcKey, tuple[IrqObservation, ...]] = {}
         with self._lock:
-            for key, assignments in self._plan.items():
+            for key, assignments in _irq_plan(placement).items():
                 obs: list[IrqObservation] = []
                 for a in assignments:
                     cpus = read_irq_delivery(self.fs, a.irq) or ()
@@ -417,8 +438,8 @@ class IrqKeeper:
             )
         )
 
-    def enforce(self, key: ProcKey) -> tuple[IrqOutcome, ...]:
-        """Re-write the IRQs of `key` that left their planned CPUs (drift policy "enforce").
+    def enforce(self, key: ProcKey, placement: Placement) -> tuple[IrqOutcome, ...]:
+        """Re-write the IRQs of `key` that left `placement`'s CPUs (drift policy "enforce").
 
         Returns one outcome per IRQ tried; the caller records the re-binds. Blocking.
         """
@@ -426,7 +447,7 @@ class IrqKeeper:
             return ()
         outcomes: list[IrqOutcome] = []
         with self._lock:
-            for a in self._plan.get(key, ()):
+            for a in _irq_plan(placement).get(key, ()):
                 if self._off_reason is not None or self._status.get(a.irq) != "bound":
                     continue
                 if not self._drifted(a):
@@ -434,33 +455,14 @@ class IrqKeeper:
                 outcomes.append(self._bind_one(key, a))
             if outcomes:
                 # A restarted irqbalance has a new pid and an empty socket ban list.
-                self._coordinate_irqbalance()
+                self._coordinate_irqbalance(placement)
         return tuple(outcomes)
 
     def _drifted(self, a: IrqAssignment) -> bool:
         """Drift by drift.diff's rule (`drift.irq_drifted`); a gone IRQ is nothing to put back."""
         return irq_drifted(read_irq_delivery(self.fs, a.irq) or (), a.cpus)
 
-    # -- replan and restore -----------------------------------------------------------
-
-    def replan(self, placement: Placement) -> tuple[IrqOutcome, ...]:
-        """Keep the IRQ plan of a new placement (a cpuset change's re-plan) and apply it.
-
-        IRQs no longer planned get their original affinity back. Blocking.
-        """
-        new_plan = _irq_plan(placement)
-        with self._lock:
-            keep = {a.irq for assignments in new_plan.values() for a in assignments}
-            for irq in sorted(self.binder.touched):
-                if irq not in keep:
-                    self._restore_one(irq)
-            self._plan = new_plan
-            self._status = {irq: s for irq, s in self._status.items() if irq in keep}
-            if not self.enabled:
-                return ()
-            outcomes = self._apply_locked()
-            self._coordinate_irqbalance()
-        return outcomes
+    # -- restore -----------------------------------------------------------
 
     def _restore_one(self, irq: int) -> None:
         try:

@@ -5,10 +5,11 @@ supervisor.watch.scan in the executor, one pure `decide.decide` per process,
 the binds of supervisor.watch.apply in the executor, then `settle.settle` and
 supervisor.watch.publish: the `StateStore` through the one `events.Recorder`
 (on the loop: the store's single writer). The policy is in decide; this module holds
-none. A change of the supervisor's allowed set (cpuset write, CPU hotplug),
-seen by the pass or by the fast watch (`watch_allowed`, one syscall every
-`[drift] cpuset_watch_s`), re-plans (supervisor.plan.replan) and sends the moved
-processes through the same decide/apply with cause "cpuset_changed".
+none. Slots and IRQs are the plan in force's (supervisor.plan.in_force), which
+this loop alone replaces, through `_install`: a change of the supervisor's allowed set
+(cpuset write, CPU hotplug, seen by the pass or by the fast watch `watch_allowed`)
+re-plans, and `install` (a config reload) takes a plan made elsewhere; either way the
+pass decides the moved processes with cause "cpuset_changed" in its one decide/apply.
 POST /rebind is `rebind`: one pass now with cause "api".
 """
 
@@ -20,25 +21,30 @@ import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor
+from dataclasses import replace
+from types import MappingProxyType
 from typing import Any
 
 from supervisor.bind.binder import Binder
-from supervisor.config import DriftConfig
-from supervisor.errors import SupervisorError
+from supervisor.config import Config, DriftConfig
+from supervisor.errors import KernelError, SupervisorError
 from supervisor.events import Recorder
 from supervisor.hostfs import HostFS
 from supervisor.logs import format_fields
+from supervisor.plan.in_force import Moved, PlanInForce
 from supervisor.plan.keys import ProcessKind, ProcKey, ThreadRole, key_label
-from supervisor.plan.placement import Slot
+from supervisor.plan.placement import Placement, Slot
 from supervisor.plan.replan import (
     AllowedSet,
     allowed_of,
     mems_changed,
+    slots_by_key,
 )
 from supervisor.plan.threads import DEFAULT_THREAD_ROLES, RoleMatcher, role_kinds, with_engine_roles
 from supervisor.state import Finding, Observation, ProcessStatus, StateStore
+from supervisor.topology.model import Topology
 from supervisor.watch.apply import Applier, CgroupsLike
-from supervisor.watch.cpuset import Moved, Replanner, Replanning
+from supervisor.watch.cpuset import Replanning
 from supervisor.watch.decide import (
     Cause,
     Decision,
@@ -59,12 +65,9 @@ from supervisor.watch.scan import (
     scan,
     track,
 )
-from supervisor.watch.settle import (
-    Outcomes,
-    moved_by_plan,
-    note_failure,
-    settle,
-)
+from supervisor.watch.settle import Outcomes, moved_by_plan, note_failure, settle
+
+Results = dict[ProcKey, tuple[Observation, tuple[Finding, ...]]]
 
 log = logging.getLogger("placement_supervisor.checker")
 
@@ -80,6 +83,7 @@ class CheckLoop:
         self,
         *,
         store: StateStore,
+        plan: PlanInForce,
         fs: HostFS,
         executor: Executor,
         drift: DriftConfig,
@@ -88,10 +92,11 @@ class CheckLoop:
         stopping: asyncio.Event,
         irqs: IrqKeeperLike | None = None,
         cgroups: CgroupsLike | None = None,
-        replanner: Replanner | None = None,
+        read_topology: Callable[[Topology], Topology] | None = None,
         binder: Binder | None = None,
     ) -> None:
         self.store = store
+        self.plan = plan
         self.fs = fs
         self.executor = executor
         self.drift = drift
@@ -103,30 +108,36 @@ class CheckLoop:
         self.binder = binder if binder is not None else Binder(fs)
         self.applier = Applier(fs, self.binder, irqs, cgroups)
         self.record = Recorder(store, log)
+        # read_topology: what a cpuset change can change, re-read (blocking); None: no re-plan.
         self.replanning = (
             None
-            if replanner is None
-            else Replanning(
-                replanner,
-                executor=executor,
-                store=store,
-                irqs=irqs,
-                applier=self.applier,
-                record=self.record,
-            )
+            if read_topology is None
+            else Replanning(read_topology, plan=plan, executor=executor, record=self.record)
         )
-        self.roles = all_roles = (*roles, *DEFAULT_THREAD_ROLES)
-        self.matchers: dict[tuple[ProcessKind, ...], RoleMatcher] = {
-            kinds: RoleMatcher(kinds, all_roles)
-            for kinds in (role_kinds("engine", False), role_kinds(0, False), role_kinds(0, True))
-        }
+        self.roles: tuple[ThreadRole, ...] = ()
+        self.matchers: dict[tuple[ProcessKind, ...], RoleMatcher] = {}
+        self._set_roles(roles)
         self.tracked: dict[ProcKey, Tracked] = {}
         self.down_reported: set[ProcKey] = set()
-        self.allowed: AllowedSet = allowed_of(store.snapshot.topology)
+        self.allowed: AllowedSet = allowed_of(plan.topology)
         self.lock = asyncio.Lock()
         self.wake = asyncio.Event()  # the fast watch saw a change: check now
         self.can_migrate_other = self.binder.can_migrate_other()
         self._errors: dict[str, str | None] = {}  # what -> the last error said
+
+    def _set_roles(self, roles: Sequence[ThreadRole]) -> None:
+        self.roles = all_roles = (*roles, *DEFAULT_THREAD_ROLES)
+        self.matchers = {
+            kinds: RoleMatcher(kinds, all_roles)
+            for kinds in (role_kinds("engine", False), role_kinds(0, False), role_kinds(0, True))
+        }
+
+    def _configure(self, config: Config) -> None:
+        """A reloaded config's drift policy and thread roles, from the next pass on
+        (the one `install` runs). An interval of the fast watch that was 0 stays off."""
+        self.drift = config.drift
+        self.policy = Policy.of(config.drift)
+        self._set_roles(config.threads)
 
     @property
     def stale_after_s(self) -> float:
@@ -196,7 +207,7 @@ class CheckLoop:
                     last = now
                     self.wake.set()
                 continue
-            node_ids = [n.id for n in self.store.snapshot.topology.nodes]
+            node_ids = [n.id for n in self.plan.topology.nodes]
             try:
                 allowed = await loop.run_in_executor(self.executor, read_allowed, self.fs, node_ids)
             except (SupervisorError, OSError):
@@ -215,45 +226,63 @@ class CheckLoop:
     ) -> dict[str, Any]:
         """One pass; a summary per process. `only` limits it to one process."""
         async with self.lock:
-            started = time.perf_counter()
-            results: dict[ProcKey, tuple[Observation, tuple[Finding, ...]]] = {}
-            try:
-                summary = await self._pass(cause, only, results)
-            finally:
-                self.store.set_observations(results)  # the pass, as one snapshot
-            self.store.finish_check(time.perf_counter() - started)
-            return summary
+            return await self._timed_pass(cause, only, None)
+
+    async def install(
+        self, placement: Placement, topology: Topology, *, config: Config | None = None
+    ) -> dict[str, Any]:
+        """Put a plan made elsewhere in force (a config reload's, with its `config`'s
+        drift policy and thread roles) and run one pass that moves the processes it
+        moved. Raises PlanError, changing nothing, when it plans other processes than
+        the running ones."""
+        async with self.lock:
+            if config is not None:
+                self._configure(config)
+            moved = await self._install(placement, topology, config=config)
+            return await self._timed_pass("check", None, moved)
+
+    async def _timed_pass(
+        self, cause: Cause, only: ProcKey | None, moved: Moved | None
+    ) -> dict[str, Any]:
+        started = time.perf_counter()
+        results: Results = {}
+        try:
+            summary = await self._pass(cause, only, results, moved)
+        finally:
+            self.store.set_observations(results)  # the pass, as one snapshot
+        self.store.finish_check(time.perf_counter() - started)
+        return summary
 
     # -- one pass ---------------------------------------------------------------------
 
-    async def _scan(self, targets: Sequence[ScanTarget], *, host: bool = True) -> ScanResult:
+    async def _scan(self, targets: Sequence[ScanTarget]) -> ScanResult:
         manager = self.cgroups.manager if self.cgroups is not None else None
-        node_ids = [n.id for n in self.store.snapshot.topology.nodes]
+        node_ids = [n.id for n in self.plan.topology.nodes]
+        placement = self.plan.placement
         result = await asyncio.get_running_loop().run_in_executor(
             self.executor,
             lambda: scan(
                 self.fs,
                 targets,
                 node_ids=node_ids,
-                irqs=self.irqs if host else None,
+                irqs=self.irqs,
                 cgroups=manager,
-                with_allowed=host,
+                placement=placement,
             ),
         )
-        if host:
-            self._irq_facts()
-            for what, text in (("allowed CPUs", result.host_error), ("IRQs", result.irq_error)):
-                if self._said(what, text) and text is not None:
-                    self.record.error(
-                        f"cannot observe {what}: {text}", text, what="observe", action="skip"
-                    )
+        self._irq_facts()
+        for what, text in (("allowed CPUs", result.host_error), ("IRQs", result.irq_error)):
+            if self._said(what, text) and text is not None:
+                self.record.error(
+                    f"cannot observe {what}: {text}", text, what="observe", action="skip"
+                )
         return result
 
     async def _apply(self, decisions: Sequence[Decision]) -> list[Outcomes]:
         starts = {d.key: self.tracked[d.key].start_time for d in decisions}
         try:
             return await asyncio.get_running_loop().run_in_executor(
-                self.executor, self.applier.apply, decisions, starts
+                self.executor, self.applier.apply, decisions, starts, self.plan.placement
             )
         finally:
             self._irq_facts()
@@ -263,22 +292,27 @@ class CheckLoop:
             self.record.facts(self.irqs.take_facts())
 
     async def _pass(
-        self,
-        cause: Cause,
-        only: ProcKey | None,
-        results: dict[ProcKey, tuple[Observation, tuple[Finding, ...]]],
+        self, cause: Cause, only: ProcKey | None, results: Results, moved: Moved | None
     ) -> dict[str, Any]:
-        targets = self._targets(only)
+        """Scan, decide, apply, publish. A new plan in force (`moved`, or one this pass
+        installs after seeing the allowed set change) is decided here too: its moved
+        processes with cause "cpuset_changed", in the same one decide per process."""
+        if moved is not None:
+            only = None  # a new plan moves whom it moves, whoever asked for the pass
+        targets = self._targets(only, moved)
         result = await self._scan(targets)
         changed = result.allowed is not None and result.allowed != self.allowed
         if changed or (self.replanning is not None and self.replanning.pending):
             if result.allowed is not None and changed:
-                await self._cpuset_changed(result.allowed)
+                now_moved = await self._cpuset_changed(result.allowed)
             else:
-                await self._replan()  # the last re-plan failed: try again each pass
-            targets = self._targets(only)
+                now_moved = await self._replan()  # the last re-plan failed: try again each pass
+            if now_moved is not None:
+                moved, only = now_moved, None
+            targets = self._targets(only, moved)
             result = await self._scan(targets)
         policy = self.policy if cause == "check" else Policy.of(self.drift, cause)
+        policies = {} if moved is None else self._moved_policies(moved)
         now = time.monotonic()
         decisions: list[Decision] = []
         for t in targets:
@@ -295,7 +329,7 @@ class CheckLoop:
                 continue  # exited since the listing: its runner reports that
             if seen.memory_read:
                 tracked.maps_at = now
-            decisions.append(self._decide(tracked, t.slot, seen, policy, now))
+            decisions.append(self._decide(tracked, t.slot, seen, policies.get(t.key, policy), now))
         # The trees as they are now (an adoption publishes at once), not as scanned.
         trees = self.store.snapshot.trees
         decisions = [
@@ -304,7 +338,9 @@ class CheckLoop:
         outcomes = await self._apply(decisions)
         summary: dict[str, Any] = {}
         for d, out in zip(decisions, outcomes, strict=True):
-            summary[key_label(d.key)] = self._publish(d, out, policy, now, results)
+            summary[key_label(d.key)] = self._publish(
+                d, out, policies.get(d.key, policy), now, results, moved=moved
+            )
         summary.update(self._publish_down(only, results))
         return {"reason": "api" if cause == "api" else "check", "processes": summary}
 
@@ -330,9 +366,14 @@ class CheckLoop:
             )
         return d
 
-    def _targets(self, only: ProcKey | None) -> list[ScanTarget]:
+    def _targets(self, only: ProcKey | None, moved: Moved | None = None) -> list[ScanTarget]:
+        """What to read this pass. A process a new plan moved is read afresh: its
+        threads now (to bind them at once), its memory at the next pass, after the binds."""
+        for key in moved.keys if moved is not None else ():
+            if key in self.tracked:
+                self.tracked[key].state = after_replan(self.tracked[key].state)
         made = self.cgroups.made if self.cgroups is not None else {}
-        return track(
+        targets = track(
             self.fs,
             self.tracked,
             self.matchers,
@@ -343,6 +384,11 @@ class CheckLoop:
             now=time.monotonic(),
             trees=self.store.snapshot.trees,
         )
+        if moved is None:
+            return targets
+        return [
+            replace(t, cgroup=None, read_maps=False) if t.key in moved.keys else t for t in targets
+        ]
 
     def _tree_slot(self, key: ProcKey, status: ProcessStatus, slot: Slot) -> Slot:
         """The slot the threads of `key`'s tree are checked against: an adopted
@@ -350,8 +396,11 @@ class CheckLoop:
         plan.threads.with_engine_roles; the hook decides alike)."""
         if "engine" not in role_kinds(key, status.adopted) or key == "engine":
             return slot
-        cpuset = slot.cpus if status.cgroup is not None else self.allowed.cpus
-        return with_engine_roles(slot, self.store.snapshot.placement.engine, self.roles, cpuset)
+        # Its cpuset is its rank's only where it has one (v2); on v1 it shares the
+        # supervisor's (supervisor.bind.cgroup), as the hook reads it.
+        rank_cpuset = self.cgroups is not None and self.cgroups.manager.setup.rank_cpusets
+        cpuset = slot.cpus if status.cgroup is not None and rank_cpuset else self.allowed.cpus
+        return with_engine_roles(slot, self.plan.placement.engine, self.roles, cpuset)
 
     # -- publication (on the loop) ----------------------------------------------------
 
@@ -361,20 +410,30 @@ class CheckLoop:
         out: Outcomes,
         policy: Policy,
         now: float,
-        results: dict[ProcKey, tuple[Observation, tuple[Finding, ...]]],
+        results: Results,
+        *,
+        moved: Moved | None = None,
     ) -> dict[str, Any]:
         key = d.key
         tracked = self.tracked[key]
         s = settle(d, out, policy, now, can_migrate_other=self.can_migrate_other)
         tracked.state = s.state
-        record_settled(self.record, d, s, out)
+        if moved is not None and key in moved.keys:
+            status = self.store.snapshot.processes[key]
+            by_plan = moved_by_plan(
+                self._tree_slot(key, status, moved.slot(key, old=True)),
+                self._tree_slot(key, status, moved.slot(key)),
+                d.observation,
+                d.binds,
+            )
+            record_settled(self.record, d, s, out, moved=True, by_plan=by_plan)
+        else:
+            record_settled(self.record, d, s, out)
         results[key] = (s.observation, s.remaining)
         self.down_reported.discard(key)
         return summary_of(tracked.pid, d, s)
 
-    def _publish_down(
-        self, only: ProcKey | None, results: dict[ProcKey, tuple[Observation, tuple[Finding, ...]]]
-    ) -> dict[str, Any]:
+    def _publish_down(self, only: ProcKey | None, results: Results) -> dict[str, Any]:
         if self.stopping.is_set():
             return {}
         return publish_down(self.record, self.supervised(), self.down_reported, only, results)
@@ -390,82 +449,77 @@ class CheckLoop:
         self._errors[what] = text
         return news
 
-    # -- a cpuset change: re-plan, then the same decide/apply --------------------------
+    # -- a new plan: installed here, decided by the pass ------------------------------
 
-    async def _cpuset_changed(self, new: AllowedSet) -> None:
+    async def _cpuset_changed(self, new: AllowedSet) -> Moved | None:
         old, self.allowed = self.allowed, new
         enforce = self.drift.policy.get("cpuset_changed", "observe") == "enforce"
         self.record.cpuset_changed(
             old.cpus, old.mems, new.cpus, new.mems, "replan" if enforce else "observe"
         )
-        if enforce:
-            await self._replan()
+        return await self._replan() if enforce else None
 
-    async def _replan(self) -> None:
+    async def _replan(self) -> Moved | None:
         if self.replanning is None:
-            return
-        moved = await self.replanning.replan(self.allowed)
-        if moved is None:
-            return
-        for key, err in moved.cgroup_failed.items():
+            return None
+        result = await self.replanning.replan(self.allowed)
+        if result is None:
+            return None
+        moved = await self._install(result.placement, result.topology)
+        self.replanning.replanned(result, moved)
+        return moved
+
+    async def _install(
+        self, placement: Placement, topology: Topology, *, config: Config | None = None
+    ) -> Moved:
+        """The one step that puts a plan in force: the holder (and the API's view of
+        it), the IRQs, then the instance and moved processes' cgroups. Returns what
+        moved, with the processes whose cgroup kept its old set."""
+        loop = asyncio.get_running_loop()
+        moved = self.plan.install(placement, topology, config=config)
+        self.store.update(placement=placement, topology=topology)
+        if self.irqs is not None:
+            try:
+                await loop.run_in_executor(self.executor, self.irqs.apply, placement)
+            except Exception as irq_err:  # IRQs degrade alone
+                text = f"IRQ re-plan failed: {irq_err}"
+                self.record.bind_failed(None, "irq", "error", text, action="degrade")
+            self._irq_facts()
+        failed = await loop.run_in_executor(
+            self.executor,
+            self.applier.update_cgroups,
+            self.allowed,
+            slots_by_key(placement),
+            moved.keys,
+        )
+        per_key: dict[ProcKey, KernelError] = {}
+        for key, err in failed:
+            if key is None:
+                text = f"instance cgroup update failed: {err}"
+                self.record.bind_failed(None, "cgroup", "error", text, action="degrade")
+                continue
+            per_key[key] = err
             if key in self.tracked:
                 tr = self.tracked[key]
                 tr.state, new = note_failure(tr.state, "cgroup", "cgroup", err.reason)
                 if new:
                     self.record.bind_failed(key, "cgroup", err.reason, str(err), what="cgroup")
-        await self._move(moved)
+        return replace(moved, cgroup_failed=MappingProxyType(per_key))
 
-    async def _move(self, moved: Moved) -> None:
-        """The moved processes through scan -> decide -> apply with cause cpuset_changed."""
-        node_ids = tuple(n.id for n in self.store.snapshot.topology.nodes)
-        policies: dict[ProcKey, Policy] = {}
+    def _moved_policies(self, moved: Moved) -> dict[ProcKey, Policy]:
+        """The cause "cpuset_changed" policy of each moved process: its pages move
+        when its nodes changed and no cgroup of its own moves them."""
+        node_ids = tuple(n.id for n in self.plan.topology.nodes)
+        out: dict[ProcKey, Policy] = {}
         for key in moved.keys:
-            tracked = self.tracked.get(key)
             status = self.store.snapshot.processes.get(key)
-            if tracked is None or status is None or status.pid != tracked.pid:
+            if status is None:
                 continue
             in_cgroup = status.cgroup is not None and key not in moved.cgroup_failed
-            policies[key] = Policy.of(
+            out[key] = Policy.of(
                 self.drift,
                 "cpuset_changed",
                 move_memory=mems_changed(moved.old, moved.new, key) and not in_cgroup,
                 node_ids=node_ids,
             )
-            tracked.state = after_replan(tracked.state)
-        slots = {
-            key: self._tree_slot(key, self.store.snapshot.processes[key], moved.slot(key))
-            for key in policies
-        }
-        targets = [
-            ScanTarget(
-                key,
-                self.tracked[key].pid,
-                slots[key],
-                self.tracked[key],
-                None,
-                False,
-                tuple(self.tracked[key].members.values()),
-            )
-            for key in policies
-        ]
-        result = await self._scan(targets, host=False)
-        now = time.monotonic()
-        decisions = []
-        for t in targets:
-            seen = result.seen.get(t.key)
-            if seen is not None:
-                decisions.append(
-                    self._decide(self.tracked[t.key], t.slot, seen, policies[t.key], now)
-                )
-        outcomes = await self._apply(decisions)
-        for d, out in zip(decisions, outcomes, strict=True):
-            s = settle(d, out, policies[d.key], now, can_migrate_other=self.can_migrate_other)
-            self.tracked[d.key].state = s.state
-            status = self.store.snapshot.processes[d.key]
-            by_plan = moved_by_plan(
-                self._tree_slot(d.key, status, moved.slot(d.key, old=True)),
-                slots[d.key],
-                d.observation,
-                d.binds,
-            )
-            record_settled(self.record, d, s, out, moved=True, by_plan=by_plan)
+        return out

@@ -5,8 +5,9 @@ process, with one scanner per member of its tree as the tree keeper
 published it in `Snapshot.trees`: no /proc walk here); `scan(...)` reads,
 for each `ScanTarget`, the threads of the process and of every member of its
 tree (through their `observe.ThreadScanner`s; a member's threads carry its
-pid and join its owner's observation, DESIGN 3.7), its resident memory per node (its cgroup's
-memory.numa_stat when it has one, else numa_maps when due), its planned IRQs
+pid and join its owner's observation, contracts §7), its resident memory per node (its cgroup's
+memory.numa_stat when it has one, else numa_maps when due), its own cgroup
+as it is now (removed? its cpuset as written?), its planned IRQs
 (through the IRQ keeper), and the supervisor's own allowed CPUs and nodes
 with the online CPUs. It returns an immutable `ScanResult`; the loop decides
 on it (supervisor.watch.decide). `read_allowed` is the allowed set alone
@@ -58,11 +59,11 @@ class IrqOutcomeLike(Protocol):
 class IrqKeeperLike(Protocol):
     """What the loop needs of `supervisor.watch.irqs.IrqKeeper` (blocking; run in the executor)."""
 
-    def observe(self) -> Mapping[ProcKey, tuple[IrqObservation, ...]]: ...
+    def observe(self, placement: Placement) -> Mapping[ProcKey, tuple[IrqObservation, ...]]: ...
 
-    def enforce(self, key: ProcKey) -> Sequence[IrqOutcomeLike]: ...
+    def enforce(self, key: ProcKey, placement: Placement) -> Sequence[IrqOutcomeLike]: ...
 
-    def replan(self, placement: Placement) -> object: ...
+    def apply(self, placement: Placement) -> object: ...
 
     def take_facts(self) -> Sequence[FactLike]: ...
 
@@ -106,6 +107,7 @@ class ScanTarget:
     cgroup: ProcessCgroup | None  # read its memory.numa_stat
     read_maps: bool  # else: numa_maps is due
     members: tuple[MemberScan, ...] = ()  # the rest of its tree: threads only
+    own: ProcessCgroup | None = None  # its own cgroup: is it still as made?
 
 
 def sync_members(
@@ -155,11 +157,10 @@ def track(
             tracked[key] = t
         t.matcher = matcher
         members = sync_members(fs, t.members, (trees or {}).get(key, ()))
-        pc = made.get(key) if status.cgroup is not None else None
-        if pc is not None and pc.memory_dir is None:
-            pc = None
+        own = made.get(key) if status.cgroup is not None else None
+        pc = own if own is not None and own.memory_dir is not None else None
         due = t.state.memory_stale or now - t.maps_at >= numa_maps_interval_s
-        targets.append(ScanTarget(key, status.pid, slot, t, pc, pc is None and due, members))
+        targets.append(ScanTarget(key, status.pid, slot, t, pc, pc is None and due, members, own))
     if only is None:
         for key in list(tracked):
             if key not in live:
@@ -194,9 +195,11 @@ def scan(
     node_ids: Iterable[int],
     irqs: IrqKeeperLike | None,
     cgroups: CgroupManager | None,
+    placement: Placement | None = None,
     with_allowed: bool = True,
 ) -> ScanResult:
-    """Every read of one pass; failures isolated per process, the IRQs and the host."""
+    """Every read of one pass; failures isolated per process, the IRQs (of
+    `placement`, the plan in force) and the host."""
     allowed: AllowedSet | None = None
     host_error: str | None = None
     if with_allowed:
@@ -206,9 +209,9 @@ def scan(
             host_error = str(err)
     irq_obs: Mapping[ProcKey, tuple[IrqObservation, ...]] = {}
     irq_error: str | None = None
-    if irqs is not None:
+    if irqs is not None and placement is not None:
         try:
-            irq_obs = irqs.observe()
+            irq_obs = irqs.observe(placement)
         except Exception as err:  # the IRQ keeper's failure is not the processes'
             irq_error = f"{type(err).__name__}: {err}"
     seen: dict[ProcKey, Seen | None] = {}
@@ -247,6 +250,11 @@ def scan(
                 member_errors[t.key] = failed
         if t.key in irq_obs:
             observation = replace(observation, irqs=irq_obs[t.key])
+        if t.own is not None and cgroups is not None:
+            try:
+                observation = replace(observation, cgroup=cgroups.observe(t.own, t.pid))
+            except KernelError as err:
+                member_errors[t.key] = (*member_errors.get(t.key, ()), (t.pid, str(err)))
         seen[t.key] = Seen(t.key, t.pid, observation, t.read_maps or t.cgroup is not None)
     return ScanResult(allowed, host_error, seen, errors, irq_error, member_errors)
 

@@ -45,6 +45,9 @@ class Outcomes:
     threads: Mapping[int, Outcome] = field(default_factory=dict)  # by tid
     moves: tuple[Outcome, ...] = ()  # in the decision's order
     irqs: Outcome | None = None
+    joins: tuple[Outcome, ...] = ()  # cgroup joins, in the decision's order
+    gone: bool = False  # the decision's pid names another process now: nothing done
+    cgroup: Outcome | None = None  # the decision's CgroupRepair
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +159,15 @@ def settle(
             failures.pop(("irq", "irqs"), None)
             fixed.update(f"irq {irq}" for irq, _ in out.irqs_bound)
             irqs_rebound = len(out.irqs_bound)
+    if decision.cgroup is not None:
+        out = outcomes.cgroup if outcomes.cgroup is not None else Outcome(gone=True)
+        targets = {f.target for f in decision.findings if f.kind == "cgroup"}
+        if out.error is not None:
+            failed.update(targets)
+            fail("cgroup", "cgroup", out.error, str(out.error))
+        elif not out.gone:
+            failures.pop(("cgroup", "cgroup"), None)
+            fixed.update(targets)
     remaining = tuple(
         f if f.target not in failed else replace(f, action="failed")
         for f in decision.findings

@@ -81,7 +81,8 @@ async def spawn_rounds(rounds: int) -> dict[str, Any]:
     )
     executor = ThreadPoolExecutor(2)
     rt = Runtime(config, store, FS, executor)
-    runner = Runner(rt, ChildSpec(0, argv, dict(os.environ), slot))
+    spec = ChildSpec(0, argv, dict(os.environ), slot)
+    runner = Runner(rt, 0, lambda _key: spec)
     direct_s: list[float] = []
     daemon_s: list[float] = []
     for _ in range(rounds):

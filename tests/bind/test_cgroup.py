@@ -192,30 +192,35 @@ def test_rank_cgroup_lifecycle(
     one = cpus[-1]
     pc = manager.create("rank0", [one], [0])
     try:
-        assert manager.read_effective(pc) == ({one}, {0})
+        # v1 has no per-rank cpuset (it would block the owner's shrink): the
+        # rank shares the supervisor's, and its affinity (the shim's) is its CPUs.
+        own_cpus = set(cpus) if pc.version == 1 else {one}
+        assert manager.read_effective(pc) == (own_cpus, {0})
         proc, cpus_shown, cgroup_lines = spawn_in(pc, [one], 32 * MIB)
         children.append(proc)
         assert parse_cpulist(cpus_shown) == {one}
         # /proc/<pid>/cgroup shows the rank's path in each hierarchy.
         lines = cgroup_lines.split(";")
         if pc.version == 1:
-            cpuset_path = pc.cpuset_dir.removeprefix("sys/fs/cgroup/cpuset")
-            assert any(line.endswith(f":cpuset:{cpuset_path}") for line in lines), lines
-            if pc.memory_dir is not None:
-                memory_path = pc.memory_dir.removeprefix("sys/fs/cgroup/memory")
-                assert any(line.endswith(f":memory:{memory_path}") for line in lines), lines
+            assert pc.cpuset_dir is None
+            assert not any(manager.instance in line for line in lines if ":cpuset:" in line)
+            assert pc.memory_dir is not None
+            memory_path = pc.memory_dir.removeprefix("sys/fs/cgroup/memory")
+            assert any(line.endswith(f":memory:{memory_path}") for line in lines), lines
         else:
+            assert pc.cpuset_dir is not None
             assert f"0::{pc.cpuset_dir.removeprefix('sys/fs/cgroup')}" in lines
         assert manager.read_procs(pc) == [proc.pid]
         if pc.memory_dir is not None:
             by_node = manager.read_numa_stat(pc)
             assert by_node.get(0, 0) >= 32 * MIB, by_node
-        # update: the running member follows the new cpuset.
-        other = cpus[0]
-        manager.update(pc, [other], [0])
-        wait_until(lambda: os.sched_getaffinity(proc.pid) == {other}, 5, 0.01)
-        assert os.sched_getaffinity(proc.pid) == {other}
-        assert manager.read_effective(pc) == ({other}, {0})
+        if pc.version == 2:
+            # update: the running member follows the new cpuset.
+            other = cpus[0]
+            manager.update(pc, [other], [0])
+            wait_until(lambda: os.sched_getaffinity(proc.pid) == {other}, 5, 0.01)
+            assert os.sched_getaffinity(proc.pid) == {other}
+            assert manager.read_effective(pc) == ({other}, {0})
         proc.kill()
         proc.wait()
     finally:
@@ -229,6 +234,17 @@ def test_rank_cgroup_lifecycle(
 
 def test_create_outside_the_parent_cpuset_leaves_nothing(manager: CgroupManager) -> None:
     online = parse_cpulist(Path("/sys/devices/system/cpu/online").read_text())
+    if manager.setup.version == 1:
+        # v1 ranks get memory cgroups only (a per-rank cpuset would block a shrink of
+        # the supervisor's own by its owner): no cpuset is written, so none can fail.
+        pc = manager.create("bad", [max(online) + 1], [0])
+        try:
+            assert pc.cpuset_dir is None and pc.memory_dir is not None
+            assert manager.fs.exists(pc.memory_dir)
+        finally:
+            manager.remove(pc)
+        assert not manager.fs.exists(f"{manager.setup.memory_parent}/{manager.instance}/bad")
+        return
     # Beyond nr_cpu_ids: ERANGE; a CPU outside the parent's cpuset: EINVAL.
     with pytest.raises(KernelError) as info:
         manager.create("bad", [max(online) + 1], [0])

@@ -153,7 +153,7 @@ def test_probes_read_healthz_and_readyz_on_the_api_port(base: list[dict[str, Any
     assert p["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert p["startupProbe"]["httpGet"]["path"] == "/healthz"
     cfg = load_config(str(BASE / "vllm.toml"))
-    listen = parse_listen(cfg.api.listen, "api.listen")
+    listen = cfg.api.listen
     assert listen.host == "0.0.0.0"  # the kubelet probes the pod IP
     for probe in p.values():
         assert ports[probe["httpGet"]["port"]] == listen.port
@@ -185,7 +185,7 @@ def test_the_probe_paths_are_served_without_a_token(base: list[dict[str, Any]]) 
     c = container(base)
     paths = {probe["httpGet"]["path"] for probe in probes(c).values()}
     paths.add(one(base, "PodMonitor")["spec"]["podMetricsEndpoints"][0]["path"])
-    with ServerThread(realistic_snapshot(), ApiConfig(listen="127.0.0.1:0")) as srv:
+    with ServerThread(realistic_snapshot(), ApiConfig(listen=parse_listen("127.0.0.1:0"))) as srv:
         _, _, body = http_request(srv.tcp, "GET", "/openapi.json")
         served = {path for path, ops in json.loads(body)["paths"].items() if "get" in ops}
         for path in sorted(paths):

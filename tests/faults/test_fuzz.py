@@ -324,8 +324,14 @@ def test_hostile_configs_through_run_exit_clean_or_stop_on_sigterm(tmp_path: Pat
     rng = random.Random(SEED + 1)
     problems = []
     outcomes = []
-    for number in range(RUN_CASES):
-        text = mutated_config(rng, ("sleep", "30"))
+    # Case 0 is the unmutated config: one that runs, whatever the seed mutates
+    # (a missing command, which used to run and crash-loop, is now refused).
+    unmutated = to_toml({
+        "cpu_ranks": 2, "cgroup": "off", "workers": {"command": ["sleep", "30"]},
+        "placement": {"rank_roles": {"irq": 1}},
+    })  # fmt: skip
+    for number in range(RUN_CASES + 1):
+        text = mutated_config(rng, ("sleep", "30")) if number else unmutated
         config = tmp_path / f"run{number}.toml"
         config.write_text(text)
         env = daemon_env(RUNTIME_DIRECTORY=str(tmp_path))

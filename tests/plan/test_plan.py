@@ -1,5 +1,5 @@
 """The planner on Topology objects built in memory: strategies, roles, engine,
-shortage handling, errors, and the DESIGN 3.3 invariants over generated hosts."""
+shortage handling, errors, and the docs/contracts.md §3 invariants over generated hosts."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Discovery + plan on every fixture host tree (tests/hosts.py): DESIGN 3.3
+"""Discovery + plan on every fixture host tree (tests/hosts.py): docs/contracts.md §3
 properties for all, and what each class of machine must get."""
 
 from __future__ import annotations

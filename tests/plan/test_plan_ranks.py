@@ -1,4 +1,4 @@
-"""Ranks numbered as engines number them, and where the engine sits (DESIGN 3.3).
+"""Ranks numbered as engines number them, and where the engine sits (docs/contracts.md §3).
 
 Rank r drives the r-th device of the visibility list (CUDA's ordinal, what
 LOCAL_RANK means), and gets that device's CPUs; on hosts with device-free

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from supervisor.hostfs import HostFS
-from supervisor.run.procs import read_proc_stat
+from supervisor.procfs.stat import read_proc_stat
 from tests.support.daemon_support import REPO, DaemonProcess, daemon_env, poll, to_toml
 
 FS = HostFS("/")

@@ -20,7 +20,7 @@ import pytest
 from supervisor.bind.fdlimit import MIN_FD_RESERVE, plan_fd_budget
 from supervisor.config import ApiConfig
 from supervisor.serve.guard import MAX_HEADER_LINE_BYTES
-from supervisor.serve.listen import Listen
+from supervisor.serve.listen import Listen, parse_listen
 from tests.support.api_fixture import ServerThread, realistic_snapshot
 from tests.support.daemon_support import poll
 
@@ -53,7 +53,7 @@ def records() -> Iterator[Records]:
 
 
 def serve(**api: Any) -> ServerThread:
-    return ServerThread(realistic_snapshot(), ApiConfig(listen="127.0.0.1:0", **api))
+    return ServerThread(realistic_snapshot(), ApiConfig(listen=parse_listen("127.0.0.1:0"), **api))
 
 
 def addr(srv: ServerThread) -> tuple[str, int]:

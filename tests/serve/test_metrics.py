@@ -1,4 +1,4 @@
-"""Metrics from the snapshot collector: names and values (DESIGN 3.5), pre-initialised
+"""Metrics from the snapshot collector: names and values (docs/contracts.md §5), pre-initialised
 counters, no I/O at scrape time, and `promtool check metrics` on the exposition."""
 
 from __future__ import annotations
@@ -226,7 +226,7 @@ def test_openmetrics_exposition_parses() -> None:
 
 
 def test_failures_of_no_process_keep_out_of_the_rank_label() -> None:
-    """DESIGN 3.5: `rank` is a rank number or engine; the supervisor's own
+    """docs/contracts.md §5: `rank` is a rank number or engine; the supervisor's own
     failures (its instance cgroup, an IRQ re-plan) have a family of their own."""
     store = StateStore(realistic_snapshot())
     store.count("bind_failures", (HOST_LABEL, "cgroup", "error"))

@@ -61,7 +61,7 @@ needs_promtool = pytest.mark.skipif(shutil.which("promtool") is None, reason="no
 needs_prometheus = pytest.mark.skipif(shutil.which("prometheus") is None, reason="no prometheus")
 
 
-# DESIGN 3.5: the names every dashboard, alert and scrape may rely on.
+# docs/contracts.md §5: the names every dashboard, alert and scrape may rely on.
 REQUIRED_METRICS = (
     "placement_local_memory_ratio",
     "placement_memory_bytes",
@@ -143,7 +143,7 @@ def test_dashboard_shape_and_names() -> None:
             assert 'instance=~"$host"' in t["expr"], (p["title"], t["expr"])
             names = set(re.findall(r"\bplacement_[a-z_]+", t["expr"]))
             assert names and names <= exported, (p["title"], names - exported)
-    # The required metrics of DESIGN 3.5 each have a panel.
+    # The required metrics of docs/contracts.md §5 each have a panel.
     shown = " ".join(e for _, e in dashboard_exprs())
     for name in (*REQUIRED_METRICS, "placement_process_state"):
         assert name in shown, name
@@ -415,7 +415,7 @@ def test_status_against_the_demo_daemon(stack: Stack) -> None:
 
 @needs_promtool
 def test_promtool_accepts_the_demo_daemons_metrics(stack: Stack) -> None:
-    """DESIGN 3.5 on the live demo: every required name, and a clean promtool lint."""
+    """docs/contracts.md §5 on the live demo: every required name, and a clean promtool lint."""
     with urllib.request.urlopen(f"http://{stack.instances['daemon']}/metrics", timeout=10) as r:
         body = r.read().decode()
     names = {line.split("{")[0].split(" ")[0] for line in body.splitlines() if line[:1] != "#"}

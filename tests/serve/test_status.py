@@ -175,6 +175,6 @@ def test_help_and_readme_list_every_exit_code() -> None:
     assert set(listed) == {"0", "1", "2", str(EXIT_NOT_READY)}, proc.stdout
     assert "not ready" in listed[str(EXIT_NOT_READY)]
     readme = (REPO / "README.md").read_text()
-    section = readme.split("### Exit codes")[1].split("\n## ")[0]
+    section = readme.split("## Exit codes")[1].split("\n## ")[0]
     status_rows = re.findall(r"^\| `status`[^|]*\| (\d+) \|", section, re.M)
     assert set(status_rows) == {"0", "1", "2", str(EXIT_NOT_READY)}, status_rows

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -36,6 +37,21 @@ def test_ready_status_watchdog_stopping_arrive_as_datagrams(
     assert sock.recv(4096) == b"STATUS=degraded"
     assert notifier.stopping()
     assert sock.recv(4096) == b"STOPPING=1"
+    notifier.close()
+
+
+def test_reloading_carries_monotonic_usec(path_socket: tuple[socket.socket, str]) -> None:
+    sock, path = path_socket
+    notifier = Notifier.from_env({"NOTIFY_SOCKET": path})
+    before = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
+    assert notifier.reloading("reloading c.toml")
+    after = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
+    lines = sock.recv(4096).decode().splitlines()
+    assert lines[0] == "RELOADING=1" and lines[2] == "STATUS=reloading c.toml"
+    name, _, usec = lines[1].partition("=")
+    assert name == "MONOTONIC_USEC" and before <= int(usec) <= after
+    assert notifier.reloading("x", monotonic_usec=42)
+    assert sock.recv(4096) == b"RELOADING=1\nMONOTONIC_USEC=42\nSTATUS=x"
     notifier.close()
 
 

@@ -35,6 +35,8 @@ from supervisor.plan.planner import plan
 from supervisor.serve.listen import Listen, parse_listen
 from supervisor.serve.server import ApiServer
 from supervisor.state import (
+    CAPABILITY_NAMES,
+    Capability,
     Counters,
     Finding,
     IrqObservation,
@@ -234,6 +236,7 @@ def _populate(
         config_path="/etc/placement-supervisor/config.toml",
         local_memory_threshold=0.9,
         ready_timeout_s=900.0,  # a [ready] probe, as configs/engines/vllm.toml has
+        capabilities=MappingProxyType({name: Capability(name, True) for name in CAPABILITY_NAMES}),
     )
 
 

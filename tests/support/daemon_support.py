@@ -151,7 +151,8 @@ class DaemonProcess:
     Its stderr goes to `log` (stdout, which its children share, is dropped).
     With `join`, it starts through tests/vm_checks/checker_daemon.py, which
     writes its pid into each of those cgroup.procs files before the exec, so
-    the daemon starts confined. Stopped (SIGTERM, then SIGKILL) on `stop()`
+    the daemon starts confined. With `new_session`, it leads a session and
+    process group of its own. Stopped (SIGTERM, then SIGKILL) on `stop()`
     or at the end of a `with` block.
     """
 
@@ -164,6 +165,7 @@ class DaemonProcess:
         join: Sequence[Path | str] = (),
         port: int | None = None,
         prefix: Sequence[str] = (),
+        new_session: bool = False,
     ) -> None:
         self.port = free_port() if port is None else port
         self.log = Path(log)
@@ -178,6 +180,9 @@ class DaemonProcess:
             env=dict(os.environ if env is None else env, PYTHONUNBUFFERED="1"),
             stdout=subprocess.DEVNULL,
             stderr=self._log_file,
+            # Its own session and process group (pgid == pid), as under systemd or
+            # a login shell: a signal to its group then reaches no test runner.
+            start_new_session=new_session,
         )
         self.pid = self.proc.pid
 
@@ -245,9 +250,11 @@ def write_cpuset_config(
     interval_s: float,
     worker: Path,
     cpuset_watch_s: float | None = None,
+    policy: dict[str, str] | None = None,
 ) -> Path:
     """Ranks of COMM_THREADS_WORKER in per-rank cgroups, checked every `interval_s`
-    (the allowed set every `cpuset_watch_s` when given; 0: only at the checks)."""
+    (the allowed set every `cpuset_watch_s` when given; 0: only at the checks),
+    with `policy` as [drift.policy]."""
     doc = {
         "cpu_ranks": ranks,
         "cgroup": "auto",
@@ -258,6 +265,8 @@ def write_cpuset_config(
     text = to_toml(doc) + f"[drift]\ncheck_interval_s = {interval_s}\n"
     if cpuset_watch_s is not None:
         text += f"cpuset_watch_s = {cpuset_watch_s}\n"
+    if policy:
+        text += "[drift.policy]\n" + "".join(f'{k} = "{v}"\n' for k, v in policy.items())
     text += '[threads.comm]\nprocess = "workers"\npattern = "comm*"\n'
     path = tmp_path / "cpuset.toml"
     path.write_text(text)
@@ -273,6 +282,7 @@ def confined_daemon(
     threads: int = 2,
     interval_s: float = 0.2,
     cpuset_watch_s: float | None = None,
+    policy: dict[str, str] | None = None,
 ) -> Iterator[tuple[DaemonProcess, Path]]:
     """The daemon in a fresh v1 cpuset (0-1), its workers in per-rank cgroups below;
     every process stopped and every cgroup removed afterwards."""
@@ -285,6 +295,7 @@ def confined_daemon(
         interval_s=interval_s,
         worker=worker,
         cpuset_watch_s=cpuset_watch_s,
+        policy=policy,
     )
     suffix = f"{name}-{os.getpid()}"
     env = dict(os.environ, **{INSTANCE_ENV: suffix})

@@ -1,4 +1,4 @@
-"""DESIGN 3.3 plan invariants as one reusable checker (no I/O).
+"""docs/contracts.md §3 plan invariants as one reusable checker (no I/O).
 
 `check_placement(topology, placement)` raises AssertionError naming the first
 broken property. Planner, CLI, daemon and drift tests all call it, so a plan
@@ -27,7 +27,7 @@ def _nearest(topology: Topology, start: int, candidates: Iterable[int]) -> int:
 
 
 def check_placement(topology: Topology, placement: Placement) -> None:
-    """Assert every DESIGN 3.3 property of `placement` on `topology`."""
+    """Assert every docs/contracts.md §3 property of `placement` on `topology`."""
     allowed = topology.allowed.cpus & topology.online
     siblings = {c.id: (c.siblings & allowed) | {c.id} for c in topology.cpus}
     cpu_node = {c.id: c.node for c in topology.cpus}

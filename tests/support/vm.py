@@ -1,4 +1,4 @@
-"""Run a test body inside the numavm QEMU guest (a real multi-NUMA kernel).
+"""Run a test body inside the test guest (tests/guest/: QEMU, a real multi-NUMA kernel).
 
 `run_in_vm(["--nodes", "2"], [PYTHON, "-m", "pytest", ...])` boots the guest
 with the repository as its working directory and returns the completed
@@ -23,18 +23,19 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-RUN_IN_VM = Path(os.environ.get("NUMAVM_RUN", REPO.parent / "shared/tools/numavm/run-in-vm"))
+# PS_GUEST_RUN: another harness with the same options, exit codes and PS_GUEST=1.
+RUN_IN_VM = Path(os.environ.get("PS_GUEST_RUN", REPO / "tests/guest/run-in-vm"))
 PYTHON = str(REPO / ".venv/bin/python")
 
 
 def vm_available() -> str | None:
     """None when the guest can boot here, else why not."""
     if not RUN_IN_VM.exists():
-        return f"numavm not found at {RUN_IN_VM}"
+        return f"the guest harness is not at {RUN_IN_VM}"
     if shutil.which("qemu-system-x86_64") is None:
         return "qemu-system-x86_64 is not installed (run .ci/setup)"
     if os.geteuid() != 0:
-        return "the numavm guest needs root"
+        return "the test guest needs root"
     return None
 
 
@@ -44,7 +45,7 @@ def require_vm() -> None:
     if why is None:
         return
     if os.environ.get("CI"):
-        pytest.fail(f"numavm guest unavailable in CI: {why}")
+        pytest.fail(f"test guest unavailable in CI: {why}")
     pytest.skip(why)
 
 

@@ -8,6 +8,7 @@ from typing import get_args
 
 import pytest
 
+from supervisor.examples.builder import FakeHost
 from supervisor.hostfs import HostFS
 from supervisor.topology.accelerators import (
     AMD,
@@ -30,7 +31,6 @@ from supervisor.topology.accelerators import (
 from supervisor.topology.devices import read_kind
 from supervisor.topology.pci import scan_pci
 from supervisor.topology.visibility import apply_visibility
-from tests.support.fakehost import FakeHost
 
 
 def test_the_registry_holds_every_kind_of_the_types_once_in_host_order() -> None:

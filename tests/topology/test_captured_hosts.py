@@ -1,12 +1,14 @@
 """Trees captured with `placement-supervisor snapshot` inside real multi-NUMA
-guests (numavm presets 2node and cpuless, guest kernel 6.1), with the plan and
+guests (the test guest's presets 2node and cpuless, guest kernel 6.1), with the plan and
 topology the live guest printed at the same moment. Discovery and planning of
 the captured tree on this machine must reproduce them exactly: the
-`snapshot` -> `plan --root` promise of DESIGN 3.1, across machines.
+`snapshot` -> `plan --root` promise of docs/contracts.md §1, across machines.
 
-To recapture (as root, from the repo):
-    run-in-vm --preset 2node --rw DIR -- bash -c '.venv/bin/python -m supervisor
-      snapshot DIR/numavm-2node --config tests/fixtures/captured/guest-nics.toml && ...'
+To recapture (as root, from the repo; the guest's writes are lost, so the tree
+comes back as a tar on stdout):
+    tests/guest/run-in-vm --preset 2node -- bash -c '.venv/bin/python -m supervisor
+      snapshot /tmp/cap/numavm-2node --config tests/fixtures/captured/guest-nics.toml
+      && ... && tar -C /tmp/cap -c .' | tar -x -C DIR
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Visibility variables with the CUDA meaning (DESIGN 3.1), in their order (DESIGN 3.3)."""
+"""Visibility variables with the CUDA meaning (contracts §1), in their order (contracts §3)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Discovery against a real multi-NUMA kernel (the numavm QEMU guest)."""
+"""Discovery against a real multi-NUMA kernel (the QEMU test guest, tests/guest/)."""
 
 from __future__ import annotations
 

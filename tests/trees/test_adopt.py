@@ -1,4 +1,4 @@
-"""Adoption of engine-spawned workers (DESIGN 3.6): the sources as tables, the config's
+"""Adoption of engine-spawned workers (docs/contracts.md §6): the sources as tables, the config's
 errors, /proc facts from a fixture tree, and a real daemon adopting real processes.
 
 The real engine below is a small launcher shaped like torchrun: it starts one
@@ -220,8 +220,9 @@ def adopted(daemon: DaemonProcess, exclude: frozenset[int] = frozenset()) -> dic
 
 
 def cgroup_of(pid: int) -> str:
+    """The process's v1 memory cgroup: v1 has no per-rank cpusets (supervisor.bind.cgroup)."""
     with open(f"/proc/{pid}/cgroup") as f:
-        return next(line.split(":", 2)[2].strip() for line in f if ":cpuset:" in line)
+        return next(line.split(":", 2)[2].strip() for line in f if ":memory:" in line)
 
 
 def placed_as_planned(doc: dict[str, Any]) -> bool:

@@ -102,8 +102,9 @@ def records(record: Path) -> dict[int, int]:
 
 
 def cgroup_of(pid: int) -> str:
+    """The process's v1 memory cgroup: v1 has no per-rank cpusets (supervisor.bind.cgroup)."""
     with open(f"/proc/{pid}/cgroup") as f:
-        return next(line.split(":", 2)[2].strip() for line in f if ":cpuset:" in line)
+        return next(line.split(":", 2)[2].strip() for line in f if ":memory:" in line)
 
 
 def all_adopted(d: DaemonProcess, ranks: int, record: Path) -> dict[str, Any] | None:

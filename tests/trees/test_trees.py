@@ -1,4 +1,4 @@
-"""Process trees and no orphans, with real processes and a real daemon (DESIGN 3.6, issue 11.2).
+"""Process trees and no orphans, with real processes and a real daemon (contracts §6, issue 11.2).
 
 The engine and the worker below each start a `setsid` grandchild that
 ignores SIGTERM and an orphan (a child that exits after forking), every one
@@ -33,6 +33,7 @@ from supervisor.trees.proc_events import (
     parse_proc_events,
 )
 from supervisor.trees.tree import Member, Root, assign_owners
+from tests.support.cgroup_v1 import own_memory_cgroup
 from tests.support.daemon_support import INSTANCE_ENV, DaemonProcess, daemon_env, poll, to_toml
 
 FS = HostFS("/")
@@ -260,12 +261,12 @@ def test_sigkill_of_the_daemon_leaves_no_process_and_no_cgroup(tmp_path: Path, c
 def test_a_new_daemon_ends_what_an_earlier_instance_left(tmp_path: Path) -> None:
     marker = f"left-{uuid.uuid4().hex}"
     suffix = f"trees-left-{os.getpid()}"
-    inst = CPUSET / f"placement-supervisor-{suffix}"
+    # cgroup v1: the per-process cgroups are memory cgroups (no per-rank cpusets).
+    memory = own_memory_cgroup()
+    assert memory is not None
+    inst = memory / f"placement-supervisor-{suffix}"
     left = inst / "rank0"
     left.mkdir(parents=True)
-    for d in (inst, left):
-        (d / "cpuset.mems").write_text((CPUSET / "cpuset.mems").read_text())
-        (d / "cpuset.cpus").write_text((CPUSET / "cpuset.cpus").read_text())
     stray = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)", marker])
     try:
         (left / "cgroup.procs").write_text(str(stray.pid))

@@ -1,6 +1,6 @@
-"""An engine-spawned worker adopted onto node 1; run INSIDE the numavm guest (as root).
+"""An engine-spawned worker adopted onto node 1; run INSIDE the test guest (as root).
 
-    ../shared/tools/numavm/run-in-vm --nodes 2 -- .venv/bin/python -u tests/vm_checks/adopt_numa.py
+    tests/guest/run-in-vm --nodes 2 -- .venv/bin/python -u tests/vm_checks/adopt_numa.py
 
 Expects the default guest: node 0 = CPUs 0-1, node 1 = CPUs 2-3. The engine
 (a launcher like torchrun, planned on node 0 and bound there by the shim,

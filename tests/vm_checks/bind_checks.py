@@ -1,6 +1,6 @@
-"""Binding checks that need a multi-NUMA kernel; run INSIDE the numavm guest (as root).
+"""Binding checks that need a multi-NUMA kernel; run INSIDE the test guest (as root).
 
-    ../shared/tools/numavm/run-in-vm --nodes 2 -- .venv/bin/python -u tests/vm_checks/bind_checks.py
+    tests/guest/run-in-vm --nodes 2 -- .venv/bin/python -u tests/vm_checks/bind_checks.py
 
 Expects the default guest: node 0 = CPUs 0-1, node 1 = CPUs 2-3, cgroup v2 at
 /sys/fs/cgroup. Prints one "PASS name: detail" or "FAIL name: detail" line per
@@ -232,7 +232,7 @@ def mempolicy_ladder() -> None:
 
 
 def main() -> int:
-    if os.environ.get("NUMAVM") != "1":
+    if os.environ.get("PS_GUEST") != "1":
         print("note: meant to run inside run-in-vm", file=sys.stderr)
     for fn in (shim_worker_on_node1, migrate_other, cgroup_v2_rank, mempolicy_ladder):
         fn()

@@ -1,6 +1,6 @@
-"""CPU hotplug in a 2-node guest; run INSIDE the numavm guest (as root).
+"""CPU hotplug in a 2-node guest; run INSIDE the test guest (as root).
 
-    ../shared/tools/numavm/run-in-vm --nodes 2 -- \
+    tests/guest/run-in-vm --nodes 2 -- \
         .venv/bin/python -u tests/vm_checks/checker_hotplug.py
 
 Default guest: node 0 = CPUs 0-1, node 1 = CPUs 2-3. A daemon with one rank per

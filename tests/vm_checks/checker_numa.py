@@ -1,6 +1,6 @@
-"""The check loop in a 2-node guest with cgroup v2; run INSIDE the numavm guest (as root).
+"""The check loop in a 2-node guest with cgroup v2; run INSIDE the test guest (as root).
 
-    ../shared/tools/numavm/run-in-vm --nodes 2 -- \
+    tests/guest/run-in-vm --nodes 2 -- \
         .venv/bin/python -u tests/vm_checks/checker_numa.py
 
 Default guest: node 0 = CPUs 0-1, node 1 = CPUs 2-3, cgroup2 at /sys/fs/cgroup.
@@ -288,8 +288,8 @@ def scenario_memory() -> None:
 
 
 def main() -> int:
-    if os.environ.get("NUMAVM") != "1":
-        print("run me inside the numavm guest", file=sys.stderr)
+    if os.environ.get("PS_GUEST") != "1":
+        print("run me inside the test guest", file=sys.stderr)
         return 2
     scenario_cpuset()
     scenario_memory()

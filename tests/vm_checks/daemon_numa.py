@@ -1,6 +1,6 @@
-"""The daemon with the demo config in a 2-node guest; run INSIDE the numavm guest (as root).
+"""The daemon with the demo config in a 2-node guest; run INSIDE the test guest (as root).
 
-    ../shared/tools/numavm/run-in-vm --nodes 2 -- .venv/bin/python -u tests/vm_checks/daemon_numa.py
+    tests/guest/run-in-vm --nodes 2 -- .venv/bin/python -u tests/vm_checks/daemon_numa.py
 
 Expects the default guest: node 0 = CPUs 0-1, node 1 = CPUs 2-3. Starts
 `python -m supervisor run --config supervisor/demo/demo.toml`, waits until

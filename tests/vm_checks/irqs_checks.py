@@ -1,6 +1,6 @@
-"""IRQ keeping in a 2-node kernel; run INSIDE the numavm guest (as root).
+"""IRQ keeping in a 2-node kernel; run INSIDE the test guest (as root).
 
-    ../shared/tools/numavm/run-in-vm --nodes 2 -- .venv/bin/python -u tests/vm_checks/irqs_checks.py
+    tests/guest/run-in-vm --nodes 2 -- .venv/bin/python -u tests/vm_checks/irqs_checks.py
 
 Expects the default guest: node 0 = CPUs 0-1, node 1 = CPUs 2-3, a virtio-net
 NIC with MSI-X IRQs at 0000:41:00.0 on node 1. Prints one "PASS name: detail"
@@ -67,9 +67,9 @@ def keeper_alone() -> None:
     placement = plan(topology, PlanSettings(engine=False, rank_roles={"irq": 1}))
     (rank,) = placement.ranks
     irq_cpus = set(rank.slot.role_cpus("irq"))
-    keeper = IrqKeeper(fs, placement, IrqConfig())
+    keeper = IrqKeeper(fs, IrqConfig())
     try:
-        outcomes = keeper.apply()
+        outcomes = keeper.apply(placement)
         bound = [o.irq for o in outcomes if o.status == "bound"]
         on_cpus = all(parse_cpulist(affinity(irq)) == irq_cpus for irq in irqs)
         delivered = all(set(read_irq_delivery(fs, irq) or ()) <= irq_cpus for irq in irqs)
@@ -82,8 +82,8 @@ def keeper_alone() -> None:
         victim = irqs[-1]
         with open(f"/proc/irq/{victim}/smp_affinity_list", "w") as f:
             f.write("0")
-        seen = {o.irq: o.cpus for o in keeper.observe()[0]}
-        fixed = keeper.enforce(0)
+        seen = {o.irq: o.cpus for o in keeper.observe(placement)[0]}
+        fixed = keeper.enforce(0, placement)
         CHECKS.check(
             "keeper-enforce-after-move",
             seen[victim] == (0,)

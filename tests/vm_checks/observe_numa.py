@@ -1,6 +1,6 @@
-"""numa_maps of memory on another node; run INSIDE the numavm guest (as root).
+"""numa_maps of memory on another node; run INSIDE the test guest (as root).
 
-    ../shared/tools/numavm/run-in-vm --nodes 2 -- \
+    tests/guest/run-in-vm --nodes 2 -- \
         .venv/bin/python -u tests/vm_checks/observe_numa.py
 
 Expects a guest with NUMA node 1 and numactl. A child touches 64 MiB under

@@ -1,11 +1,12 @@
 """A cpuset change on this host (cgroup v1): the daemon re-plans and re-binds its ranks.
 
 The daemon runs as a real subprocess (tests/vm_checks/checker_daemon.py)
-confined to a v1 cpuset made for the test (cpus 0-1, mems 0), with one
-per-rank cgroup per worker below it. The test plays the orchestrator: it
-shrinks the supervisor's cpuset to CPU 1 (children first: the v1 kernel
-refuses a parent below its children's CPUs with EBUSY) and grows it back,
-and reads every worker thread's Cpus_allowed_list from /proc. Everything is
+confined to a v1 cpuset made for the test (cpus 0-1, mems 0); its workers
+have per-rank memory cgroups and no cpusets of their own (a v1 child cpuset
+would make the kernel refuse the owner's shrink with EBUSY). The test plays
+the orchestrator with one plain write, as `docker update --cpuset-cpus`
+does: it shrinks the supervisor's cpuset to CPU 1 and grows it back, and
+reads every worker thread's Cpus_allowed_list from /proc. Everything is
 removed afterwards (processes stopped, tasks moved to the root cpuset,
 cgroups rmdir'ed deepest first).
 """
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.cgroup_v1 import v1_available, write_v1_cpus
+from tests.support.cgroup_v1 import own_memory_cgroup, v1_available
 from tests.support.daemon_support import (
     DaemonProcess,
     confined_daemon,
@@ -27,6 +28,11 @@ from tests.support.daemon_support import (
     rank_pids,
     thread_cpus_as_planned,
 )
+
+
+def write_cpus(cg: Path, cpus: str) -> None:
+    """One plain write of the supervisor's cpuset, as its owner makes it (no children first)."""
+    (cg / "cpuset.cpus").write_text(cpus)
 
 
 def cpuset_rebinds(daemon: DaemonProcess) -> dict[str, int]:
@@ -54,8 +60,11 @@ def test_v1_cpuset_shrink_and_grow_replan_and_rebind(tmp_path: Path) -> None:
         )
         assert [r["cpus"] for r in doc["ranks"]] == [[0], [1]], doc["ranks"]
         assert not doc["shared"]
-        inst = cg / f"placement-supervisor-cpuset-{os.getpid()}"
+        memory = own_memory_cgroup()
+        assert memory is not None
+        inst = memory / f"placement-supervisor-cpuset-{os.getpid()}"
         assert (inst / "rank0").is_dir(), "the daemon made no per-rank cgroups"
+        assert [p.name for p in cg.iterdir() if p.is_dir()] == [], "a child cpuset blocks shrinks"
         poll(
             lambda: thread_cpus_as_planned(daemon.placement() or {}, {0: "0", 1: "1"}),
             10,
@@ -63,25 +72,22 @@ def test_v1_cpuset_shrink_and_grow_replan_and_rebind(tmp_path: Path) -> None:
         )
         pids = rank_pids(doc)
 
-        write_v1_cpus(cg, {1})
+        write_cpus(cg, "1")
         doc = poll(
             lambda: (d := daemon.placement()) and thread_cpus_as_planned(d, {0: "1", 1: "1"}) and d,
             10,
             what="both ranks re-planned onto CPU 1",
         )
         assert doc["shared"] and doc["supervisor"]["cpuset_changes"] == 1
-        assert (inst / "rank0" / "cpuset.cpus").read_text().strip() == "1"
         assert rank_pids(doc) == pids  # re-bound, not restarted
 
-        write_v1_cpus(cg, {0, 1})
+        write_cpus(cg, "0-1")
         doc = poll(
             lambda: (d := daemon.placement()) and thread_cpus_as_planned(d, {0: "0", 1: "1"}) and d,
             10,
             what="ranks back on their own CPUs after the grow",
         )
         assert not doc["shared"] and doc["supervisor"]["cpuset_changes"] == 2
-        assert (inst / "rank0" / "cpuset.cpus").read_text().strip() == "0"
-        assert (inst / "cpuset.cpus").read_text().strip() == "0-1"
         assert rank_pids(doc) == pids
         cpuset_events = daemon.events("cpuset")
         assert [e["fields"]["new_cpus"] for e in cpuset_events] == [[1], [0, 1]]
@@ -116,7 +122,7 @@ def test_the_cpuset_watch_replans_long_before_the_next_check(tmp_path: Path) -> 
             what="start placement",
         )
         checks = (daemon.placement() or {})["supervisor"]["checks"]
-        write_v1_cpus(cg, {1})
+        write_cpus(cg, "1")
         doc = poll(
             lambda: (d := daemon.placement()) and thread_cpus_as_planned(d, {0: "1", 1: "1"}) and d,
             20,
@@ -124,7 +130,7 @@ def test_the_cpuset_watch_replans_long_before_the_next_check(tmp_path: Path) -> 
         )
         assert doc["supervisor"]["cpuset_changes"] == 1
         assert doc["supervisor"]["checks"] <= checks + 2  # the watch's pass, not the schedule
-        write_v1_cpus(cg, {0, 1})
+        write_cpus(cg, "0-1")
         poll(
             lambda: thread_cpus_as_planned(daemon.placement() or {}, {0: "0", 1: "1"}),
             20,

@@ -273,35 +273,35 @@ def tree(tmp_path: Path) -> Path:
 def test_keeper_apply_observe_enforce_restore(tree: Path) -> None:
     topology, placement = _small_setup()
     store = _store(topology, placement)
-    keeper = IrqKeeper(HostFS(str(tree)), placement, IrqConfig(nic=True))
-    outcomes = keeper.apply()
+    keeper = IrqKeeper(HostFS(str(tree)), IrqConfig(nic=True))
+    outcomes = keeper.apply(placement)
     assert [(o.irq, o.status, o.cpus) for o in outcomes] == [
         (40, "bound", (1,)),
         (41, "bound", (1,)),
         (42, "bound", (1,)),
     ]
     assert [_read(tree, i) for i in (40, 41, 42)] == ["1", "1", "1"]
-    assert keeper.planned_irqs(0) == {40: (1,), 41: (1,), 42: (1,)}
-    obs = keeper.observe()[0]
+    assert keeper.planned_irqs(placement, 0) == {40: (1,), 41: (1,), 42: (1,)}
+    obs = keeper.observe(placement)[0]
     assert [(o.irq, o.cpus, o.planned) for o in obs] == [(i, (1,), (1,)) for i in (40, 41, 42)]
     assert diff(placement.ranks[0].slot, Observation(irqs=obs), threshold=0.0) == ()
 
     # Someone (not irqbalance: none runs here) moves IRQ 41.
     (tree / "proc/irq/41/smp_affinity_list").write_text("5\n")
-    obs = keeper.observe()[0]
+    obs = keeper.observe(placement)[0]
     findings = diff(placement.ranks[0].slot, Observation(irqs=obs), threshold=0.0)
     assert [(f.kind, f.target, f.expected, f.actual) for f in findings] == [
         ("irq_affinity", "irq 41", "1", "5")
     ]
     moved = [e for e in _recorded(keeper, store).snapshot.events if e.kind == "irq_moved"]
     assert len(moved) == 1 and "irqbalance is not running" in moved[0].message
-    keeper.observe()  # the same move is reported once
+    keeper.observe(placement)  # the same move is reported once
     assert [e.kind for e in _recorded(keeper, store).snapshot.events].count("irq_moved") == 1
 
-    fixed = keeper.enforce(0)
+    fixed = keeper.enforce(0, placement)
     assert [(o.irq, o.status, o.cpus) for o in fixed] == [(41, "bound", (1,))]
     assert _read(tree, 41) == "1"
-    assert keeper.enforce(0) == ()  # nothing drifted any more
+    assert keeper.enforce(0, placement) == ()  # nothing drifted any more
     # The keeper counts nothing: the check loop records the outcomes.
     assert _recorded(keeper, store).snapshot.counters.rebinds == {}
 
@@ -317,20 +317,20 @@ def test_keeper_gone_irq_is_counted_once_and_not_observed_as_planned(tree: Path)
     placement = Placement("numa-affine", None, (_rank(0, gpu, (0, 1), (1,)),))
     placement = _planned(topology, placement, nic=False)
     store = _store(topology, placement)
-    keeper = IrqKeeper(HostFS(str(tree)), placement, IrqConfig())
-    assert [(o.irq, o.status) for o in keeper.apply()] == [(40, "bound"), (77, "gone")]
-    keeper.apply()
+    keeper = IrqKeeper(HostFS(str(tree)), IrqConfig())
+    assert [(o.irq, o.status) for o in keeper.apply(placement)] == [(40, "bound"), (77, "gone")]
+    keeper.apply(placement)
     assert _recorded(keeper, store).snapshot.counters.bind_failures == {("0", "irq", "gone"): 1}
-    obs = keeper.observe()[0]
+    obs = keeper.observe(placement)[0]
     assert [(o.irq, o.cpus, o.planned) for o in obs] == [(40, (1,), (1,)), (77, (), ())]
     keeper.restore()
 
 
 def test_disabled_config_touches_nothing(tree: Path) -> None:
     _, placement = _small_setup()
-    keeper = IrqKeeper(HostFS(str(tree)), placement, IrqConfig(enabled=False))
-    assert keeper.apply() == ()
-    assert keeper.observe() == {}
+    keeper = IrqKeeper(HostFS(str(tree)), IrqConfig(enabled=False))
+    assert keeper.apply(placement) == ()
+    assert keeper.observe(placement) == {}
     assert _read(tree, 40) == "0-7"
     assert keeper.restore() == []
 
@@ -363,14 +363,14 @@ def test_ban_mode_bans_ours_keeps_others_and_gives_the_list_back(
     tree, server = balanced_tree
     topology, placement = _small_setup()
     store = _store(topology, placement)
-    keeper = IrqKeeper(HostFS(str(tree)), placement, IrqConfig(nic=True))
-    keeper.apply()
+    keeper = IrqKeeper(HostFS(str(tree)), IrqConfig(nic=True))
+    keeper.apply(placement)
     assert keeper.irqbalance is not None and keeper.irqbalance.pid == 4321
     assert sorted(server.banned) == [40, 41, 42, 99]
     assert keeper.banned == {40, 41, 42}
     events = _recorded(keeper, store).snapshot.events
     assert any(e.kind == "irqbalance" and e.fields["banned"] for e in events)
-    keeper.apply()  # nothing new to ban: no second request
+    keeper.apply(placement)  # nothing new to ban: no second request
     assert sum(1 for r, _ in server.requests if r.startswith("settings")) == 1
     keeper.restore()
     assert server.banned == [99]
@@ -384,11 +384,11 @@ def test_observe_mode_never_bans_and_names_irqbalance_on_a_move(
     topology, placement = _small_setup()
     store = _store(topology, placement)
     config = IrqConfig(irqbalance="observe")
-    keeper = IrqKeeper(HostFS(str(tree)), placement, config)
-    keeper.apply()
+    keeper = IrqKeeper(HostFS(str(tree)), config)
+    keeper.apply(placement)
     assert server.requests == []  # no ban, not even a query
     (tree / "proc/irq/40/smp_affinity_list").write_text("6\n")  # as irqbalance would
-    obs = keeper.observe()[0]
+    obs = keeper.observe(placement)[0]
     assert (40, (6,), (1,)) in [(o.irq, o.cpus, o.planned) for o in obs]
     (moved,) = [e for e in _recorded(keeper, store).snapshot.events if e.kind == "irq_moved"]
     assert moved.fields["irqbalance"] == 4321 and "irqbalance (pid 4321)" in moved.message
@@ -401,8 +401,8 @@ def test_unreachable_socket_falls_back_to_observing(tree: Path) -> None:
     (tree / "proc/555/comm").write_text("irqbalance\n")  # running, but no socket
     topology, placement = _small_setup()
     store = _store(topology, placement)
-    keeper = IrqKeeper(HostFS(str(tree)), placement, IrqConfig())
-    keeper.apply()
+    keeper = IrqKeeper(HostFS(str(tree)), IrqConfig())
+    keeper.apply(placement)
     assert keeper.banned == frozenset()
     (event,) = [e for e in _recorded(keeper, store).snapshot.events if e.kind == "irqbalance"]
     assert event.fields["banned"] is False
@@ -425,9 +425,9 @@ def test_the_keeper_never_writes_the_store_its_facts_are_recorded_on_the_loop(
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
-        keeper = IrqKeeper(HostFS(str(tree)), placement, IrqConfig(nic=True))
+        keeper = IrqKeeper(HostFS(str(tree)), IrqConfig(nic=True))
         with ThreadPoolExecutor(1) as pool:
-            await loop.run_in_executor(pool, keeper.apply)
+            await loop.run_in_executor(pool, keeper.apply, placement)
             assert store.snapshot.events == ()  # the keeper holds no store
             Recorder(store).facts(keeper.take_facts())
             assert [e.kind for e in store.snapshot.events] == ["irq"]
@@ -458,21 +458,21 @@ def test_the_keeper_writes_exactly_the_placement_s_irq_plan(tmp_path: Path) -> N
             for r in full.ranks
         ),
     )
-    keeper = IrqKeeper(HostFS(str(root)), placement, IrqConfig(nic=True))
-    outcomes = keeper.apply()
+    keeper = IrqKeeper(HostFS(str(root)), IrqConfig(nic=True))
+    outcomes = keeper.apply(placement)
     assert sorted(o.irq for o in outcomes) == sorted(every - {dropped})
     assert all(o.status == "bound" for o in outcomes)
     for r in placement.ranks:
         for a in r.irqs:
             assert _read(root, a.irq) == format_cpulist(a.cpus)
     assert _read(root, dropped) == "0-223"  # never written
-    assert dropped not in {o.irq for o in keeper.observe()[3]}
+    assert dropped not in {o.irq for o in keeper.observe(placement)[3]}
     # Moved by someone else, it is no drift of ours and enforce leaves it.
     (root / f"proc/irq/{dropped}/smp_affinity_list").write_text("7\n")
-    assert keeper.enforce(3) == ()
+    assert keeper.enforce(3, placement) == ()
     assert _read(root, dropped) == "7"
     # A re-plan's placement is kept as it is: here the full plan, dropped IRQ included.
-    again = keeper.replan(full)
+    again = keeper.apply(full)
     assert [o.irq for o in again if o.irq == dropped] == [dropped]
     assert _read(root, dropped) == format_cpulist(rank.irqs[1].cpus)
     keeper.restore()

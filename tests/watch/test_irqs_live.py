@@ -80,15 +80,15 @@ def test_keeper_on_real_irqs(originals: dict[int, str]) -> None:
     irq_cpus = rank.slot.role_cpus("irq")
     device = next(d for d in topology.devices if d.bdf == DEVICE)
     assert device.irqs, "discovery found no IRQs for the device"
-    keeper = IrqKeeper(HostFS("/"), placement, IrqConfig())
+    keeper = IrqKeeper(HostFS("/"), IrqConfig())
     try:
-        outcomes = keeper.apply()
+        outcomes = keeper.apply(placement)
         assert [(o.irq, o.status) for o in outcomes] == [(i, "bound") for i in device.irqs]
         for irq in device.irqs:
             assert parse_cpulist(_affinity(irq)) == set(irq_cpus)
         assert any(_affinity(i) != originals[i] for i in device.irqs), "no change to test"
 
-        obs = keeper.observe()[0]
+        obs = keeper.observe(placement)[0]
         assert [o.irq for o in obs] == list(device.irqs)
         assert all(o.planned == tuple(irq_cpus) and set(o.cpus) <= set(irq_cpus) for o in obs)
         assert diff(rank.slot, Observation(irqs=obs), threshold=0.0) == ()
@@ -98,16 +98,16 @@ def test_keeper_on_real_irqs(originals: dict[int, str]) -> None:
         other = next(c for c in sorted(os.sched_getaffinity(0)) if c not in irq_cpus)
         with open(f"/proc/irq/{victim}/smp_affinity_list", "w") as f:
             f.write(str(other))
-        obs = keeper.observe()[0]
+        obs = keeper.observe(placement)[0]
         seen = {o.irq: o.cpus for o in obs}
         assert seen[victim] == (other,)
         findings = diff(rank.slot, Observation(irqs=obs), threshold=0.0)
         assert [(f.kind, f.target) for f in findings] == [("irq_affinity", f"irq {victim}")]
 
-        fixed = keeper.enforce(0)
+        fixed = keeper.enforce(0, placement)
         assert [(o.irq, o.status) for o in fixed] == [(victim, "bound")]
         assert set(keeper.binder.read_affinity(victim)) == set(irq_cpus)
-        assert diff(rank.slot, Observation(irqs=keeper.observe()[0]), threshold=0.0) == ()
+        assert diff(rank.slot, Observation(irqs=keeper.observe(placement)[0]), threshold=0.0) == ()
     finally:
         results = keeper.restore()
     assert all(err is None for _, err in results), results
@@ -138,22 +138,22 @@ def test_managed_irq_is_skipped_and_counted_once(originals: dict[int, str]) -> N
         pytest.skip(f"no kernel-managed IRQ on {MANAGED_DEVICE} here")
     topology, placement = _setup(MANAGED_DEVICE)
     store = StateStore(Snapshot(placement, topology, {}))
-    keeper = IrqKeeper(HostFS("/"), placement, IrqConfig())
+    keeper = IrqKeeper(HostFS("/"), IrqConfig())
     try:
-        outcomes = {o.irq: o.status for o in keeper.apply()}
+        outcomes = {o.irq: o.status for o in keeper.apply(placement)}
         for irq in managed:
             assert outcomes[irq] == "managed"
             assert _affinity(irq) == originals[irq]
-        keeper.apply()  # refused again, reported once
+        keeper.apply(placement)  # refused again, reported once
         Recorder(store).facts(keeper.take_facts())
         assert store.snapshot.counters.bind_failures == {("0", "irq", "managed"): len(managed)}
         failed = [e for e in store.snapshot.events if e.kind == "bind_failed"]
         assert sorted(e.fields["irq"] for e in failed) == managed
         assert all("kernel-managed" in e.message for e in failed)
         # Not kept: no planned CPUs, so drift never fires on it.
-        obs = {o.irq: o for o in keeper.observe()[0]}
+        obs = {o.irq: o for o in keeper.observe(placement)[0]}
         assert all(obs[irq].planned == () and obs[irq].cpus for irq in managed)
-        assert keeper.enforce(0) == ()
+        assert keeper.enforce(0, placement) == ()
     finally:
         keeper.restore()
 
@@ -173,16 +173,16 @@ def test_read_only_proc_irq_turns_binding_off_once(need_root: None) -> None:
         from supervisor.state import Snapshot, StateStore
         topology, placement = _setup({DEVICE!r})
         store = StateStore(Snapshot(placement, topology, {{}}))
-        keeper = IrqKeeper(HostFS("/"), placement, IrqConfig())
-        first = keeper.apply()
-        second = keeper.apply()
+        keeper = IrqKeeper(HostFS("/"), IrqConfig())
+        first = keeper.apply(placement)
+        second = keeper.apply(placement)
         Recorder(store).facts(keeper.take_facts())
-        obs = keeper.observe()[0]
+        obs = keeper.observe(placement)[0]
         print(keeper.enabled, [o.status for o in first], len(second))
         print(dict(store.snapshot.counters.bind_failures))
         print(sum(e.kind == "bind_failed" for e in store.snapshot.events))
         print(all(o.planned == () for o in obs), len(obs))
-        print(keeper.enforce(0), keeper.restore())
+        print(keeper.enforce(0, placement), keeper.restore())
         """
     )
     done = subprocess.run(
@@ -239,9 +239,9 @@ def test_keeper_bans_our_irqs_in_a_real_irqbalance_and_unbans_on_restore(
     topology, placement = _setup(DEVICE)
     device = next(d for d in topology.devices if d.bdf == DEVICE)
     store = StateStore(Snapshot(placement, topology, {}))
-    keeper = IrqKeeper(HostFS("/"), placement, IrqConfig(irqbalance="ban"))
+    keeper = IrqKeeper(HostFS("/"), IrqConfig(irqbalance="ban"))
     try:
-        keeper.apply()
+        keeper.apply(placement)
         assert keeper.irqbalance is not None and keeper.irqbalance.pid == real_irqbalance
         # irqbalance itself says it now leaves every one of our IRQs alone.
         banned = read_banned_irqs(keeper.irqbalance)

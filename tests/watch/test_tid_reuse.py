@@ -22,8 +22,9 @@ from types import MappingProxyType
 import pytest
 
 from supervisor.bind.binder import Binder
-from supervisor.config import DriftConfig
+from supervisor.config import Config, DriftConfig, ProcessConfig
 from supervisor.hostfs import HostFS
+from supervisor.plan.in_force import PlanInForce
 from supervisor.plan.placement import Placement, Slot
 from supervisor.state import ProcessStatus, Snapshot, StateStore
 from supervisor.topology.discover import read_topology
@@ -88,11 +89,11 @@ def affinity(tid: int) -> set[int]:
 def check_loop(pid: int, start_time: int | None, slot: Slot) -> tuple[CheckLoop, StateStore]:
     topology = read_topology(FS)
     status = ProcessStatus(0, "running", pid=pid, start_time=start_time)
-    store = StateStore(
-        Snapshot(Placement("test", None, ()), topology, MappingProxyType({0: status}))
-    )
+    placement = Placement("test", None, ())
+    store = StateStore(Snapshot(placement, topology, MappingProxyType({0: status})))
     loop = CheckLoop(
         store=store,
+        plan=PlanInForce(Config(None, None, ProcessConfig(())), topology, placement),
         fs=FS,
         executor=ThreadPoolExecutor(1),
         drift=DriftConfig(check_interval_s=0.05),

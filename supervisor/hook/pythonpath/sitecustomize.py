@@ -179,13 +179,13 @@ def cgroup_lines() -> list[str] | None:
 
 
 def cgroup_rank() -> int | None:
-    """N when this process sits in the supervisor's cgroup of rank N (".../rankN"), else None."""
+    """N when this process sits in the supervisor's cgroup of rank N (".../rankN") in
+    any hierarchy (on v1 a rank has a memory cgroup only), else None."""
     for line in cgroup_lines() or ():
-        _, controllers, path = line.split(":", 2)
-        if "cpuset" in controllers.split(",") or controllers == "":
-            last = path.rstrip("/").rsplit("/", 1)[-1]
-            if last.startswith("rank") and last[4:].isdigit():
-                return int(last[4:])
+        path = line.split(":", 2)[-1]
+        last = path.rstrip("/").rsplit("/", 1)[-1]
+        if last.startswith("rank") and last[4:].isdigit():
+            return int(last[4:])
     return None
 
 

@@ -1,0 +1,99 @@
+"""What this host lets the supervisor bind, probed once at start (does I/O: syscalls, /proc/irq).
+
+A container's runtime decides: its default seccomp profile fails set_mempolicy,
+mbind, migrate_pages and move_pages with EPERM unless the container holds
+CAP_SYS_NICE (moby profiles/seccomp/default.json), its cgroupfs is read-only
+and /proc/irq is one of its readonlyPaths (runtime-spec config-linux.md). Each
+probe is a real attempt on the supervisor itself, undone at once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+from collections.abc import Iterable
+
+from supervisor.bind import syscalls
+from supervisor.errors import KernelError
+from supervisor.hostfs import HostFS
+from supervisor.logs import format_fields
+from supervisor.state import Capability, CapabilityName
+
+log = logging.getLogger("placement_supervisor.daemon")
+
+IRQ_PROBE = "proc/irq/default_smp_affinity"
+
+
+def probe_mempolicy(mems: Iterable[int]) -> Capability:
+    """set_mempolicy(MPOL_BIND) on the calling thread, then its old policy back;
+    mbind(MPOL_BIND) on a private page of its own, then the page unmapped."""
+    nodes = sorted(set(mems))
+    try:
+        mode, old_nodes = syscalls.get_mempolicy()
+    except KernelError as err:
+        return Capability("mempolicy", False, reason=f"{err}")
+    try:
+        syscalls.set_mempolicy(syscalls.MPOL_BIND, nodes)
+    except KernelError as err:
+        return Capability("mempolicy", False, reason=f"{err}")
+    # Back to what it was; MPOL_DEFAULT and MPOL_LOCAL take no nodes.
+    restore = () if mode in (syscalls.MPOL_DEFAULT, syscalls.MPOL_LOCAL) else old_nodes
+    try:
+        syscalls.set_mempolicy(mode, restore)
+    except KernelError as err:
+        log.warning("mempolicy restore failed %s", format_fields(error=err, action="continue"))
+    page = mmap.mmap(-1, mmap.PAGESIZE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        view = ctypes.c_char.from_buffer(page)
+        try:
+            syscalls.mbind(ctypes.addressof(view), mmap.PAGESIZE, syscalls.MPOL_BIND, nodes)
+        except KernelError as err:
+            return Capability("mempolicy", False, reason=f"{err}")
+        finally:
+            del view  # the buffer export must end before the close
+    finally:
+        page.close()
+    return Capability("mempolicy", True)
+
+
+def probe_irq(fs: HostFS) -> Capability:
+    """Write /proc/irq/default_smp_affinity's own value back (changes nothing)."""
+    try:
+        current = fs.read_text(IRQ_PROBE)
+    except OSError as err:
+        return Capability("irq", False, reason=f"{fs.path(IRQ_PROBE)}: {err.strerror or err}")
+    try:
+        fs.write_text(IRQ_PROBE, current.strip())
+    except OSError as err:
+        return Capability("irq", False, reason=f"{fs.path(IRQ_PROBE)}: {err.strerror or err}")
+    return Capability("irq", True)
+
+
+def probe_capabilities(
+    fs: HostFS,
+    mems: Iterable[int],
+    *,
+    cgroup: Capability,
+    irq_wanted: bool,
+) -> dict[CapabilityName, Capability]:
+    """Every capability; `cgroup` is what the cgroup setup found (service.cgroups).
+
+    Each missing one is said once, here, with its reason and the action.
+    """
+    caps: dict[CapabilityName, Capability] = {"mempolicy": probe_mempolicy(mems), "cgroup": cgroup}
+    caps["irq"] = (
+        probe_irq(fs) if irq_wanted else Capability("irq", False, wanted=False, reason="irq off")
+    )
+    for cap in caps.values():
+        if cap.missing:
+            log.warning(
+                "capability missing %s",
+                format_fields(name=cap.name, reason=cap.reason, action="run without, stay ready"),
+            )
+        else:
+            log.info(
+                "capability %s",
+                format_fields(name=cap.name, available=cap.available, wanted=cap.wanted),
+            )
+    return caps

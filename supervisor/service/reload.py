@@ -1,0 +1,242 @@
+"""Config reload on SIGHUP: what a new config changes (pure: `restart_reasons`,
+`process_change`, `respawn_keys`) and the task that reloads (`Reloader`; does I/O:
+reads the config file and the topology, installs the new plan, restarts processes).
+
+The signal handler only calls `Reloader.request` (an asyncio.Event); the task
+reloads once per wake, so HUPs that arrive together give one reload, and a HUP
+during a reload gives at most one more (the file may have changed after it was read).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+from supervisor.config import Config, discovery_options, load_config_digest
+from supervisor.errors import SupervisorError
+from supervisor.events import Recorder
+from supervisor.hostfs import HostFS
+from supervisor.logs import format_fields
+from supervisor.plan.in_force import PlanInForce
+from supervisor.plan.keys import ProcKey, key_label
+from supervisor.plan.placement import Placement
+from supervisor.plan.planner import plan
+from supervisor.plan.render import render_plan_table
+from supervisor.plan.replan import changed_keys, same_processes
+from supervisor.run import users
+from supervisor.run.fleet import Fleet
+from supervisor.run.runner import Runtime
+from supervisor.run.spec import ChildSpec, PlanSpecs
+from supervisor.service.status import ServiceStatus
+from supervisor.state import ReloadResult, StateStore
+from supervisor.topology.discover import read_topology
+from supervisor.watch.loop import CheckLoop
+from supervisor.worker import SLOT_ENV
+
+log = logging.getLogger("placement_supervisor.reload")
+
+# A process's own slot in its environment: a changed slot is re-bound in place,
+# so this variable alone changing is no reason to restart (it keeps the old text).
+IN_PLACE_ENV = (SLOT_ENV,)
+
+
+# -- the diff (pure) --------------------------------------------------------------------
+
+
+def restart_reasons(old: Config, new: Config) -> tuple[str, ...]:
+    """The config keys a running daemon cannot change live, where `new` changes them:
+    the API's sockets are bound once, the cgroup mode and the IRQ keeper's settings are
+    chosen at start, and who spawns the workers (and how adopted ones are named) is
+    the fleet's kind."""
+    reasons: list[str] = []
+    if old.api != new.api:
+        reasons.append("[api]")
+    if old.cgroup != new.cgroup:
+        reasons.append("cgroup")
+    if (old.engine is None) != (new.engine is None):
+        reasons.append("[engine] added or removed")
+    if old.workers.spawned_by != new.workers.spawned_by:
+        reasons.append("workers.spawned_by")
+    elif old.workers.rank_from != new.workers.rank_from:
+        reasons.append("workers.rank_from")
+    if old.irq != new.irq:
+        reasons.append("[irq]")
+    return tuple(reasons)
+
+
+def process_change(old: Placement, new: Placement) -> str | None:
+    """Why `new` cannot replace `old` live (other processes planned), or None."""
+    if same_processes(old, new):
+        return None
+    before = len(old.ranks) + (old.engine is not None)
+    after = len(new.ranks) + (new.engine is not None)
+    return f"the new plan has {after} processes, {before} run now"
+
+
+def _identity(spec: ChildSpec) -> tuple[object, ...]:
+    env = tuple(sorted((k, v) for k, v in spec.env.items() if k not in IN_PLACE_ENV))
+    return (spec.argv, env, spec.account)
+
+
+def respawn_keys(
+    old: Mapping[ProcKey, ChildSpec],
+    new: Mapping[ProcKey, ChildSpec],
+    *,
+    adopted: bool = False,
+) -> tuple[ProcKey, ...]:
+    """The processes whose command, environment or account differ between two spec
+    sets (pure), in `new`'s order; a process whose slot alone changed is not one.
+    With `adopted` (the engine spawns the workers) only the engine is ours to
+    restart: its workers come back with it."""
+    return tuple(
+        key
+        for key, spec in new.items()
+        if (key == "engine" or not adopted)
+        and (key not in old or _identity(old[key]) != _identity(spec))
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Reloaded:
+    """What one reload did."""
+
+    result: ReloadResult
+    message: str
+    moved: tuple[ProcKey, ...] = ()  # re-bound in place
+    restarted: tuple[ProcKey, ...] = ()
+
+
+# -- the reload task ------------------------------------------------------------------------
+
+
+class Reloadable(Protocol):
+    """What a reload reads and replaces of the daemon (supervisor.daemon.Daemon is one)."""
+
+    @property
+    def plan(self) -> PlanInForce: ...
+    @property
+    def env(self) -> Mapping[str, str]: ...
+    @property
+    def fs(self) -> HostFS: ...
+    @property
+    def specs(self) -> PlanSpecs: ...
+    @property
+    def store(self) -> StateStore: ...
+    @property
+    def recorder(self) -> Recorder: ...
+    @property
+    def status(self) -> ServiceStatus: ...
+    @property
+    def runtime(self) -> Runtime: ...
+    @property
+    def checker(self) -> CheckLoop | None: ...
+    @property
+    def fleet(self) -> Fleet | None: ...
+
+
+class Reloader:
+    """Reloads the daemon's config file on request, one reload at a time."""
+
+    def __init__(self, daemon: Reloadable) -> None:
+        self.daemon = daemon
+        self.wanted = asyncio.Event()
+
+    def request(self, signum: int) -> None:
+        """SIGHUP's handler: a log line and the flag (the reload runs in `run`)."""
+        log.info("reload requested %s", format_fields(signal=signum, action="reload"))
+        self.wanted.set()
+
+    async def run(self, started: asyncio.Event) -> None:
+        """Reload once per wake, after the start (a HUP during it waits), until stopped."""
+        stopping = self.daemon.runtime.stopping
+        while not stopping.is_set():
+            await self.wanted.wait()
+            await started.wait()
+            if stopping.is_set():
+                return
+            self.wanted.clear()
+            await self.reload_once()
+
+    async def reload_once(self) -> Reloaded:
+        """RELOADING=1, the reload, READY=1 (whatever came of it: the daemon runs on)."""
+        d = self.daemon
+        path = d.plan.config.path
+        d.status.reloading(path)
+        try:
+            done = await self._reload(path)
+        finally:
+            d.status.reloaded()
+        d.store.count("config_reloads", done.result)
+        return done
+
+    async def _reload(self, path: str | None) -> Reloaded:
+        d = self.daemon
+        loop = asyncio.get_running_loop()
+        executor = d.runtime.executor
+        if path is None:
+            return self._refused(None, None, ["the daemon was started without a config file"])
+        try:
+            config, digest = await loop.run_in_executor(executor, load_config_digest, path)
+            reasons = restart_reasons(d.plan.config, config)
+            if reasons:
+                return self._refused(path, digest, reasons)
+            options = discovery_options(config, d.env)
+            topology = await loop.run_in_executor(executor, read_topology, d.fs, options)
+            placement = plan(topology, config.placement)
+            change = process_change(d.plan.placement, placement)
+            if change is not None:
+                return self._refused(path, digest, [change])
+            accounts = users.resolve_accounts(config)
+        except SupervisorError as err:  # the file, its keys, or no plan for it on this host
+            d.recorder.note(
+                "reload", None, f"reload failed: {err}", log_message="reload failed",
+                level=logging.ERROR, config=path, result="invalid", error=str(err),
+                action="keep old config",
+            )  # fmt: skip
+            return Reloaded("invalid", str(err))
+        for line in render_plan_table(placement, topology).splitlines():
+            log.info("plan %s", line)
+        new_specs = PlanSpecs(
+            PlanInForce(config, topology, placement), d.env, d.specs.python, accounts
+        )
+        adopted = config.workers.spawned_by == "engine"
+        respawn = respawn_keys(d.specs.by_key(), new_specs.by_key(), adopted=adopted)
+        moved = changed_keys(d.plan.placement, placement)
+        # Read at each use (restart policy, stop timeout, ready probe; accounts at the
+        # next spawn, the specs being rebuilt once the plan's generation moves).
+        d.specs.accounts = dict(accounts)
+        d.runtime.config = config  # the daemon's own is the plan's
+        assert d.checker is not None
+        await d.checker.install(placement, topology, config=config)
+        d.store.update(
+            config_hash=digest,
+            local_memory_threshold=config.drift.local_memory_threshold,
+            ready_timeout_s=None if config.ready is None else config.ready.timeout_s,
+        )
+        fleet = d.fleet
+        restarted = tuple(k for k in respawn if fleet is not None and k in fleet)
+        for key in restarted:
+            assert fleet is not None
+            fleet.request_restart(key)
+        message = f"config reloaded: {len(moved)} re-bound in place, {len(restarted)} restarted"
+        d.recorder.note(
+            "reload", None, message, log_message="config reloaded", config=path,
+            result="ok", sha256=digest, moved=",".join(key_label(k) for k in moved) or "-",
+            restarted=",".join(key_label(k) for k in restarted) or "-",
+            action="restart" if restarted else "rebind",
+        )  # fmt: skip
+        return Reloaded("ok", message, moved, restarted)
+
+    def _refused(
+        self, path: str | None, digest: str | None, reasons: list[str] | tuple[str, ...]
+    ) -> Reloaded:
+        text = f"needs a restart: {', '.join(reasons)}"
+        self.daemon.recorder.note(
+            "reload", None, f"reload refused: {text}", log_message="reload refused",
+            level=logging.ERROR, config=path, result="refused", reason=text,
+            sha256=digest, action="keep old config",
+        )  # fmt: skip
+        return Reloaded("refused", text)

@@ -1,0 +1,69 @@
+"""Where the daemon keeps state across its own restarts: the IRQ checkpoint (does I/O:
+makes and checks the directory; restores a checkpoint left behind).
+
+systemd's StateDirectory= (exported as $STATE_DIRECTORY, systemd.exec(5)), else
+the shipped unit's /var/lib/placement-supervisor, else a per-user tmp dir; one
+file per instance, named as the instance lock is (`instance_lock.lock_name`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from collections.abc import Mapping
+
+from supervisor.bind.irq_checkpoint import IrqCheckpoint, read_boot_id, restore_checkpoint
+from supervisor.hostfs import HostFS
+from supervisor.logs import format_fields
+from supervisor.service.instance_lock import lock_name, usable_dir
+
+log = logging.getLogger("placement_supervisor.daemon")
+
+DEFAULT_STATE_DIR = "/var/lib/placement-supervisor"
+
+
+def state_dirs(env: Mapping[str, str]) -> list[str]:
+    """Where state may live, best first (pure)."""
+    dirs = []
+    state = env.get("STATE_DIRECTORY", "").split(":")[0]  # systemd.exec(5): a list
+    if state:
+        dirs.append(state)
+    dirs.append(DEFAULT_STATE_DIR)
+    dirs.append(os.path.join(tempfile.gettempdir(), f"placement-supervisor-state-{os.getuid()}"))
+    return dirs
+
+
+def irq_checkpoint_name(instance: str) -> str:
+    """The checkpoint file's name for `instance` ("" is the default instance) (pure)."""
+    return lock_name(instance).removesuffix(".lock") + ".irqs.json"
+
+
+def irq_checkpoint_path(instance: str, env: Mapping[str, str]) -> str | None:
+    """The IRQ checkpoint file of `instance` in the first usable state dir; None (with
+    a warning: IRQ originals then live in memory only) when there is none."""
+    tried = []
+    for d in state_dirs(env):
+        if usable_dir(d):
+            return os.path.join(d, irq_checkpoint_name(instance))
+        tried.append(d)
+    log.warning(
+        "state dir none %s",
+        format_fields(tried=",".join(tried), action="irq originals in memory only"),
+    )
+    return None
+
+
+def irq_checkpoint_for(instance: str, env: Mapping[str, str], fs: HostFS) -> IrqCheckpoint | None:
+    """This start's IRQ checkpoint, after restoring one the last daemon left (call
+    while holding the instance lock, before discovery). Blocking.
+
+    A checkpoint still there means the last daemon of this instance and its
+    guardian both died with IRQs moved: the host's own affinities go back
+    first, and only then does this daemon read what it will keep as originals.
+    """
+    path = irq_checkpoint_path(instance, env)
+    if path is None:
+        return None
+    restore_checkpoint(fs, path)
+    return IrqCheckpoint(path, read_boot_id(fs))

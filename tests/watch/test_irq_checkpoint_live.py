@@ -1,0 +1,234 @@
+"""The IRQ checkpoint with a real daemon on this machine's real /proc/irq (root).
+
+The daemon binds virtio3's MSI-X IRQs (0000:00:04.0, IRQs 40-43 here: they
+accept affinity writes) to its rank's irq CPU, then ends clean or unclean; the
+host's own affinities must come back either way. Every test puts them back in
+a finalizer, even when it fails half-way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from supervisor.bind.irq_checkpoint import (
+    IrqCheckpointData,
+    format_checkpoint,
+    read_boot_id,
+    restore_checkpoint,
+)
+from supervisor.cpulist import format_cpulist, parse_cpulist
+from supervisor.hostfs import HostFS
+from supervisor.trees.guardian import GUARDIAN_TAG
+from tests.support.daemon_support import INSTANCE_ENV, DaemonProcess, daemon_env, poll
+
+DEVICE = "0000:00:04.0"
+
+
+def _affinity(irq: int) -> str:
+    with open(f"/proc/irq/{irq}/smp_affinity_list") as f:
+        return f.read().strip()
+
+
+def _write(irq: int, cpus: str) -> None:
+    with open(f"/proc/irq/{irq}/smp_affinity_list", "w") as f:
+        f.write(cpus)
+
+
+@pytest.fixture
+def originals(need_root: None) -> Iterator[dict[int, str]]:
+    """The device's IRQs with their affinity at test start; put back afterwards."""
+    path = f"/sys/bus/pci/devices/{DEVICE}/msi_irqs"
+    if not os.path.isdir(path):
+        pytest.skip(f"{DEVICE} is not on this machine")
+    saved = {int(n): "" for n in sorted(os.listdir(path), key=int)}
+    saved = {irq: _affinity(irq) for irq in saved}
+    yield saved
+    for irq, cpus in saved.items():  # the safety net when a test failed before its end
+        if _affinity(irq) != cpus:
+            _write(irq, cpus)
+    assert {irq: _affinity(irq) for irq in saved} == saved
+
+
+def _config(tmp_path: Path) -> Path:
+    path = tmp_path / "irqs.toml"
+    path.write_text(
+        f'devices = ["{DEVICE}"]\n'
+        'accelerator = "pci"\n'
+        "stop_timeout_s = 5\n"
+        'cgroup = "off"\n'
+        "[workers]\n"
+        'command = ["python", "-c", "import time; time.sleep(3600)"]\n'
+        "[placement]\n"
+        "rank_roles = { irq = 1 }\n"
+        'on_shortage = "merge"\n'
+        "[placement.engine]\n"
+        "enabled = false\n"
+    )
+    return path
+
+
+def _setup(tmp_path: Path, name: str) -> tuple[Path, dict[str, str], Path]:
+    """Config, environment (own instance and state dir), and the checkpoint's path."""
+    state = tmp_path / "state"
+    instance = f"irqckpt-{name}-{os.getpid()}"
+    env = daemon_env(**{INSTANCE_ENV: instance, "STATE_DIRECTORY": str(state)})
+    return _config(tmp_path), env, state / f"{instance}.irqs.json"
+
+
+def _bound(d: DaemonProcess, irqs: dict[int, str]) -> str | None:
+    """The daemon's irq CPUs once every IRQ is on them and its rank runs, else None."""
+    doc = d.running()
+    if doc is None:
+        return None
+    cpus = format_cpulist(doc["ranks"][0]["roles"]["irq"])
+    return cpus if all(_affinity(irq) == cpus for irq in irqs) else None
+
+
+def _guardian_of(pid: int) -> int:
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{name}/cmdline") as f:
+                cmdline = f.read()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid and GUARDIAN_TAG in cmdline.split("\0"):
+            return int(name)
+    raise AssertionError(f"no guardian under pid {pid}")
+
+
+def _dead(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+def _moved(originals: dict[int, str], cpus: str) -> None:
+    """The test can fail: the daemon's value differs from the host's."""
+    assert any(parse_cpulist(v) != parse_cpulist(cpus) for v in originals.values()), (
+        f"IRQs already on {cpus}: nothing to tell apart"
+    )
+
+
+def test_both_killed_the_next_start_restores_the_hosts_originals(
+    tmp_path: Path, originals: dict[int, str]
+) -> None:
+    """SIGKILL of the daemon and its guardian leaves our IRQ values; the next start
+    puts the host's back first and takes those, not ours, as the originals."""
+    config, env, checkpoint = _setup(tmp_path, "both")
+    with DaemonProcess(config, tmp_path / "first.log", env=env) as first:
+        cpus = poll(lambda: _bound(first, originals), timeout_s=60, what="IRQs bound")
+        _moved(originals, cpus)
+        guardian = _guardian_of(first.pid)
+        os.kill(guardian, signal.SIGKILL)
+        poll(lambda: _dead(guardian), timeout_s=20, what="the guardian dead")
+        first.proc.kill()
+        first.proc.wait()
+    assert {irq: _affinity(irq) for irq in originals} == dict.fromkeys(originals, cpus)
+    left = checkpoint.exists()
+
+    with DaemonProcess(config, tmp_path / "second.log", env=env) as second:
+        poll(lambda: _bound(second, originals), timeout_s=60, what="IRQs bound again")
+        log = second.tail(20000)
+        code = second.stop()
+    assert code == 0, log
+    # The host's own values, not the first daemon's (which today's second start
+    # took for the originals and "restored").
+    assert {irq: _affinity(irq) for irq in originals} == originals, log
+    assert left and "irq checkpoint restored" in log and f"pid={first.pid}" in log, log
+    assert not checkpoint.exists()
+
+
+def test_daemon_killed_the_guardian_restores_the_originals(
+    tmp_path: Path, originals: dict[int, str]
+) -> None:
+    config, env, checkpoint = _setup(tmp_path, "guardian")
+    with DaemonProcess(config, tmp_path / "d.log", env=env) as d:
+        cpus = poll(lambda: _bound(d, originals), timeout_s=60, what="IRQs bound")
+        _moved(originals, cpus)
+        d.proc.kill()
+        d.proc.wait()
+
+        def put_back() -> bool:
+            return {irq: _affinity(irq) for irq in originals} == originals
+
+        poll(put_back, timeout_s=30, what=f"originals back: {d.tail()}")
+        poll(lambda: not checkpoint.exists(), timeout_s=10, what="checkpoint removed")
+        assert "irq checkpoint restored" in d.tail(), d.tail()
+
+
+def test_clean_stop_restores_and_leaves_no_checkpoint(
+    tmp_path: Path, originals: dict[int, str]
+) -> None:
+    config, env, checkpoint = _setup(tmp_path, "clean")
+    with DaemonProcess(config, tmp_path / "d.log", env=env) as d:
+        cpus = poll(lambda: _bound(d, originals), timeout_s=60, what="IRQs bound")
+        _moved(originals, cpus)
+        doc = json.loads(checkpoint.read_text())
+        assert doc["pid"] == d.pid and doc["boot_id"] == read_boot_id(HostFS("/"))
+        assert doc["irqs"] == {str(irq): cpus for irq, cpus in originals.items()}
+        code = d.stop()
+    assert code == 0, d.tail()
+    assert {irq: _affinity(irq) for irq in originals} == originals
+    assert not checkpoint.exists()
+    assert list(checkpoint.parent.iterdir()) == []  # no temp file either
+
+
+def test_a_checkpoint_of_another_boot_is_ignored_with_a_line(
+    tmp_path: Path, originals: dict[int, str]
+) -> None:
+    config, env, checkpoint = _setup(tmp_path, "boot")
+    irq = next(iter(originals))
+    stale = "1" if originals[irq] != "1" else "0"  # a value the host does not have now
+    checkpoint.parent.mkdir(parents=True)
+    data = IrqCheckpointData("not-this-boot", 1, {irq: parse_cpulist(stale)})
+    checkpoint.write_text(format_checkpoint(data))
+    with DaemonProcess(config, tmp_path / "d.log", env=env) as d:
+        poll(lambda: _bound(d, originals), timeout_s=60, what="IRQs bound")
+        code = d.stop()
+    log = d.log.read_text()
+    assert code == 0, log
+    lines = [line for line in log.splitlines() if "irq checkpoint" in line]
+    assert len(lines) == 1 and "irq checkpoint discarded" in lines[0], lines
+    assert 'reason="other boot"' in lines[0] and "boot_id=not-this-boot" in lines[0]
+    # Had it been applied, the daemon would have taken `stale` for the original.
+    assert _affinity(irq) == originals[irq] != stale
+    assert not checkpoint.exists()
+
+
+def test_a_checkpoint_that_no_longer_fits_is_applied_as_far_as_it_fits(
+    tmp_path: Path, originals: dict[int, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """On the real /proc/irq: one IRQ gone (no such IRQ), one whose original names a
+    CPU that is not online: that one gets its online part, with one log line."""
+    fs = HostFS("/")
+    online = parse_cpulist(fs.read_text("sys/devices/system/cpu/online"))
+    offline = max(online) + 1
+    irq = next(iter(originals))
+    keep = min(online)
+    absent = max(int(n) for n in os.listdir("/proc/irq") if n.isdigit()) + 1000
+    path = tmp_path / "c.irqs.json"
+    data = IrqCheckpointData(
+        read_boot_id(fs), 1, {irq: frozenset({keep, offline}), absent: frozenset({keep})}
+    )
+    path.write_text(format_checkpoint(data))
+    _write(irq, str(max(online)))
+    with caplog.at_level("INFO", logger="placement_supervisor"):
+        report = restore_checkpoint(fs, str(path))
+    assert report is not None and report.restored == (irq,)
+    assert _affinity(irq) == str(keep)
+    misfit = [r.getMessage() for r in caplog.records if "misfit" in r.getMessage()]
+    assert len(misfit) == 1, misfit
+    assert f"irqs_gone={absent}" in misfit[0] and f"cpus_offline={offline}" in misfit[0]
+    assert not path.exists()
