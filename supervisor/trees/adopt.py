@@ -244,6 +244,10 @@ class AdoptRunner(Runner):
             pids += trees.descendants(candidate.pid)
         slot = self.spec.slot
         self.adopted = candidate
+        if trees is not None:
+            # Before the cgroup move: the check loop must not bind it as the
+            # engine's once it sits in the rank's cpuset (EINVAL).
+            trees.leaving(pids)
         result = await loop.run_in_executor(
             self.bind_executor,
             adopt_process,

@@ -167,6 +167,11 @@ class TreeKeeper:
         self._offer(replayed)
         self._wake.set()
 
+    def leaving(self, pids: Sequence[int]) -> None:
+        """`pids` are being adopted: out of the published trees before their binds
+        (a failed adoption finds them again at the next pass)."""
+        self._unpublish(set(pids))
+
     def _unpublish(self, pids: set[int]) -> None:
         """Drop `pids` from the published trees now, not at the next pass: the
         check loop binds the members it finds there to their owner's slot, and
