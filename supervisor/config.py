@@ -37,11 +37,14 @@ from supervisor.topology.accelerators import AUTO, PCI, SETTINGS, AcceleratorSet
 from supervisor.topology.model import DiscoveryOptions
 from supervisor.topology.pci import normalize_bdf
 from supervisor.topology.visibility import visibility_env
+from supervisor.trees.engine_kind import ENGINE_KINDS, EngineKind, ResolvedKind, recognise_kind
+from supervisor.trees.kind_rules import rules_for
 from supervisor.trees.rank_source import RankSource, parse_rank_source
 
 RestartPolicy = Literal["always", "on-failure", "never"]
 DriftPolicy = Literal["observe", "enforce"]
 DEFAULT_LISTEN = "127.0.0.1:9477"
+WAITING_WARNING_S = 30.0  # a rank still waiting this long after the engine started: a WARNING
 MAX_CPU_RANKS = 1024  # stand-in ranks on a host without accelerators; more is a typo
 MIN_CHECK_INTERVAL_S = 0.05  # below this the check loop would only measure itself
 MAX_API_CONNECTIONS = 65536  # one fd each: more than any API client needs; more is a typo
@@ -72,6 +75,12 @@ class ProcessConfig:
     # them (docs/contracts.md §6); `command` is then empty and `rank_from` names them.
     spawned_by: Literal["engine"] | None = None
     rank_from: tuple[RankSource, ...] = ()  # parsed; str() gives the config's text back
+    # [engine] only: the engine's kind, "auto" resolved from the command
+    # (supervisor.trees.engine_kind); its rules name the ranks without rank_from.
+    kind: ResolvedKind = field(default="custom", kw_only=True)
+    # [workers] spawned_by only: a rank waiting this long after the engine
+    # started, while the tree has processes no rule matched, logs a WARNING.
+    waiting_warning_s: float = field(default=WAITING_WARNING_S, kw_only=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,8 +171,16 @@ def _process(top: Table, key: str, *, template: bool) -> ProcessConfig:
     user, group = load_account(t)
     env = t.str_map("env")
     check_exec_strings(t, argv, env)
+    kind: ResolvedKind = "custom"
+    if not template:
+        asked: EngineKind = t.choice("kind", "auto", ENGINE_KINDS)
+        kind = recognise_kind(argv) if asked == "auto" else asked
+        try:
+            rules_for(kind, argv, env)  # the engine's own flags, read as the kind reads them
+        except ValueError as err:
+            raise t.fail("command", f"{err} (read as {kind}'s flag)") from None
     t.done()
-    return ProcessConfig(argv, env, user=user, group=group)
+    return ProcessConfig(argv, env, user=user, group=group, kind=kind)
 
 
 def _adopted_workers(t: Table) -> ProcessConfig:
@@ -171,12 +188,10 @@ def _adopted_workers(t: Table) -> ProcessConfig:
     t.choice("spawned_by", None, ("engine",))
     if t.has("command"):
         raise t.fail("command", 'give either command or spawned_by = "engine", not both')
-    if not t.has("rank_from"):
-        raise t.fail(
-            "rank_from", 'is required with spawned_by = "engine" (e.g. ["env:LOCAL_RANK"])'
-        )
+    # Without rank_from the engine's kind names the ranks (checked with the
+    # [engine] table: a "custom" engine needs rank_from).
     texts = t.str_list("rank_from")
-    if not texts:
+    if t.has("rank_from") and not texts:
         raise t.fail("rank_from", "must name at least one source")
     sources: list[RankSource] = []
     for i, text in enumerate(texts):
@@ -185,8 +200,9 @@ def _adopted_workers(t: Table) -> ProcessConfig:
         except ValueError as err:
             raise t.fail("rank_from", f"item {i}: {err}") from None
     env = t.str_map("env")
+    waiting_s = t.number("waiting_warning_s", WAITING_WARNING_S, 0.0, strict=True)
     t.done()
-    return ProcessConfig((), env, "engine", tuple(sources))
+    return ProcessConfig((), env, "engine", tuple(sources), waiting_warning_s=waiting_s)
 
 
 def _ready(t: Table) -> ReadyProbe | None:
@@ -356,6 +372,17 @@ def parse_config(doc: Mapping[str, Any], file: str = "<config>") -> Config:
     top.done()
     if cfg.workers.spawned_by == "engine" and cfg.engine is None:
         raise ConfigError(f'{file}: workers.spawned_by: "engine" needs an [engine] to spawn them')
+    if (
+        cfg.workers.spawned_by == "engine"
+        and not cfg.workers.rank_from
+        and cfg.engine is not None
+        and cfg.engine.kind == "custom"
+    ):
+        raise ConfigError(
+            f'{file}: workers.rank_from: is required with spawned_by = "engine" when '
+            "engine.kind is custom (the command is not vllm, sglang, torchrun or ray start; "
+            'set engine.kind, or e.g. rank_from = ["env:LOCAL_RANK"])'
+        )
     if cfg.ready is not None and cfg.engine is None:
         raise top.fail("ready", "a readiness probe needs an [engine]")
     if cfg.engine is not None and not cfg.placement.engine:

@@ -310,7 +310,9 @@ class Daemon:
         workers = self.config.workers
         if workers.spawned_by != "engine":
             return spawned_fleet(rt, self.plan, self.specs)
-        return AdoptingFleet(rt, self.plan, self.specs, workers.rank_from, self.cgroups)
+        return AdoptingFleet(
+            rt, self.plan, self.specs, workers, self.cgroups, engine=self.config.engine
+        )
 
     def _cgroup_dir(self, key: ProcKey) -> str | None:
         return None if self.cgroups is None else self.cgroups.cpuset_dir(key)

@@ -264,6 +264,17 @@ class HostFS:
             self.log.dirs.add(rel)
         return names
 
+    def char_device(self, rel: str) -> tuple[int, int] | None:
+        """(major, minor) of the character device `rel` is or points to
+        (stat(2) follows a /proc/<pid>/fd link to the open file), else None."""
+        try:
+            st = os.stat(self.path(rel))
+        except OSError:
+            return None
+        if not stat.S_ISCHR(st.st_mode):
+            return None
+        return os.major(st.st_rdev), os.minor(st.st_rdev)
+
     def readlink(self, rel: str) -> str | None:
         """The target of a symbolic link as written, or None when not a link."""
         try:

@@ -46,7 +46,8 @@ EventKind = Literal[
     "spawn", "spawn_failed", "exit", "state", "restart", "restart_requested", "not_started",
     "ready", "ready_failed", "stopping", "error",
     "bind_failed", "drift", "rebind", "migrate", "cpuset", "plan", "plan_failed",
-    "irq", "irq_moved", "irq_restored", "irqbalance", "adopt", "reload",
+    "irq", "irq_moved", "irq_restored", "irqbalance", "adopt", "reload", "rank_conflict",
+    "rank_waiting",
 ]  # fmt: skip
 DRIFT_KINDS: tuple[DriftKind, ...] = get_args(DriftKind)
 BIND_TARGETS: tuple[BindTarget, ...] = get_args(BindTarget)
@@ -240,7 +241,9 @@ class Counters:
     rebinds: Mapping[tuple[str, str], int] = field(default_factory=dict)  # rank, reason
     restarts: Mapping[str, int] = field(default_factory=dict)  # rank
     adoptions: Mapping[str, int] = field(default_factory=dict)  # rank
-    unnamed_processes: int = 0  # engine-tree processes no rank_from source named
+    # Ranks still waiting long after the engine started with nothing matched (a WARNING each).
+    waiting_warnings: Mapping[str, int] = field(default_factory=dict)  # rank
+    unnamed_processes: int = 0  # engine-tree processes the kind expects as ranks, left unnamed
     process_read_failures: int = 0  # tree members whose /proc files could not be read
     cpuset_changes: int = 0
     # The API's malformed or too slow requests (supervisor.serve.guard), by reason.
@@ -392,6 +395,7 @@ class StateStore:
             "adoptions",
             "http_bad_requests",
             "config_reloads",
+            "waiting_warnings",
         ],
         label: tuple[str, ...] | str,
         n: int = 1,

@@ -11,7 +11,6 @@ with them swapped for a stand-in command and the keys are checked here.
 
 from __future__ import annotations
 
-import re
 import tomllib
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
@@ -23,6 +22,8 @@ import pytest
 from supervisor.config import Config, parse_config
 from supervisor.errors import ConfigError
 from supervisor.plan.threads import COMM_MAX_CHARS, unmatchable_patterns
+from supervisor.trees.kind_rules import rules_for
+from supervisor.trees.rank_source import ProcFacts
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "configs"
@@ -49,7 +50,7 @@ REAL_NAMES = {
     "comm": "demo",
     "release": "demo",
 }
-NEEDS_ADOPTION = ("spawned_by", "rank_from")
+NEEDS_ADOPTION = ("spawned_by", "rank_from", "waiting_warning_s")
 
 
 def raw(path: Path) -> dict[str, Any]:
@@ -145,18 +146,19 @@ def test_engine_examples_adopt_by_the_engines_own_titles_and_bind_nothing_themse
     doc = raw(path)
     config = load_example(path)
     assert doc["workers"]["spawned_by"] == "engine"
-    sources = doc["workers"]["rank_from"]
+    # The engine's kind names the ranks: no rank_from to keep in step with its titles.
+    assert "rank_from" not in doc["workers"]
+    assert config.engine is not None
+    assert doc["engine"]["kind"] == config.engine.kind == name.removesuffix(".toml")
+    rules = rules_for(config.engine.kind, config.engine.command, config.engine.env)
     if title is None:
-        assert sources == ["env:LOCAL_RANK"]  # torchrun's LocalElasticAgent sets it
+        assert rules.name(ProcFacts({"LOCAL_RANK": "3"}, "python serve.py")).local_rank == 3
     else:
-        kind, _, pattern = sources[0].partition(":")
-        assert kind == "cmdline"
-        found = re.search(pattern, title)
-        assert found is not None and int(found.group(1)) == rank
-        assert re.search(pattern, f"{title[:-1]}1{title[-1]}") is not None  # "_TP13"
-        assert re.search(pattern, str(case.not_a_worker)) is None
-        # comm keeps 15 bytes, which hold no rank: the title is matched on cmdline.
-        assert re.search(pattern, title[:COMM_MAX_CHARS]) is None
+        assert rules.name(ProcFacts({}, title)).local_rank == rank
+        assert rules.name(ProcFacts({}, f"{title[:-1]}7")).local_rank == 7  # the last of -tp 8
+        assert not rules.name(ProcFacts({}, str(case.not_a_worker))).expected
+        # comm keeps 15 bytes, which hold no rank: the title is read from the cmdline.
+        assert rules.name(ProcFacts({}, title[:COMM_MAX_CHARS])).local_rank is None
     hooked = [r for r in config.threads if r.executors]
     if executor is None:
         assert hooked == []

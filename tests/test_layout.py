@@ -44,6 +44,8 @@ PURE_ABOVE = frozenset(
     {
         "supervisor.trees",
         "supervisor.trees.rank_source",
+        "supervisor.trees.engine_kind",
+        "supervisor.trees.kind_rules",
         "supervisor.serve",
         "supervisor.serve.listen",
     }

@@ -16,7 +16,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
@@ -72,6 +72,8 @@ class ProcessTrees(Protocol):
     ) -> None: ...
 
     def clear_root(self, key: ProcKey) -> None: ...
+
+    def leaving(self, pids: Sequence[int]) -> None: ...
 
     def descendants(self, pid: int) -> list[int]: ...
 

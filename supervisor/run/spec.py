@@ -7,6 +7,7 @@ engine (when planned) and one per rank; `supervisor.run.runner` spawns them.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -14,7 +15,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from supervisor.config import Config, ProcessConfig
-from supervisor.hook import hook_env, hook_roles
+from supervisor.hook import HOOK_ENV, hook_env, hook_roles
 from supervisor.plan.in_force import PlanInForce
 from supervisor.plan.keys import ProcKey
 from supervisor.plan.placement import Placement, RankPlacement, Slot
@@ -160,6 +161,20 @@ def resolve_python(argv: Sequence[str], python: str) -> tuple[str, ...]:
     return tuple(argv)
 
 
+# The engine tree's copy of every rank's slot (the start-up hook's RANK_SLOTS_ENV).
+RANK_SLOTS_ENV = "PLACEMENT_SUPERVISOR_RANK_SLOTS"
+
+
+def rank_slots_value(placement: Placement) -> str:
+    """{"<rank>": slot} of every rank, each as `slot_env_value` writes it: an
+    adopted process's pools are sized and bound by its rank's slot (the hook
+    reads which rank's cgroup it sits in), not the engine's it inherited."""
+    docs = {
+        str(r.rank): json.loads(slot_env_value(r.rank, r.slot.to_doc())) for r in placement.ranks
+    }
+    return json.dumps(docs, separators=(",", ":"))
+
+
 def build_specs(
     config: Config,
     placement: Placement,
@@ -186,6 +201,9 @@ def build_specs(
         # their roles too (the hook names pools; the daemon matches per process).
         kinds = ("engine", "workers") if config.workers.spawned_by == "engine" else ("engine",)
         env.update(hook_env(env, hook_roles(config.threads, kinds), sup_pid))
+        if config.workers.spawned_by == "engine" and HOOK_ENV in env:
+            # An adopted process's pools follow its rank's slot (the hook reads its cgroup).
+            env[RANK_SLOTS_ENV] = rank_slots_value(placement)
         specs.append(ChildSpec("engine", resolve_python(config.engine.command, python), env, slot))
     world_size = len(placement.ranks)
     worker_hook = hook_roles(config.threads, ("workers",))

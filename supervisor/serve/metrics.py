@@ -437,8 +437,19 @@ def _adoptions(m: CounterMetricFamily, adoptions: Mapping[str, int]) -> None:
 
 @FAMILIES.add(
     "counter",
+    "placement_rank_waiting_warnings",
+    "Ranks still waiting long after the engine started while no process matched (a WARNING each).",
+    ("rank",),
+)
+def _waiting_warnings(m: CounterMetricFamily, waiting_warnings: Mapping[str, int]) -> None:
+    for rank, n in sorted(waiting_warnings.items()):
+        m.add_metric([rank], n)
+
+
+@FAMILIES.add(
+    "counter",
     "placement_unnamed_processes",
-    "Processes of the engine's tree that no rank_from source named.",
+    "Processes of the engine's tree the engine's kind expects to be ranks that no rule named.",
 )
 def _unnamed_processes(m: CounterMetricFamily, unnamed_processes: int) -> None:
     m.add_metric([], unnamed_processes)

@@ -86,6 +86,9 @@ class AcceleratorKind:
     pci: PciMatch | None = None  # found by a PCI scan of `vendor_ids`
     driver_dir: str | None = None  # found by the driver's procfs: one <bdf> entry per device
     device_nodes: tuple[DeviceNode, ...] = ()  # held open by its workers (rank_from = device)
+    # The character major of its nodes when the driver numbers them itself
+    # (not through sysfs): the driver procfs then says which device a minor is.
+    char_major: int | None = None
     node_fallback: DeviceNode | None = None  # found by these nodes when nothing else says
     needs_node: str | None = None  # PCI devices are usable only when this node exists
     numa_class: str | None = None  # a sysfs class whose entries give the devices' NUMA nodes
@@ -119,6 +122,9 @@ NVIDIA = AcceleratorKind(
     # UUID, bus id), not by a PCI scan.
     driver_dir="proc/driver/nvidia/gpus",
     device_nodes=(DeviceNode("dev", "nvidia"),),  # the minor number is the index
+    # Documentation/admin-guide/devices.txt: "195 char Nvidia graphics devices";
+    # each GPU's minor is `Device Minor` in its information file.
+    char_major=195,
     node_fallback=DeviceNode("dev", "nvidia"),  # driver procfs hidden (some containers)
     visibility=("CUDA_VISIBLE_DEVICES",),
     uuid_prefix="GPU-",

@@ -22,16 +22,18 @@ import contextlib
 import logging
 import os
 import signal
+import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from supervisor.bind.binder import Binder
+from supervisor.config import ProcessConfig
 from supervisor.errors import KernelError
 from supervisor.events import Recorder
 from supervisor.hostfs import HostFS
 from supervisor.plan.in_force import PlanInForce
-from supervisor.plan.keys import ProcKey
+from supervisor.plan.keys import ProcKey, key_label
 from supervisor.plan.placement import Placement, Slot
 from supervisor.procfs.files import list_tids, read_cmdline, read_environ
 from supervisor.procfs.identity import ProcessId, read_thread_start
@@ -39,12 +41,10 @@ from supervisor.run.fleet import RunnerFleet, plan_keys
 from supervisor.run.procs import first_of
 from supervisor.run.runner import Runner, Runtime
 from supervisor.run.spec import SpecOf
-from supervisor.trees.rank_source import (
-    ProcFacts,
-    RankSource,
-    rank_tables,
-    resolve_rank,
-)
+from supervisor.topology.device_minors import device_rank_by_number, read_char_devices
+from supervisor.trees.kind_rules import rules_for
+from supervisor.trees.naming import Verdict, decide_rank, waiting_warnings
+from supervisor.trees.rank_source import ProcFacts, RankSource, bdf_ranks, rank_tables
 from supervisor.trees.tree import Member, ReadFailures
 from supervisor.watch.adoption import Adoptee, AdoptResult, adoption_result, decide_adoption
 from supervisor.watch.apply import Applier, CgroupsLike
@@ -70,6 +70,7 @@ def read_proc_facts(
     if environ is None:
         return None
     files: list[str] = []
+    numbers: list[tuple[int, int]] = []
     if want_fds:
         try:
             names = fs.listdir(f"proc/{pid}/fd")
@@ -79,7 +80,10 @@ def read_proc_facts(
             target = fs.readlink(f"proc/{pid}/fd/{name}")
             if target is not None and target.startswith("/dev/"):
                 files.append(target)
-    return ProcFacts(environ, cmdline, tuple(files))
+                number = fs.char_device(f"proc/{pid}/fd/{name}")
+                if number is not None:
+                    numbers.append(number)
+    return ProcFacts(environ, cmdline, tuple(files), tuple(numbers))
 
 
 # -- binding an adopted process ---------------------------------------------------------
@@ -240,6 +244,10 @@ class AdoptRunner(Runner):
             pids += trees.descendants(candidate.pid)
         slot = self.spec.slot
         self.adopted = candidate
+        if trees is not None:
+            # Before the cgroup move: the check loop must not bind it as the
+            # engine's once it sits in the rank's cpuset (EINVAL).
+            trees.leaving(pids)
         result = await loop.run_in_executor(
             self.bind_executor,
             adopt_process,
@@ -340,35 +348,53 @@ class AdoptRunner(Runner):
 
 
 class Adopter:
-    """Names the engine tree's processes by `rank_from` and offers each to its rank.
+    """Names the engine tree's processes (`rank_from`, else the engine kind's rules,
+    the device they hold open winning over both) and offers each to its rank.
 
     Called by the tree keeper for each engine-owned process when it appears
     (fork), changes (exec, comm: setproctitle sets comm too) and at each
     pass while still unnamed. A process no source names stays the engine's;
     it is counted once in `unnamed_processes` when UNNAMED_AFTER_PASSES passes
     found it so (30 s at 1 s checks: an engine titles its workers after its
-    imports, seconds after they start, and they are not "unnamed" meanwhile).
+    imports, seconds after they start, and they are not "unnamed" meanwhile),
+    when the kind expects it to be a rank. A rank still waiting
+    `waiting_warning_s` after the engine's tree appeared, while it shows such
+    processes (or titled ones) and none matched, gets one WARNING.
     """
 
     def __init__(
         self,
         rt: Runtime,
         runners: Mapping[int, AdoptRunner],
-        sources: Sequence[RankSource],
+        workers: ProcessConfig,
         placement: Placement,
+        *,
+        engine: ProcessConfig | None = None,
     ) -> None:
         self.rt = rt
         self.runners = runners
-        self.sources = tuple(sources)
+        self.sources: tuple[RankSource, ...] = workers.rank_from
+        rules = None if engine is None else rules_for(engine.kind, engine.command, engine.env)
+        self.rules = None if rules is None or rules.kind == "custom" else rules
         self.local_ranks, self.device_ranks = rank_tables(placement)
+        self.number_ranks = device_rank_by_number(read_char_devices(rt.fs), bdf_ranks(placement))
         for runner in runners.values():
             runner.names = self.resolve
-        self.want_fds = any(s.kind == "device" for s in self.sources)
-        self.env_names = frozenset(s.name for s in self.sources if s.kind == "env")
+        self.want_fds = any(s.kind == "device" for s in self.sources) or (
+            self.rules is not None and self.rules.want_fds
+        )
+        self.env_names = frozenset(s.name for s in self.sources if s.kind == "env") | (
+            frozenset() if self.rules is None else self.rules.env_names
+        )
         self.read_failures = ReadFailures(rt.store, log)
+        self.recorder = Recorder(rt.store, log)
         self.named: set[tuple[int, int]] = set()
         self.unnamed_passes: dict[tuple[int, int], int] = {}
-        self.recorder = Recorder(rt.store, log)
+        self.verdicts: dict[int, Verdict] = {}  # pid -> the last verdict (the warning's titles)
+        self.disagreed: set[int] = set()  # pids whose title and device disagreed (told once)
+        self.waiting_warning_s = workers.waiting_warning_s
+        self.tree_since: float | None = None  # monotonic: the engine's tree first seen
+        self.warned: set[int] = set()  # ranks warned about while they wait
 
     def __call__(self, member: Member) -> None:
         """Name `member` now and offer it to its rank (on the loop: two small
@@ -394,12 +420,36 @@ class Adopter:
             return None
         if facts is None:
             return None
-        return resolve_rank(
-            self.sources, facts, local_ranks=self.local_ranks, device_ranks=self.device_ranks
+        verdict = decide_rank(
+            self.sources,
+            self.rules,
+            facts,
+            local_ranks=self.local_ranks,
+            device_ranks=self.device_ranks,
+            number_ranks=self.number_ranks,
         )
+        self.verdicts[pid] = verdict
+        if verdict.disagreed and pid not in self.disagreed:
+            self.disagreed.add(pid)
+            self.recorder.note(
+                "rank_conflict",
+                verdict.rank,
+                f"pid {pid} {verdict.title!r}: {verdict.rule} names rank "
+                f"{verdict.title_rank}, its device names rank {verdict.rank}; the device wins",
+                log_message="rank conflict",
+                level=logging.WARNING,
+                pid=pid,
+                title=verdict.title,
+                rule=verdict.rule,
+                title_rank=verdict.title_rank,
+                device_rank=verdict.rank,
+                action="device wins",
+            )
+        return verdict.rank
 
     def note_pass(self, members: Mapping[int, Member]) -> None:
-        """After each tree pass: try the unnamed again; count the long unnamed once."""
+        """After each tree pass: try the unnamed again; count the long unnamed once;
+        warn about ranks that wait while the tree shows processes none matched."""
         live: set[tuple[int, int]] = set()
         for m in members.values():
             if m.owner != "engine":
@@ -408,15 +458,70 @@ class Adopter:
             live.add(ident)
             if ident in self.named:
                 continue
+            self(m)
             passes = self.unnamed_passes.get(ident, 0) + 1
             self.unnamed_passes[ident] = passes
-            if passes == UNNAMED_AFTER_PASSES:
+            verdict = self.verdicts.get(m.pid)
+            expected = verdict is None or verdict.expected or self.rules is None
+            if passes == UNNAMED_AFTER_PASSES and expected:
                 self.recorder.unnamed(m.pid, m.start_time)
-            self(m)
         self.named &= live
         for ident in list(self.unnamed_passes):
             if ident not in live:
                 del self.unnamed_passes[ident]
+        pids = {pid for pid, _ in live}
+        for pid in [p for p in self.verdicts if p not in pids]:
+            del self.verdicts[pid]
+        self.disagreed &= pids
+        self._warn_waiting(live)
+
+    def _warn_waiting(self, live: set[tuple[int, int]]) -> None:
+        if not live:
+            self.tree_since = None  # no engine tree (stopped, restarting): the clock restarts
+            return
+        now = time.monotonic()
+        if self.tree_since is None:
+            self.tree_since = now
+        waiting = {k for k, r in self.runners.items() if r.adopted is None}
+        self.warned &= waiting  # adopted since: a later wait may warn again
+        unnamed = [
+            v for (pid, st), v in ((i, self.verdicts.get(i[0])) for i in sorted(live))
+            if v is not None and (pid, st) not in self.named
+        ]  # fmt: skip
+        rules = self.rules
+        # A title the kind does not know (another prefix, a renamed class) is
+        # worth naming; its own non-rank processes (EngineCore with workers) are not.
+        titled = {
+            v.title for v in unnamed if not v.known and (rules is None or rules.titled(v.title))
+        }
+        rule = (
+            ("rank_from = [" + ", ".join(str(s) for s in self.sources) + "]")
+            if self.sources
+            else ("none" if rules is None else rules.describe())
+        )
+        for w in waiting_warnings(
+            waited_s=now - self.tree_since,
+            threshold_s=self.waiting_warning_s,
+            waiting=waiting,
+            warned=self.warned,
+            seen=unnamed,
+            titled=titled,
+            rule=rule,
+        ):
+            self.warned.add(w.rank)
+            self.rt.store.count("waiting_warnings", key_label(w.rank))
+            self.recorder.note(
+                "rank_waiting",
+                w.rank,
+                f"rank {w.rank} still waiting {w.waited_s:.0f}s after the engine started: "
+                f"no process matched {w.rule}; titles seen: {', '.join(w.titles)}",
+                log_message="rank waiting",
+                level=logging.WARNING,
+                waited_s=round(w.waited_s, 1),
+                rule=w.rule,
+                titles=",".join(w.titles),
+                action="keep waiting",
+            )
 
 
 # -- the fleet ------------------------------------------------------------------------------
@@ -431,8 +536,10 @@ class AdoptingFleet(RunnerFleet):
         rt: Runtime,
         plan: PlanInForce,
         spec_of: SpecOf,
-        sources: Sequence[RankSource],
+        workers: ProcessConfig,
         cgroups: CgroupsLike | None,
+        *,
+        engine: ProcessConfig | None = None,
     ) -> None:
         # The binds of adoptions run on a thread of their own (the daemon's pool
         # may be busy with a check pass): it keeps fork-to-bound short.
@@ -448,7 +555,7 @@ class AdoptingFleet(RunnerFleet):
                 ranks[key] = AdoptRunner(rt, key, spec_of, nodes, applier, self.executor)
                 runners.append(ranks[key])
         super().__init__(rt, plan, runners)
-        self.naming = Adopter(rt, ranks, sources, plan.placement)
+        self.naming = Adopter(rt, ranks, workers, plan.placement, engine=engine)
         self.adopter = self.naming
         self.on_refresh = self.naming.note_pass
 

@@ -105,6 +105,11 @@ def remove_cgroup_dir(directory: str, deadline: float) -> bool:
 
 def guardian_main() -> None:
     """Read orders from stdin until EOF; on EOF without "bye", kill the trees."""
+    # The daemon's pid, from our argv (after the package root, the tag and the
+    # instance): once it has died we are reparented (to init or a subreaper)
+    # and getppid() names that instead, even at start if it died that soon.
+    given = sys.argv[4] if len(sys.argv) > 4 else ""
+    supervisor_pid = int(given) if given.isdigit() else os.getppid()
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)  # only the daemon's death ends us
     cgroups: dict[str, None] = {}
@@ -146,7 +151,7 @@ def guardian_main() -> None:
     for directory in dirs:
         remove_cgroup_dir(directory, deadline)
     sys.stderr.write(
-        f"guardian: supervisor gone pid={os.getppid()} killed={killed} "
+        f"guardian: supervisor gone pid={supervisor_pid} killed={killed} "
         f"cgroups={len(cgroups)} action=ended its trees\n"
     )
     if checkpoint is not None:
@@ -184,7 +189,17 @@ class Guardian:
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         try:
             proc = subprocess.Popen(
-                [python, "-I", "-S", "-c", GUARDIAN_STUB, package_root, GUARDIAN_TAG, instance],
+                [
+                    python,
+                    "-I",
+                    "-S",
+                    "-c",
+                    GUARDIAN_STUB,
+                    package_root,
+                    GUARDIAN_TAG,
+                    instance,
+                    str(os.getpid()),
+                ],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.DEVNULL,
                 close_fds=True,

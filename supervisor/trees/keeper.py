@@ -162,14 +162,32 @@ class TreeKeeper:
         if adopted:
             self.adopted.add(key)
             # Its descendants are the rank's now, not the engine's.
-            for child in self.descendants(pid):
+            moved = {pid, *self.descendants(pid)}
+            for child in moved - {pid}:
                 m = self.members[child]
                 self.members[child] = Member(m.pid, m.start_time, m.ppid, key)
+            self._unpublish(moved)
         if self.guardian is not None and start_time is not None:
             self.guardian.process(pid, start_time)
         self._watch()
         self._offer(replayed)
         self._wake.set()
+
+    def leaving(self, pids: Sequence[int]) -> None:
+        """`pids` are being adopted: out of the published trees before their binds
+        (a failed adoption finds them again at the next pass)."""
+        self._unpublish(set(pids))
+
+    def _unpublish(self, pids: set[int]) -> None:
+        """Drop `pids` from the published trees now, not at the next pass: the
+        check loop binds the members it finds there to their owner's slot, and
+        an adopted worker still listed as the engine's was bound to the engine's
+        CPUs, outside its rank's cpuset (EINVAL, sched_setaffinity(2))."""
+        trees = self.store.snapshot.trees
+        if not any(m.pid in pids for members in trees.values() for m in members):
+            return
+        kept = {k: tuple(m for m in ms if m.pid not in pids) for k, ms in trees.items()}
+        self.store.update(trees=MappingProxyType(kept))
 
     def clear_root(self, key: ProcKey) -> None:
         root = self.roots.pop(key, None)

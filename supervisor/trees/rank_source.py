@@ -63,6 +63,9 @@ class ProcFacts:
     environ: Mapping[str, str]
     cmdline: str  # words joined by single spaces
     open_files: tuple[str, ...] = ()  # readlink of /proc/<pid>/fd/*
+    # (major, minor) of the character devices among them (stat of the fd): the
+    # number says which device it is where a container renamed the node.
+    open_devices: tuple[tuple[int, int], ...] = ()
 
 
 def device_indexes(open_files: Sequence[str]) -> list[int]:
@@ -109,6 +112,16 @@ def _integer(text: str | None, table: Mapping[int, int]) -> int | None:
     if not text.isdigit():
         return None
     return table.get(int(text))
+
+
+def bdf_ranks(placement: Placement) -> dict[str, int]:
+    """{PCI address: rank} of the plan's accelerators (pure)."""
+    return {
+        d.bus_id.lower(): r.rank
+        for r in placement.ranks
+        for d in r.all_devices
+        if d.kind != CPU.name and d.bus_id
+    }
 
 
 def rank_tables(placement: Placement) -> tuple[dict[int, int], dict[int, int]]:

@@ -505,3 +505,16 @@ def _judge_migration(obs: Observation, w: _Work) -> None:
             },
         )
     )
+
+
+def without_moved(d: Decision, members: frozenset[int]) -> Decision:
+    """`d` without the binds and moves of tree members no longer its process's
+    (`members`: the tree now, the decision's own pid aside). A worker adopted
+    between the scan and the binds sits in its rank's cpuset: binding it to
+    the engine's CPUs fails with EINVAL (sched_setaffinity(2)) and would undo
+    the adoption where the CPUs overlap."""
+    binds = tuple(b for b in d.binds if b.pid is None or b.pid == d.pid or b.pid in members)
+    moves = tuple(m for m in d.moves if m.pid == d.pid or m.pid in members)
+    if len(binds) == len(d.binds) and len(moves) == len(d.moves):
+        return d
+    return replace(d, binds=binds, moves=moves)

@@ -47,7 +47,15 @@ from supervisor.state import Finding, Observation, ProcessStatus, StateStore
 from supervisor.topology.model import Topology
 from supervisor.watch.apply import Applier, CgroupsLike
 from supervisor.watch.cpuset import Replanning
-from supervisor.watch.decide import Cause, Decision, Policy, Seen, after_replan, decide
+from supervisor.watch.decide import (
+    Cause,
+    Decision,
+    Policy,
+    Seen,
+    after_replan,
+    decide,
+    without_moved,
+)
 from supervisor.watch.publish import publish_down, record_settled, summary_of
 from supervisor.watch.scan import (
     IrqKeeperLike,
@@ -370,6 +378,11 @@ class CheckLoop:
             if seen.memory_read:
                 tracked.maps_at = now
             decisions.append(self._decide(tracked, t.slot, seen, policies.get(t.key, policy), now))
+        # The trees as they are now (an adoption publishes at once), not as scanned.
+        trees = self.store.snapshot.trees
+        decisions = [
+            without_moved(d, frozenset(m.pid for m in trees.get(d.key, ()))) for d in decisions
+        ]
         outcomes = await self._apply(decisions)
         if any(_einval(o) for out in outcomes for o in out.threads.values()):
             await self._recheck_allowed()

@@ -163,6 +163,12 @@ def run_checks(daemon: DaemonProcess, tmp: Path) -> int:
         cpus == format_cpulist(rank["cpus"]),
         f"Cpus_allowed_list={cpus} planned={rank['cpus']}",
     )
+    failed = daemon.events("bind_failed")
+    CHECKS.check(
+        "no bind failure",
+        failed == [],
+        "; ".join(f"{e['rank']}: {e['message']} {e['fields']}" for e in failed) or "none",
+    )
     code = daemon.stop(timeout_s=90)
     CHECKS.check("clean stop", code == 0, f"exit code {code}")
     time.sleep(0.5)

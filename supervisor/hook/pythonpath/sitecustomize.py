@@ -64,6 +64,10 @@ if TYPE_CHECKING:
 
 HOOK_ENV = "PLACEMENT_SUPERVISOR_HOOK"
 SLOT_ENV = "PLACEMENT_SUPERVISOR_SLOT"
+# The engine's tree also carries every rank's slot ({"<rank>": slot}): a process
+# the daemon adopted into rank N's cgroup (an SGLang scheduler) sizes and binds
+# its pools by rank N's slot, not by the engine's it inherited.
+RANK_SLOTS_ENV = "PLACEMENT_SUPERVISOR_RANK_SLOTS"
 TARGET = "concurrent.futures.thread"
 COMM_MAX_BYTES = 15  # TASK_COMM_LEN - 1 (prctl(2) PR_SET_NAME)
 PR_SET_NAME = 15  # <linux/prctl.h>
@@ -166,12 +170,29 @@ def below(ancestor: int) -> bool:
     return False
 
 
-def cgroup_cpus() -> frozenset[int] | None:
-    """The CPUs of this process's cpuset cgroup (v1 cpuset, else v2), or None when unknown."""
+def cgroup_lines() -> list[str] | None:
     try:
         with open("/proc/self/cgroup") as f:
-            lines = f.read().splitlines()
+            return f.read().splitlines()
     except OSError:
+        return None
+
+
+def cgroup_rank() -> int | None:
+    """N when this process sits in the supervisor's cgroup of rank N (".../rankN") in
+    any hierarchy (on v1 a rank has a memory cgroup only), else None."""
+    for line in cgroup_lines() or ():
+        path = line.split(":", 2)[-1]
+        last = path.rstrip("/").rsplit("/", 1)[-1]
+        if last.startswith("rank") and last[4:].isdigit():
+            return int(last[4:])
+    return None
+
+
+def cgroup_cpus() -> frozenset[int] | None:
+    """The CPUs of this process's cpuset cgroup (v1 cpuset, else v2), or None when unknown."""
+    lines = cgroup_lines()
+    if lines is None:
         return None
     # Where the controllers are usually mounted; an engine in a container
     # sees its own namespace's root in both.
@@ -196,8 +217,20 @@ _slot_cache: tuple[str, dict[str, Any] | None] | None = None
 
 
 def slot_doc() -> dict[str, Any] | None:
-    """The slot the supervisor wrote for this tree (parsed once per value)."""
+    """The slot this process belongs to: its rank's, when the daemon adopted it
+    into a rank's cgroup and the tree carries the ranks' slots; else the one the
+    supervisor wrote for this tree (parsed once per value)."""
     global _slot_cache
+    ranks = os.environ.get(RANK_SLOTS_ENV)
+    if ranks:
+        rank = cgroup_rank()
+        if rank is not None:
+            import json
+
+            docs = json.loads(ranks)
+            doc = docs.get(str(rank)) if isinstance(docs, dict) else None
+            if isinstance(doc, dict):
+                return doc
     raw = os.environ.get(SLOT_ENV)
     if raw is None:
         return None
