@@ -330,3 +330,14 @@ __all__ = [
     "set_thread_name",
     "syscall_number",
 ]
+
+
+PR_SET_CHILD_SUBREAPER = 36  # include/uapi/linux/prctl.h
+
+
+def set_child_subreaper() -> bool:
+    """Make this process a child subreaper (prctl(2)): orphaned descendants are
+    reparented to it instead of init, so they stay findable and it reaps them."""
+    zero = ctypes.c_ulong(0)
+    done = int(_lib().prctl(PR_SET_CHILD_SUBREAPER, ctypes.c_ulong(1), zero, zero, zero))
+    return done == 0

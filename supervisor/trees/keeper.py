@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import logging
 import os
 import signal
@@ -32,6 +31,7 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from supervisor.bind.syscalls import set_child_subreaper
 from supervisor.errors import KernelError
 from supervisor.hostfs import HostFS
 from supervisor.logs import format_fields
@@ -58,7 +58,6 @@ from supervisor.trees.tree import (
 
 log = logging.getLogger("placement_supervisor.trees")
 
-PR_SET_CHILD_SUBREAPER = 36  # include/uapi/linux/prctl.h
 END_POLL_S = 0.02
 # Forks whose parent is in no tree yet are kept this long (and pruned past this many).
 UNOWNED_FORKS_S = 5.0
@@ -76,15 +75,6 @@ FULL_PASS_EVERY = 10
 # storm waits that long (a worker's title comes seconds later anyway).
 STORM_FORKS_PER_S = 50
 STORM_SETTLE_S = 0.1
-
-
-def set_child_subreaper() -> bool:
-    """Make this process a child subreaper (prctl(2)): orphaned descendants are
-    reparented to it instead of init, so they stay findable and it reaps them."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    zero = ctypes.c_ulong(0)
-    done: int = libc.prctl(PR_SET_CHILD_SUBREAPER, ctypes.c_ulong(1), zero, zero, zero)
-    return done == 0
 
 
 @dataclass(frozen=True, slots=True)

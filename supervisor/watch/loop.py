@@ -36,12 +36,7 @@ from supervisor.logs import format_fields
 from supervisor.plan.in_force import Moved, PlanInForce
 from supervisor.plan.keys import ProcessKind, ProcKey, ThreadRole, key_label
 from supervisor.plan.placement import Placement, Slot
-from supervisor.plan.replan import (
-    AllowedSet,
-    allowed_of,
-    mems_changed,
-    slots_by_key,
-)
+from supervisor.plan.replan import AllowedSet, allowed_of, mems_changed, slots_by_key
 from supervisor.plan.threads import DEFAULT_THREAD_ROLES, RoleMatcher, role_kinds, with_engine_roles
 from supervisor.state import Finding, Observation, ProcessStatus, StateStore
 from supervisor.topology.model import Topology

@@ -16,7 +16,7 @@ SUBREAPER = r"""
 import ctypes, os, sys, time
 from supervisor.hostfs import HostFS
 from supervisor.procfs.stat import read_proc_stat
-from supervisor.trees.keeper import set_child_subreaper
+from supervisor.bind.syscalls import set_child_subreaper
 from supervisor.trees.strays import exited_children, reap_strays
 
 assert set_child_subreaper()
