@@ -28,7 +28,6 @@ import signal
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
-from dataclasses import dataclass
 from types import MappingProxyType
 
 from supervisor.bind.syscalls import set_child_subreaper
@@ -50,10 +49,12 @@ from supervisor.trees.strays import reap_strays
 from supervisor.trees.tree import (
     Member,
     ReadFailures,
+    RefreshResult,
     Root,
     assign_owners,
     read_cgroup_procs,
     read_member_info,
+    without_new_roots,
 )
 
 log = logging.getLogger("placement_supervisor.trees")
@@ -75,13 +76,6 @@ FULL_PASS_EVERY = 10
 # storm waits that long (a worker's title comes seconds later anyway).
 STORM_FORKS_PER_S = 50
 STORM_SETTLE_S = 0.1
-
-
-@dataclass(frozen=True, slots=True)
-class RefreshResult:
-    members: Mapping[int, Member]
-    infos: Mapping[ProcKey, tuple[TreeMember, ...]]
-    unreadable: tuple[tuple[int, str], ...] = ()  # (pid, error): skipped this pass
 
 
 Adopter = Callable[[Member], None]
@@ -267,6 +261,10 @@ class TreeKeeper:
         known = dict(self.members)
         loop = asyncio.get_running_loop()
         result = await loop.run_in_executor(self.executor, self._scan, roots, known)
+        if self.roots.keys() != {r.key for r in roots} or any(
+            self.roots[r.key] != r for r in roots
+        ):
+            result = without_new_roots(result, self.roots.values())  # adopted meanwhile
         fresh = {pid: m for pid, m in result.members.items() if pid not in self.members}
         # Gone: what the scan knew of and no longer found. A member an event
         # added while the scan ran is not in `known`: it is kept, not gone.

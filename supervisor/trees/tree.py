@@ -155,3 +155,22 @@ class ReadFailures:
         )
         self.held_back = 0
         self.next_log_at = now + READ_FAILURE_LOG_S
+
+
+@dataclass(frozen=True, slots=True)
+class RefreshResult:
+    members: Mapping[int, Member]
+    infos: Mapping[ProcKey, tuple[TreeMember, ...]]
+    unreadable: tuple[tuple[int, str], ...] = ()  # (pid, error): skipped this pass
+
+
+def without_new_roots(result: RefreshResult, roots: Iterable[Root]) -> RefreshResult:
+    """A scan's result less the processes that became roots while it ran (a worker
+    adopted meanwhile is its rank's root, never again a member of the engine's tree)."""
+    now = {r.pid: r.key for r in roots}
+    members = {p: m for p, m in result.members.items() if now.get(p, m.owner) == m.owner}
+    infos = {
+        key: tuple(i for i in items if now.get(i.pid, key) == key)
+        for key, items in result.infos.items()
+    }
+    return RefreshResult(members, infos, result.unreadable)
