@@ -393,17 +393,25 @@ class TreeKeeper:
         return now - start < 1.0 and forks > STORM_FORKS_PER_S
 
     def _settle_births(self, min_age_s: float = STORM_SETTLE_S) -> None:
-        """Forks older than `min_age_s` become members (one stat read each: a
-        process gone by then costs no more); the filter then lists them."""
+        """Forks older than `min_age_s` become members (the filter then lists them).
+        One read of their tree's cgroup.procs tells the live ones, if it has one."""
         self._settle_at = None
         cutoff = time.monotonic() - min_age_s
         added: list[Member] = []
+        alive: dict[ProcKey, frozenset[int] | None] = {}
         for pid, (ppid, owner, seen) in list(self.births.items()):
             if seen > cutoff:
                 continue
             del self.births[pid]
             if pid in self.members:
                 continue
+            if owner not in alive:
+                directory = self.cgroup_dir(owner) if owner in self.roots else None
+                procs = None if directory is None else read_cgroup_procs(self.fs, directory)
+                alive[owner] = frozenset(procs) if procs else None
+            live = alive[owner]
+            if live is not None and pid not in live:
+                continue  # gone already; its children still find their owner (lineage)
             member = self._add_member(pid, ppid, owner)
             if member is not None:
                 added.append(member)

@@ -17,6 +17,7 @@ import ctypes
 import os
 import socket
 import struct
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal
@@ -39,8 +40,8 @@ _EVENT_HEAD = struct.Struct("=IIQ")  # what, cpu, timestamp_ns
 _PAIR2 = struct.Struct("=iiii")  # fork: parent pid, tgid, child pid, tgid
 _PAIR = struct.Struct("=ii")  # exec, comm, exit: pid, tgid
 RECV_BYTES = 1 << 16
-STORM_BATCH = 16  # events in one read that make the next window longer
-STORM_WINDOW_S = 0.02  # the longest window: adoption waits at most this much more
+STORM_EVENTS_PER_S = 200  # past this rate the window is the storm's
+STORM_WINDOW_S = 0.02  # the storm's window: adoption waits at most this much more
 
 EventKind = Literal["fork", "exec", "comm", "exit"]
 
@@ -116,6 +117,8 @@ class ProcEvents:
         self.overruns = 0  # ENOBUFS: events were lost; the next check catches up
         self._loop: asyncio.AbstractEventLoop | None = None
         self.watched: frozenset[int] | None = None  # None: every process's events
+        self._rate_since = time.monotonic()  # the event rate, counted a second at a time
+        self._rate_events = 0
 
     def watch(self, pids: Iterable[int] | None) -> bool:
         """Keep only the forks of `pids` and their exec/comm events (the socket's
@@ -158,12 +161,15 @@ class ProcEvents:
                     continue
                 batch.extend(parse_proc_events(data))
             # A fork storm (hundreds a second): wait longer between reads, so a
-            # wake-up reads dozens of events, not three; back to the short
-            # window as soon as a batch is small again.
-            if len(batch) >= STORM_BATCH:
-                self.batch_window_s = min(self.batch_window_s * 2, STORM_WINDOW_S)
-            elif len(batch) < STORM_BATCH // 4:
-                self.batch_window_s = self.quiet_window_s
+            # wake-up reads dozens of events, not three (each wake-up and recv
+            # round costs more than the events in it); the short window again
+            # once a second passes at a quiet rate.
+            self._rate_events += len(batch)
+            now = time.monotonic()
+            if now - self._rate_since >= 1.0:
+                storm = self._rate_events / (now - self._rate_since) > STORM_EVENTS_PER_S
+                self.batch_window_s = STORM_WINDOW_S if storm else self.quiet_window_s
+                self._rate_since, self._rate_events = now, 0
             if self._loop is not None:
                 loop.add_reader(fd, readable)
             if batch:
