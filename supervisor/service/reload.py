@@ -78,7 +78,12 @@ def process_change(old: Placement, new: Placement) -> str | None:
 
 def _identity(spec: ChildSpec) -> tuple[object, ...]:
     env = tuple(sorted((k, v) for k, v in spec.env.items() if k not in IN_PLACE_ENV))
-    return (spec.argv, env, spec.account)
+    # The birth binding: the shim sets every thread's CPUs and the memory policy
+    # before the first instruction, and no syscall sets another process's memory
+    # policy (set_mempolicy(2) is the caller's own): new CPUs or nodes mean a restart.
+    slot = spec.slot
+    birth = None if slot is None else (tuple(sorted(slot.cpus)), tuple(sorted(slot.mems)))
+    return (spec.argv, env, spec.account, birth)
 
 
 def respawn_keys(
@@ -87,8 +92,9 @@ def respawn_keys(
     *,
     adopted: bool = False,
 ) -> tuple[ProcKey, ...]:
-    """The processes whose command, environment or account differ between two spec
-    sets (pure), in `new`'s order; a process whose slot alone changed is not one.
+    """The processes whose command, environment, account or slot (its CPUs or memory
+    nodes) differ between two spec sets (pure), in `new`'s order; new roles within
+    the same CPUs are applied in place (thread affinities), no restart.
     With `adopted` (the engine spawns the workers) only the engine is ours to
     restart: its workers come back with it."""
     return tuple(

@@ -12,6 +12,7 @@ import pytest
 from supervisor.config import load_config_digest, parse_config
 from supervisor.examples.hosts import no_accel_2node
 from supervisor.hostfs import HostFS
+from supervisor.plan.placement import Slot
 from supervisor.plan.planner import plan
 from supervisor.run.spec import ChildSpec, build_specs
 from supervisor.service.reload import process_change, respawn_keys, restart_reasons
@@ -80,6 +81,17 @@ def test_respawn_on_command_env_or_account_but_not_on_the_slot_alone() -> None:
     assert respawn_keys(old, new) == (0, 1)
     new["engine"] = spec("engine", argv=("e", "--new"))
     assert respawn_keys(old, new, adopted=True) == ("engine",)  # its workers come with it
+
+
+def test_respawn_on_new_cpus_or_nodes_but_not_on_new_roles_alone() -> None:
+    slot = Slot((0, 1), (0,), {"main": (0, 1)})
+    old = {0: spec(0, slot=slot), 1: spec(1, slot=slot), 2: spec(2, slot=slot)}
+    new = {
+        0: spec(0, slot=Slot((0,), (0,), {"main": (0,)})),  # fewer CPUs
+        1: spec(1, slot=Slot((0, 1), (1,), {"main": (0, 1)})),  # another node
+        2: spec(2, slot=Slot((0, 1), (0,), {"main": (0,), "comm": (1,)})),  # roles only
+    }
+    assert respawn_keys(old, new) == (0, 1)
 
 
 def test_env_change_in_workers_respawns_the_workers_only(tmp_path: Path) -> None:
