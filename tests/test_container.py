@@ -18,7 +18,6 @@ import json
 import os
 import shutil
 import statistics
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -31,7 +30,16 @@ import pytest
 from supervisor.cpulist import format_cpulist
 from tests.support.children import COMM_THREADS_WORKER, thread_cpus
 from tests.support.daemon_support import free_port, get_json, poll, write_cpuset_config
-from tests.support.oci import Profile, container_pid, host_pids, make_bundle, runc, running, state
+from tests.support.oci import (
+    Profile,
+    container_pid,
+    daemon_process,
+    host_pids,
+    make_bundle,
+    runc,
+    running,
+    state,
+)
 
 pytestmark = pytest.mark.root
 ROUNDS = 6
@@ -95,15 +103,7 @@ def start(
         config = write_cpuset_config(tmp_path, ranks=2, threads=2, interval_s=1.0, worker=worker)
     port = free_port()
     cid = f"ps-ctr-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-    venv_bin = str(Path(sys.executable).parent)
-    env = {
-        "PATH": f"{venv_bin}:/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin",
-        "PYTHONUNBUFFERED": "1",
-        "PLACEMENT_SUPERVISOR_INSTANCE": cid,
-        "HOME": "/tmp",
-    }
-    args = [sys.executable, "-m", "supervisor", "run", "--config", str(config)]
-    args += ["--listen", f"127.0.0.1:{port}"]
+    args, env = daemon_process(config, cid, port)
     bundle = tmp_path / "bundle"
     make_bundle(
         bundle,

@@ -117,6 +117,20 @@ def runc(*args: str, check: bool = True, timeout_s: float = 30) -> subprocess.Co
     )
 
 
+def daemon_process(config: Path, cid: str, port: int) -> tuple[list[str], dict[str, str]]:
+    """The daemon's argv and environment inside a container of id `cid`: this
+    venv's interpreter (bind-mounted at the same path), the API on `port`."""
+    venv_bin = str(Path(sys.executable).parent)
+    env = {
+        "PATH": f"{venv_bin}:/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin",
+        "PYTHONUNBUFFERED": "1",
+        "PLACEMENT_SUPERVISOR_INSTANCE": cid,
+        "HOME": "/tmp",
+    }
+    args = [sys.executable, "-m", "supervisor", "run", "--config", str(config)]
+    return [*args, "--listen", f"127.0.0.1:{port}"], env
+
+
 def make_bundle(
     bundle: Path,
     args: Sequence[str],

@@ -73,6 +73,15 @@ def drift_events(daemon: DaemonProcess, rank: int) -> int:
     return int(float(m.group(1))) if m else -1
 
 
+def cgroup_drift(daemon: DaemonProcess, rank: int) -> bool:
+    """Whether /placement shows a cgroup finding for `rank` now (True while unknown)."""
+    doc = daemon.placement()
+    if doc is None:
+        return True
+    entry = next(r for r in doc["ranks"] if r["rank"] == rank)
+    return any(f.get("kind") == "cgroup" for f in entry.get("drift") or ())
+
+
 @CHECKS.guarded("repair-scenario")
 def scenario() -> None:
     write(f"{CGROUP}/cgroup.subtree_control", "+cpuset +memory")
@@ -117,6 +126,9 @@ def scenario() -> None:
         CHECKS.check("repair-v2-counted", bool(counted), f"drift_events={drift_events(daemon, 0)}")
 
         # (2) widened: no thread moves, but the cgroup no longer confines the rank.
+        # A finding is counted once while it lasts: first a pass that saw it
+        # repaired (no cgroup drift left), so the next write is a new one.
+        wait_until(lambda: not cgroup_drift(daemon, 0), 10, 0.1)
         write(f"{r0}/cpuset.cpus", "0-3")
         ok = wait_until(lambda: read(f"{r0}/cpuset.cpus") == "0-1", 15, 0.05)
         twice = wait_until(lambda: drift_events(daemon, 0) == 2, 10, 0.1)

@@ -41,6 +41,7 @@ from tests.support.daemon_support import (
     thread_cpus_as_planned,
     write_cpuset_config,
 )
+from tests.support.oci import daemon_process
 
 pytestmark = pytest.mark.root
 ROUNDS = 8
@@ -113,15 +114,7 @@ def container(tmp_path: Path) -> Iterator[tuple[str, int, Path]]:
     config = write_cpuset_config(tmp_path, ranks=2, threads=2, interval_s=0.2, worker=worker)
     port = free_port()
     cid = f"ps-runc-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-    venv_bin = str(Path(sys.executable).parent)
-    env = {
-        "PATH": f"{venv_bin}:/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin",
-        "PYTHONUNBUFFERED": "1",
-        "PLACEMENT_SUPERVISOR_INSTANCE": cid,
-        "HOME": "/tmp",
-    }
-    args = [sys.executable, "-m", "supervisor", "run", "--config", str(config)]
-    args += ["--listen", f"127.0.0.1:{port}"]
+    args, env = daemon_process(config, cid, port)
     bundle = tmp_path / "bundle"
     make_bundle(bundle, args, env, f"/{cid}")
     log = tmp_path / "daemon.log"
