@@ -73,6 +73,17 @@ def drift_events(daemon: DaemonProcess, rank: int) -> int:
     return int(float(m.group(1))) if m else -1
 
 
+def checks(daemon: DaemonProcess) -> int:
+    """How many check passes the daemon has finished (-1 while it does not answer)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{daemon.port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+    except OSError:
+        return -1
+    m = re.search(r"^placement_check_duration_seconds_count (\S+)$", text, re.M)
+    return int(float(m.group(1))) if m else -1
+
+
 def cgroup_drift(daemon: DaemonProcess, rank: int) -> bool:
     """Whether /placement shows a cgroup finding for `rank` now (True while unknown)."""
     doc = daemon.placement()
@@ -129,6 +140,8 @@ def scenario() -> None:
         # A finding is counted once while it lasts: first a pass that saw it
         # repaired (no cgroup drift left), so the next write is a new one.
         wait_until(lambda: not cgroup_drift(daemon, 0), 10, 0.1)
+        seen = checks(daemon)
+        wait_until(lambda: checks(daemon) >= seen + 2, 10, 0.05)  # a whole clean pass
         write(f"{r0}/cpuset.cpus", "0-3")
         ok = wait_until(lambda: read(f"{r0}/cpuset.cpus") == "0-1", 15, 0.05)
         twice = wait_until(lambda: drift_events(daemon, 0) == 2, 10, 0.1)
