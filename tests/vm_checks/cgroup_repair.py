@@ -61,27 +61,24 @@ def thread_cpus(pid: int) -> str:
     return format_cpulist(set().union(*(parse_cpulist(c) for c in cpus)))
 
 
-def drift_events(daemon: DaemonProcess, rank: int) -> int:
+def metric(daemon: DaemonProcess, pattern: str) -> int:
+    """The value of the /metrics line `pattern` matches (-1 while it does not answer)."""
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{daemon.port}/metrics", timeout=5) as r:
             text = r.read().decode()
     except OSError:
         return -1
-    m = re.search(
-        rf'^placement_drift_events_total\{{kind="cgroup",rank="{rank}"\}} (\S+)$', text, re.M
-    )
+    m = re.search(rf"^{pattern} (\S+)$", text, re.M)
     return int(float(m.group(1))) if m else -1
+
+
+def drift_events(daemon: DaemonProcess, rank: int) -> int:
+    return metric(daemon, rf'placement_drift_events_total\{{kind="cgroup",rank="{rank}"\}}')
 
 
 def checks(daemon: DaemonProcess) -> int:
-    """How many check passes the daemon has finished (-1 while it does not answer)."""
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{daemon.port}/metrics", timeout=5) as r:
-            text = r.read().decode()
-    except OSError:
-        return -1
-    m = re.search(r"^placement_check_duration_seconds_count (\S+)$", text, re.M)
-    return int(float(m.group(1))) if m else -1
+    """How many check passes the daemon has finished."""
+    return metric(daemon, "placement_check_duration_seconds_count")
 
 
 def cgroup_drift(daemon: DaemonProcess, rank: int) -> bool:

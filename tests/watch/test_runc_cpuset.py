@@ -41,7 +41,7 @@ from tests.support.daemon_support import (
     thread_cpus_as_planned,
     write_cpuset_config,
 )
-from tests.support.oci import daemon_process
+from tests.support.oci import daemon_process, runc, running
 
 pytestmark = pytest.mark.root
 ROUNDS = 8
@@ -70,10 +70,6 @@ def held_caps() -> list[str]:
     status = Path("/proc/self/status").read_text()
     bounding = int(next(ln.split()[1] for ln in status.splitlines() if ln.startswith("CapBnd")), 16)
     return [name for name, bit in CAPS.items() if bounding >> bit & 1]
-
-
-def runc(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["runc", *args], capture_output=True, text=True, check=check, timeout=30)
 
 
 def make_bundle(bundle: Path, args: list[str], env: dict[str, str], cgroups_path: str) -> None:
@@ -118,29 +114,10 @@ def container(tmp_path: Path) -> Iterator[tuple[str, int, Path]]:
     bundle = tmp_path / "bundle"
     make_bundle(bundle, args, env, f"/{cid}")
     log = tmp_path / "daemon.log"
-    with open(log, "wb") as out:
-        started = subprocess.run(
-            ["runc", "run", "-d", "--bundle", str(bundle), "--pid-file", str(tmp_path / "p"), cid],
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=out,
-            timeout=60,
-            check=False,
-        )
-    assert started.returncode == 0, log.read_text()
     try:
-        yield cid, port, log
+        with running(bundle, cid, log):
+            yield cid, port, log
     finally:
-        runc("kill", cid, "KILL", check=False)
-        poll(
-            lambda: (
-                runc("state", cid, check=False).returncode != 0
-                or json.loads(runc("state", cid).stdout)["status"] == "stopped"
-            ),
-            20,
-            what="container stopped",
-        )
-        runc("delete", "--force", cid, check=False)
         for hierarchy in ("cpuset", "memory"):
             with contextlib.suppress(OSError):
                 shutil.rmtree(f"/sys/fs/cgroup/{hierarchy}/{cid}", ignore_errors=True)
