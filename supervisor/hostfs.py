@@ -73,15 +73,23 @@ def read_regular_file_stat(
         os.close(fd)
 
 
+def _raise_unless_gone(err: OSError, what: str) -> None:
+    """Nothing when a process's or thread's file failed because it is gone
+    (ENOENT, ESRCH: the caller reads that as None); any other failure raised as a
+    KernelError naming `what`."""
+    if err.errno in (errno.ENOENT, errno.ESRCH):
+        return
+    raise translate_oserror(what, err) from None
+
+
 def _chunks(fd: int, what: str) -> Iterator[bytes]:
     try:
         while True:
             try:
                 chunk = os.read(fd, _CHUNK)
             except OSError as err:
-                if err.errno in (errno.ENOENT, errno.ESRCH):
-                    return  # exited while read: what was read is all there is
-                raise translate_oserror(what, err) from None
+                _raise_unless_gone(err, what)
+                return  # exited while read: what was read is all there is
             if not chunk:
                 return
             yield chunk
@@ -163,9 +171,8 @@ class HostFS:
             finally:
                 os.close(fd)
         except OSError as err:
-            if err.errno in (errno.ENOENT, errno.ESRCH):
-                return None
-            raise translate_oserror(what, err) from None
+            _raise_unless_gone(err, what)
+            return None
 
     def read_head(self, rel: str, max_bytes: int, what: str) -> bytes | None:
         """At most the first `max_bytes` of a /proc file of a live process (its
@@ -186,9 +193,8 @@ class HostFS:
             finally:
                 os.close(fd)
         except OSError as err:
-            if err.errno in (errno.ENOENT, errno.ESRCH):
-                return None
-            raise translate_oserror(what, err) from None
+            _raise_unless_gone(err, what)
+            return None
         return b"".join(parts)
 
     def stream(self, rel: str, what: str) -> Iterator[bytes] | None:
@@ -200,9 +206,8 @@ class HostFS:
         try:
             fd = os.open(self.path(rel), os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError as err:
-            if err.errno in (errno.ENOENT, errno.ESRCH):
-                return None
-            raise translate_oserror(what, err) from None
+            _raise_unless_gone(err, what)
+            return None
         return _chunks(fd, what)
 
     def iter_lines(self, rel: str) -> Iterator[str]:

@@ -69,16 +69,24 @@ def lock_name(instance: str) -> str:
     return f"{safe.lstrip('.') or 'default'}.lock"
 
 
+def systemd_dirs(env: Mapping[str, str], variable: str, default: str, tmp_name: str) -> list[str]:
+    """Where a file may live, best first (pure): the first entry of systemd's
+    `variable` (RUNTIME_DIRECTORY, STATE_DIRECTORY: systemd.exec(5) sets a
+    colon-separated list), the shipped unit's `default`, then a per-user
+    `tmp_name-<uid>` in the temp dir."""
+    dirs = []
+    first = env.get(variable, "").split(":")[0]
+    if first:
+        dirs.append(first)
+    dirs.append(default)
+    dirs.append(os.path.join(tempfile.gettempdir(), f"{tmp_name}-{os.getuid()}"))
+    return dirs
+
+
 def runtime_dirs(env: Mapping[str, str]) -> list[str]:
     """Where the lock may live, best first: systemd's RuntimeDirectory=, the
     shipped unit's own /run/placement-supervisor, then a per-user tmp dir."""
-    dirs = []
-    runtime = env.get("RUNTIME_DIRECTORY", "").split(":")[0]  # systemd.exec(5): a list
-    if runtime:
-        dirs.append(runtime)
-    dirs.append(DEFAULT_RUNTIME_DIR)
-    dirs.append(os.path.join(tempfile.gettempdir(), f"placement-supervisor-{os.getuid()}"))
-    return dirs
+    return systemd_dirs(env, "RUNTIME_DIRECTORY", DEFAULT_RUNTIME_DIR, "placement-supervisor")
 
 
 class InstanceLock:

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
 from collections.abc import Mapping
 
 from supervisor.bind.irq_checkpoint import IrqCheckpoint, read_boot_id, restore_checkpoint
 from supervisor.hostfs import HostFS
 from supervisor.logs import format_fields
-from supervisor.service.instance_lock import lock_name, usable_dir
+from supervisor.service.instance_lock import lock_name, systemd_dirs, usable_dir
 
 log = logging.getLogger("placement_supervisor.daemon")
 
@@ -24,14 +23,8 @@ DEFAULT_STATE_DIR = "/var/lib/placement-supervisor"
 
 
 def state_dirs(env: Mapping[str, str]) -> list[str]:
-    """Where state may live, best first (pure)."""
-    dirs = []
-    state = env.get("STATE_DIRECTORY", "").split(":")[0]  # systemd.exec(5): a list
-    if state:
-        dirs.append(state)
-    dirs.append(DEFAULT_STATE_DIR)
-    dirs.append(os.path.join(tempfile.gettempdir(), f"placement-supervisor-state-{os.getuid()}"))
-    return dirs
+    """Where state may live, best first (pure): StateDirectory=, then the default."""
+    return systemd_dirs(env, "STATE_DIRECTORY", DEFAULT_STATE_DIR, "placement-supervisor-state")
 
 
 def irq_checkpoint_name(instance: str) -> str:
