@@ -332,6 +332,13 @@ def main() -> int:
     parser.add_argument("--plot", type=Path, default=REPO / "docs/value_steps.png")
     parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args()
+    if not args.no_plot:
+        try:
+            import matplotlib  # noqa: F401, PLC0415 - checked before minutes of measuring
+        except ImportError:
+            raise SystemExit(
+                "the plot needs matplotlib: pip install -e '.[test]', or --no-plot"
+            ) from None
     node = 0  # the rank's node: the only one on the machines this runs on in CI
     numactl = ["numactl", f"--cpunodebind={node}", f"--membind={node}"]
     work = args.work
