@@ -1,31 +1,41 @@
 """What binding buys: a decode-step worker's step times beside a grammar-compiling engine.
 
-    .venv/bin/python -m tests.bench.value_bench [--rounds 6] [--steps 1000] [--boost -5]
-        [--plot docs/value_steps.png | --no-plot]
+    .venv/bin/python -m tests.bench.value_bench [--rounds 6] [--steps 1000]
+        [--workers-by engine|daemon] [--plot docs/value_steps.png | --no-plot]
 
 The worker (tests/bench/value_worker.py) runs fixed work per step on its main
 thread plus a 1 ms device-like wait, with three helper threads; the engine
 (tests/bench/value_engine.py) compiles JSON-schema grammars with real
 xgrammar on an unnamed pool it creates itself, as vLLM's structured-output
-manager does. Four cases, interleaved round by round (the order rotates):
+manager does, and starts the worker as its own child, as vLLM's engine core
+does. Every case is one session of its own, as a service or a login shell
+starts an engine, so engine and worker share a scheduling group (sched(7),
+autogroups) as in a deployment. Four cases, interleaved round by round (the
+order rotates):
   alone       the worker by itself, started plainly;
-  plain       engine and worker started plainly, side by side;
-  supervised  both under a real daemon: the worker rank 0, the engine's pool
+  plain       the engine (and so its worker) started plainly;
+  supervised  under a real daemon leading its session (as systemd starts
+              one): the engine's worker adopted as rank 0, the engine's pool
               named, capped and bound to the so_compiler CPUs by the start-up
-              hook (`[threads.*] executors` lists the engine's module);
-  numactl     both under `numactl --cpunodebind=N --membind=N` on the rank's
-              node, the engines' own binding (vLLM's `--numa-bind`).
+              hook (`[threads.*] executors` lists the engine's module); with
+              `--workers-by daemon` the daemon spawns the worker instead, in
+              a session of its own (supervisor/run/procs.py);
+  numactl     the engine under `numactl --cpunodebind=N --membind=N` on the
+              rank's node, the engines' own binding (vLLM's `--numa-bind`).
 Prints step p50/p99 per case over all rounds, the ratios against `alone` and
-`plain` from the same run, the per-round p99 ratios, where the supervised
-case's threads ran, and the load average; writes a plot of the step-time
-distributions (matplotlib, the `test` extra). Asserts nothing.
+`plain` from the same run, the per-round p99 ratios, each case's sessions
+and autogroups, where the supervised case's threads ran, and the load
+average; writes a plot of the step-time distributions (matplotlib, the
+`test` extra). Asserts nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -40,7 +50,6 @@ from tests.support.daemon_support import (
     REPO,
     DaemonProcess,
     daemon_env,
-    stop_process,
     to_toml,
     wait_until,
 )
@@ -57,18 +66,6 @@ def load() -> str:
         return " ".join(f.read().split()[:3])
 
 
-def boost(pid: int, nice: int) -> None:
-    """Set the niceness of `pid`'s autogroup (sched(7): with sched_autogroup_enabled
-    each session is one scheduling group, and a process's own nice value only
-    weighs inside it). No-op at 0 or where the kernel has no autogroups."""
-    if nice:
-        try:
-            with open(f"/proc/{pid}/autogroup", "w") as f:
-                f.write(str(nice))
-        except OSError as err:
-            print(f"autogroup nice failed pid={pid} error={err.strerror} action=skip")
-
-
 def child_env() -> dict[str, str]:
     env = daemon_env()
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
@@ -76,6 +73,8 @@ def child_env() -> dict[str, str]:
 
 
 def popen(argv: Sequence[str], log: Path) -> subprocess.Popen[bytes]:
+    """`argv` leading a session of its own, as a service or a login shell starts an
+    engine: every case's processes are one session, apart from this bench's."""
     with open(log, "wb") as f:
         return subprocess.Popen(
             list(argv),
@@ -83,11 +82,39 @@ def popen(argv: Sequence[str], log: Path) -> subprocess.Popen[bytes]:
             env=child_env(),
             stdout=subprocess.DEVNULL,
             stderr=f,
-            # Its own session, as the daemon starts each process
-            # (supervisor/run/procs.py): with sched_autogroup_enabled, a
-            # session is a scheduling group, so every case competes alike.
             start_new_session=True,
         )
+
+
+def end_session(proc: subprocess.Popen[bytes]) -> None:
+    """KILL the process group `proc` leads (the engine and its worker), then reap it.
+    Only while `proc` is unreaped: until then its pid, the group's id, is not reused."""
+    if proc.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+
+
+def sched_group(pid: int) -> str:
+    """`sid=S autogroup-N nice=K`: where the scheduler groups `pid` (sched(7): with
+    sched_autogroup_enabled, each session is one group for tasks in the root cpu
+    cgroup, and groups get equal shares whatever their thread counts)."""
+    try:
+        sid = os.getsid(pid)
+        with open(f"/proc/{pid}/autogroup") as f:
+            group = f.read().split()[0].lstrip("/")
+        nice = os.getpriority(os.PRIO_PROCESS, pid)
+    except OSError as err:
+        return f"unreadable ({err.strerror})"
+    return f"sid={sid} {group} nice={nice}"
+
+
+def autogroups_enabled() -> str:
+    try:
+        with open("/proc/sys/kernel/sched_autogroup_enabled") as f:
+            return f.read().strip()
+    except OSError:
+        return "absent"
 
 
 def await_file(path: Path, procs: Sequence[subprocess.Popen[bytes]], what: str) -> None:
@@ -108,42 +135,62 @@ def read_steps(out: Path, what: str) -> list[float]:
     return steps
 
 
+def worker_argv(out: Path, work: int, steps: int) -> list[str]:
+    return [sys.executable, "-m", WORKER, str(out), str(work), str(steps)]
+
+
+def worker_pid(out: Path) -> int:
+    return int((out / "worker.armed").read_text())
+
+
 def plain_case(
-    out: Path, work: int, steps: int, *, engine: bool, prefix: Sequence[str], nice: int
+    out: Path, work: int, steps: int, *, engine: bool, prefix: Sequence[str], seen: dict[str, str]
 ) -> list[float]:
-    """The worker (and the engine) started by this process, under `prefix`."""
-    procs: list[subprocess.Popen[bytes]] = []
+    """One session started by this process, under `prefix`: the worker alone, or
+    the engine with the worker as its child (as vLLM's engine core starts workers)."""
+    worker = worker_argv(out, work, steps)
+    if engine:
+        argv = [*prefix, sys.executable, "-m", ENGINE, str(out), *worker]
+    else:
+        argv = [*prefix, *worker]
+    proc = popen(argv, out / "session.log")
     try:
         if engine:
-            argv = [*prefix, sys.executable, "-m", ENGINE, str(out)]
-            procs.append(popen(argv, out / "engine.log"))
-            await_file(out / "engine.ready", procs, "engine")
-        argv = [*prefix, sys.executable, "-m", WORKER, str(out), str(work), str(steps)]
-        procs.append(popen(argv, out / "worker.log"))
-        await_file(out / "worker.armed", procs, "worker")
-        for p in procs:
-            boost(p.pid, nice)
+            await_file(out / "engine.ready", [proc], "engine")
+        await_file(out / "worker.armed", [proc], "worker")
+        groups = [f"worker {sched_group(worker_pid(out))}"]
+        if engine:
+            groups.insert(0, f"engine {sched_group(proc.pid)}")
         (out / "go").touch()
+        seen["groups"] = ", ".join(groups)
         return read_steps(out, "worker")
     finally:
-        for p in procs:
-            stop_process(p, 10)
+        end_session(proc)
 
 
-def supervised_config(out: Path, work: int, steps: int) -> Path:
+def supervised_config(out: Path, work: int, steps: int, workers_by: str) -> Path:
+    engine = ["python", "-m", ENGINE, str(out)]
+    worker = ["python", "-m", WORKER, str(out), str(work), str(steps)]
     doc: dict[str, Any] = {
         "cpu_ranks": 1,
         "cgroup": "auto",
         "stop_timeout_s": 3,
-        "engine": {"command": ["python", "-m", ENGINE, str(out)]},
         "ready": {"file": str(out / "engine.ready"), "timeout_s": START_TIMEOUT_S},
-        "workers": {"command": ["python", "-m", WORKER, str(out), str(work), str(steps)]},
         "restart": {"policy": "never"},
         # One rank, its slot's CPUs all `main`; the engine's so_compiler role
         # asked for apart. On a 2-CPU node the planner merges the engine's
         # roles into one CPU, the one the rank does not have (see placement()).
         "placement": {"rank_roles": {}, "on_shortage": "share"},
     }
+    if workers_by == "engine":
+        # vLLM's shape: the engine starts its worker, the daemon adopts it
+        # (docs/contracts.md section 6); engine and worker share one session.
+        doc["engine"] = {"command": [*engine, *worker], "kind": "custom"}
+        doc["workers"] = {"spawned_by": "engine", "rank_from": ["env:LOCAL_RANK"]}
+    else:
+        # The daemon starts both, each in a session of its own (run/procs.py).
+        doc["engine"] = {"command": engine}
+        doc["workers"] = {"command": worker}
     text = to_toml(doc)
     text += "[placement.engine]\nmain_cpus = 1\nroles = { so_compiler = 1 }\n"
     text += '[threads.so_pools]\nprocess = "engine"\nrole = "so_compiler"\n'
@@ -173,24 +220,33 @@ def thread_cpus(pid: int, prefix: str = "") -> dict[str, set[int]]:
 
 
 def supervised_case(
-    out: Path, work: int, steps: int, nice: int, seen: dict[str, str]
+    out: Path, work: int, steps: int, workers_by: str, seen: dict[str, str]
 ) -> list[float]:
-    config = supervised_config(out, work, steps)
+    """The daemon leading a session of its own, as systemd starts a service."""
+    config = supervised_config(out, work, steps, workers_by)
     env = child_env()
     env[INSTANCE_ENV] = f"value-bench-{os.getpid()}-{out.name}"
-    daemon = DaemonProcess(config, out / "daemon.log", env=env)
+    daemon = DaemonProcess(config, out / "daemon.log", env=env, new_session=True)
     try:
 
         def up() -> dict[str, Any] | None:
             doc = daemon.running()
-            return doc if doc and (out / "worker.armed").exists() else None
+            if not doc or not (out / "worker.armed").exists():
+                return None
+            rank = doc["ranks"][0]
+            if rank.get("pid") != worker_pid(out):
+                return None  # not yet adopted
+            bound = set().union(*thread_cpus(rank["pid"]).values())
+            return doc if bound and bound <= set(rank["cpus"]) else None
 
         doc = wait_until(up, START_TIMEOUT_S, 0.05)
         if not doc:
             raise SystemExit(f"supervised: not running:\n{daemon.tail()}")
         rank, engine = doc["ranks"][0], doc["engine"]
-        boost(rank["pid"], nice)
-        boost(engine["pid"], nice)
+        seen["groups"] = (
+            f"daemon {sched_group(daemon.pid)}, engine {sched_group(engine['pid'])}, "
+            f"worker {sched_group(rank['pid'])}"
+        )
         (out / "go").touch()
         time.sleep(0.5)  # sample the threads mid-run (a reading, not a synchronisation)
         pools = thread_cpus(engine["pid"], "so_compiler")
@@ -267,27 +323,38 @@ def main() -> int:
         "--work", type=int, default=40000, help="step_work iterations per step (~2 ms quiet)"
     )
     parser.add_argument(
-        "--boost",
-        type=int,
-        default=0,
-        help="autogroup nice of every measured process, all cases alike (e.g. -5: "
-        "keeps a shared machine's other sessions out of the comparison)",
+        "--workers-by",
+        choices=("engine", "daemon"),
+        default="engine",
+        help="supervised: the engine starts the worker and the daemon adopts it (vLLM's "
+        "shape, the default), or the daemon spawns it (its own session)",
     )
     parser.add_argument("--plot", type=Path, default=REPO / "docs/value_steps.png")
     parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args()
+    if not args.no_plot:
+        try:
+            import matplotlib  # noqa: F401, PLC0415 - checked before minutes of measuring
+        except ImportError:
+            raise SystemExit(
+                "the plot needs matplotlib: pip install -e '.[test]', or --no-plot"
+            ) from None
     node = 0  # the rank's node: the only one on the machines this runs on in CI
     numactl = ["numactl", f"--cpunodebind={node}", f"--membind={node}"]
     work = args.work
     loads = [load()]
     print(
         f"value bench: {args.rounds} rounds x {args.steps} steps, work {work} iterations, "
-        f"autogroup nice {args.boost}"
+        f"supervised workers started by the {args.workers_by}"
     )
-    print(f"cpus {format_cpulist(sorted(os.sched_getaffinity(0)))}, load average {loads[0]}")
+    print(
+        f"cpus {format_cpulist(sorted(os.sched_getaffinity(0)))}, "
+        f"sched_autogroup_enabled {autogroups_enabled()}, load average {loads[0]}"
+    )
     results: dict[str, list[float]] = {c: [] for c in CASES}
     per_round: dict[str, list[float]] = {c: [] for c in CASES}
     seen: dict[str, str] = {}
+    groups: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="value-bench-") as tmp:
         for r in range(args.rounds):
             order = CASES[r % len(CASES) :] + CASES[: r % len(CASES)]
@@ -295,13 +362,14 @@ def main() -> int:
                 out = Path(tmp) / f"{r}-{case}"
                 out.mkdir()
                 if case == "supervised":
-                    steps = supervised_case(out, work, args.steps, args.boost, seen)
+                    steps = supervised_case(out, work, args.steps, args.workers_by, seen)
                 else:
                     engine = case != "alone"
                     prefix = numactl if case == "numactl" else []
                     steps = plain_case(
-                        out, work, args.steps, engine=engine, prefix=prefix, nice=args.boost
+                        out, work, args.steps, engine=engine, prefix=prefix, seen=seen
                     )
+                groups.setdefault(case, seen.pop("groups", "?"))
                 results[case].extend(steps)
                 per_round[case].append(pct(steps, 0.99))
             loads.append(load())
@@ -311,14 +379,15 @@ def main() -> int:
                 flush=True,
             )
     summary(results, per_round)
+    for case in CASES:
+        print(f"{case} scheduling groups (round 1): {groups.get(case, '?')}")
     for key in ("plan", "threads"):
         print(f"supervised {key}: {seen.get(key, '?')}")
     print(f"load average (1, 5, 15 min) per round: {' | '.join(loads)}")
     if not args.no_plot:
         title = (
             f"worker step times, {args.rounds} interleaved rounds x {args.steps} steps, 2 CPUs; "
-            f"load {loads[0].split()[0]}-{max(float(x.split()[0]) for x in loads):.1f}, "
-            f"autogroup nice {args.boost}"
+            f"load {loads[0].split()[0]}-{max(float(x.split()[0]) for x in loads):.1f}"
         )
         plot(args.plot, results, title)
         print(f"plot: {args.plot}")

@@ -7,7 +7,8 @@ step: scheduling, input preparation, kernel launches), then waits 1 ms, as
 for the device. Three helper threads wake every 5 ms for a sliver of work
 (an output thread, a heartbeat, a collective's progress thread). Writes
 OUT_DIR/worker.armed after a warm-up, waits for OUT_DIR/go, times STEPS
-steps, writes their seconds to OUT_DIR/steps.json and sleeps until killed.
+steps, writes their seconds to OUT_DIR/steps.json and sleeps until killed
+(or LIFETIME_S, so it never outlives a bench that died).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ DEVICE_WAIT_S = 0.001
 HELPERS = 3
 HELPER_PERIOD_S = 0.005
 WARMUP_STEPS = 50
+LIFETIME_S = 900.0
 
 
 def step_work(n: int) -> int:
@@ -60,8 +62,7 @@ def main() -> None:
     part = out / "steps.json.part"
     part.write_text(json.dumps(times))
     part.rename(out / "steps.json")
-    while True:
-        time.sleep(3600)
+    time.sleep(LIFETIME_S)
 
 
 if __name__ == "__main__":
