@@ -40,8 +40,10 @@ from supervisor.procfs.stat import read_proc_stat, scan_pids, scan_procs
 from supervisor.state import StateStore, TreeMember
 from supervisor.trees.guardian import Guardian
 from supervisor.trees.proc_events import (
-    ProcEvent,
+    PROC_EVENT_EXIT,
+    PROC_EVENT_FORK,
     ProcEvents,
+    RawEvent,
     nested_pid_namespace,
     open_proc_events,
 )
@@ -337,44 +339,45 @@ class TreeKeeper:
 
     # -- events ----------------------------------------------------------------
 
-    def _on_events(self, batch: list[ProcEvent]) -> None:
+    def _on_events(self, batch: list[RawEvent]) -> None:
         root_pids = {r.pid: r.key for r in self.roots.values()}
+        members, lineage, births = self.members, self.lineage, self.births
         exited = False
+        forks = 0
         now = time.monotonic()
-        for ev in batch:
-            if not ev.is_process:
-                continue  # a thread: it inherited its creator's binding
-            if ev.kind == "fork":
-                owner = root_pids.get(ev.parent_tgid)
+        for what, pid, parent in batch:  # processes only: a thread inherits its binding
+            if what == PROC_EVENT_FORK:
+                if pid in members:
+                    continue
+                owner = root_pids.get(parent)
                 if owner is None:
-                    parent = self.members.get(ev.parent_tgid)
-                    owner = parent.owner if parent is not None else None
-                if owner is None:
+                    known = members.get(parent)
                     # A parent not settled yet, or one that exited before we could
                     # read it (the middle of a double fork), still passes its owner on.
-                    owner = self.lineage.get(ev.parent_tgid)
-                if ev.pid in self.members:
-                    continue
+                    owner = known.owner if known is not None else lineage.get(parent)
                 if owner is None:
                     # Maybe a tree whose root is not known yet (its runner is
                     # still reading the shim's report): kept a while for it.
-                    self._remember_fork(ev.parent_tgid, ev.pid)
+                    self._remember_fork(parent, pid)
                     continue
-                self.lineage[ev.pid] = owner
-                self.births[ev.pid] = (ev.parent_tgid, owner, now)
-                self._count_fork(now)
-            elif ev.kind in ("exec", "comm"):
-                known = self.members.get(ev.pid)
-                if known is not None and known.owner == "engine" and self.adopter is not None:
-                    self.adopter(known)
-            elif ev.kind == "exit":
-                gone = self.members.pop(ev.pid, None)
+                lineage[pid] = owner
+                births[pid] = (parent, owner, now)
+                forks += 1
+            elif what == PROC_EVENT_EXIT:
+                gone = members.pop(pid, None)
                 if gone is not None:
                     exited = True
-                    self.exited[ev.pid] = gone.start_time
+                    self.exited[pid] = gone.start_time
                     if self.guardian is not None:
-                        self.guardian.forget(ev.pid)
-        if self.births and self._settle_at is None:
+                        self.guardian.forget(pid)
+            else:  # exec, comm: a new name
+                known = members.get(pid)
+                if known is not None and known.owner == "engine" and self.adopter is not None:
+                    self.adopter(known)
+        if forks:
+            start, counted = self._forks_window
+            self._forks_window = (start, counted + forks) if now - start < 1.0 else (now, forks)
+        if births and self._settle_at is None:
             if self._storm(now):
                 loop = asyncio.get_running_loop()
                 self._settle_at = loop.call_later(STORM_SETTLE_S, self._settle_births)
@@ -383,10 +386,6 @@ class TreeKeeper:
         if exited:
             # The exit event comes before the process is a zombie: reap a moment later.
             asyncio.get_running_loop().call_later(0.05, self.reap)
-
-    def _count_fork(self, now: float) -> None:
-        start, forks = self._forks_window
-        self._forks_window = (start, forks + 1) if now - start < 1.0 else (now, 1)
 
     def _storm(self, now: float) -> bool:
         start, forks = self._forks_window

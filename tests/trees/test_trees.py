@@ -225,7 +225,9 @@ def test_clean_stop_ends_every_tree_and_removes_its_cgroups(tmp_path: Path, cgro
         engine_children = doc["engine"]["children"]
         orphan = next(c for c in engine_children if "engine-orphan" in c["cmdline"])
         assert orphan["ppid"] == d.pid  # reparented to the daemon, still the engine's
-        assert set(marked(marker)) >= {c["pid"] for c in engine_children}
+        # The brief orphan may end between the two reads (1.5 s; a loaded host).
+        lasting = {c["pid"] for c in engine_children if "-brief" not in c["cmdline"]}
+        assert set(marked(marker)) >= lasting
         if cgroup == "auto":
             assert instance_dirs(suffix)
 
