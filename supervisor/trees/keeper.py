@@ -393,21 +393,21 @@ class TreeKeeper:
 
     def _settle_births(self, min_age_s: float = STORM_SETTLE_S) -> None:
         """Forks older than `min_age_s` become members (the filter then lists them).
-        One read of their tree's cgroup.procs tells the live ones, if it has one."""
+        One read of their tree's cgroup.procs tells the live ones, if it has one
+        (a storm's are nearly all gone: sorted out in comprehensions, not a step each)."""
         self._settle_at = None
         cutoff = time.monotonic() - min_age_s
-        added: list[Member] = []
+        due = {
+            pid: b for pid, b in self.births.items() if b[2] <= cutoff and pid not in self.members
+        }
+        self.births = {pid: b for pid, b in self.births.items() if b[2] > cutoff}
         alive: dict[ProcKey, frozenset[int] | None] = {}
-        for pid, (ppid, owner, seen) in list(self.births.items()):
-            if seen > cutoff:
-                continue
-            del self.births[pid]
-            if pid in self.members:
-                continue
-            if owner not in alive:
-                directory = self.cgroup_dir(owner) if owner in self.roots else None
-                procs = None if directory is None else read_cgroup_procs(self.fs, directory)
-                alive[owner] = frozenset(procs) if procs else None
+        for owner in {b[1] for b in due.values()}:
+            directory = self.cgroup_dir(owner) if owner in self.roots else None
+            procs = None if directory is None else read_cgroup_procs(self.fs, directory)
+            alive[owner] = frozenset(procs) if procs else None
+        added: list[Member] = []
+        for pid, (ppid, owner, _) in due.items():
             live = alive[owner]
             if live is not None and pid not in live:
                 continue  # gone already; its children still find their owner (lineage)

@@ -41,7 +41,13 @@ _PAIR2 = struct.Struct("=iiii")  # fork: parent pid, tgid, child pid, tgid
 _PAIR = struct.Struct("=ii")  # exec, comm, exit: pid, tgid
 RECV_BYTES = 1 << 16
 STORM_EVENTS_PER_S = 200  # past this rate the window is the storm's
-STORM_WINDOW_S = 0.02  # the storm's window: adoption waits at most this much more
+# The rate is counted over this long: a storm is told within a quarter second
+# (until then every read of the quiet window finds events, hundreds a second).
+RATE_WINDOW_S = 0.25
+# The storm's window: adoption waits at most this much more. A storm's forks
+# become members only after 100 ms anyway (keeper STORM_SETTLE_S), and each
+# wake-up, cache-cold on a busy host, cost about as much as 20 events.
+STORM_WINDOW_S = 0.1
 # What the keeper reads of one datagram, in one unpack: nlmsg_len, `what`, and
 # the union's first four ints (fork: parent pid, parent tgid, child pid, child
 # tgid; exec/comm/exit: pid, tgid, ...). The kernel sends each event alone in
@@ -165,8 +171,9 @@ class ProcEvents:
         self.batch_window_s = batch_window_s  # longer while a storm lasts
         self.overruns = 0  # ENOBUFS: events were lost; the next check catches up
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._timer: asyncio.TimerHandle | None = None  # the next read, while events come
         self.watched: frozenset[int] | None = None  # None: every process's events
-        self._rate_since = time.monotonic()  # the event rate, counted a second at a time
+        self._rate_since = time.monotonic()  # the event rate, counted RATE_WINDOW_S at a time
         self._rate_events = 0
 
     def watch(self, pids: Iterable[int] | None) -> bool:
@@ -193,6 +200,9 @@ class ProcEvents:
         wake-up for each cost ~3% of a core. So the first readable datagram
         starts a short window (`batch_window_s`), after which everything
         queued is read at once: a few ms of latency for far fewer wake-ups.
+        A read that found events reads again one window later, without the
+        reader: in a storm every wake-up is then a timer, where re-adding the
+        reader each time cost a poll handle and two epoll_ctl calls.
         """
         loop = asyncio.get_running_loop()
         self._loop = loop
@@ -201,31 +211,40 @@ class ProcEvents:
         recv_into = self.sock.recv_into
 
         def drain() -> None:
+            self._timer = None
+            if self._loop is None:  # closed meanwhile
+                return
             batch: list[RawEvent] = []
             # Bounded: never starve the loop on a fork storm.
-            self.overruns += read_raw_events(recv_into, buf, batch, 4096)
+            overruns = read_raw_events(recv_into, buf, batch, 4096)
+            self.overruns += overruns
             # A fork storm (hundreds a second): wait longer between reads, so a
             # wake-up reads dozens of events, not three (each wake-up and recv
             # round costs more than the events in it); the short window again
-            # once a second passes at a quiet rate.
+            # once RATE_WINDOW_S passes at a quiet rate.
             self._rate_events += len(batch)
             now = time.monotonic()
-            if now - self._rate_since >= 1.0:
+            if now - self._rate_since >= RATE_WINDOW_S:
                 storm = self._rate_events / (now - self._rate_since) > STORM_EVENTS_PER_S
                 self.batch_window_s = STORM_WINDOW_S if storm else self.quiet_window_s
                 self._rate_since, self._rate_events = now, 0
-            if self._loop is not None:
+            if batch or overruns:
+                self._timer = loop.call_later(self.batch_window_s, drain)
+            else:
                 loop.add_reader(fd, readable)
             if batch:
                 on_events(batch)
 
         def readable() -> None:
             loop.remove_reader(fd)
-            loop.call_later(self.batch_window_s, drain)
+            self._timer = loop.call_later(self.batch_window_s, drain)
 
         loop.add_reader(fd, readable)
 
     def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if self._loop is not None:
             with contextlib.suppress(Exception):
                 self._loop.remove_reader(self.sock.fileno())

@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,14 @@ from supervisor.plan.placement import Placement
 from supervisor.state import Snapshot, StateStore
 from supervisor.topology.discover import read_topology
 from supervisor.trees.keeper import FULL_PASS_EVERY, TreeKeeper
-from supervisor.trees.proc_events import ProcEvent, ProcEvents, open_proc_events, parse_proc_events
+from supervisor.trees.proc_events import (
+    PROC_EVENT_FORK,
+    ProcEvent,
+    ProcEvents,
+    RawEvent,
+    open_proc_events,
+    parse_proc_events,
+)
 
 ENGINE_CG = "sys/fs/cgroup/cpuset/ps/engine"
 
@@ -161,5 +169,54 @@ def test_the_watch_list_keeps_only_the_listed_processes_forks_and_execs() -> Non
             assert (e.parent_tgid if e.kind == "fork" else e.pid) in listed, e
         assert events.watch(None)  # back to every process's events
         assert events.watched is None
+    finally:
+        events.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the proc connector needs root")
+def test_the_loop_reads_a_real_connector_in_bursts_and_after_them() -> None:
+    """`ProcEvents.attach` on a real loop: a burst of forks arrives as (what, pid,
+    parent) ints with the kernel's numbers; once a read finds nothing the socket's
+    reader is back, and a later fork is delivered too; close stops the reads."""
+    events, why = open_proc_events()
+    assert events is not None, why
+    me = os.getpid()
+    assert events.watch({me})
+    got: list[RawEvent] = []
+
+    def forks_of(children: list[int]) -> bool:
+        return {(PROC_EVENT_FORK, c, me) for c in children} <= set(got)
+
+    async def until(done: Callable[[], bool]) -> None:
+        deadline = time.monotonic() + 10
+        while not done():
+            assert time.monotonic() < deadline, got
+            await asyncio.sleep(0.01)
+
+    def spawn(n: int) -> list[int]:
+        children = [subprocess.Popen(["true"]) for _ in range(n)]
+        for child in children:
+            child.wait()
+        return [child.pid for child in children]
+
+    async def main() -> None:
+        events.attach(got.extend)
+        first = spawn(20)
+        await until(lambda: forks_of(first))
+        # Nothing more comes: a read finds the socket empty and the reader is back.
+        await until(lambda: events._timer is None)
+        later = spawn(1)
+        await until(lambda: forks_of(later))
+        # Closed with a read pending: it never runs on the closed socket.
+        events.quiet_window_s = events.batch_window_s = 0.2
+        spawn(1)
+        await until(lambda: events._timer is not None)
+        events.close()
+        delivered = len(got)
+        await asyncio.sleep(0.4)  # past the window: nothing may come (a negative check)
+        assert len(got) == delivered and events.overruns == 0
+
+    try:
+        asyncio.run(main())
     finally:
         events.close()
