@@ -200,8 +200,8 @@ class ProcEvents:
         wake-up for each cost ~3% of a core. So the first readable datagram
         starts a short window (`batch_window_s`), after which everything
         queued is read at once: a few ms of latency for far fewer wake-ups.
-        A read that found events reads again one window later, without the
-        reader: in a storm every wake-up is then a timer, where re-adding the
+        In a storm, a read that found events reads again one window later,
+        without the reader: every wake-up is then a timer, where re-adding the
         reader each time cost a poll handle and two epoll_ctl calls.
         """
         loop = asyncio.get_running_loop()
@@ -228,8 +228,8 @@ class ProcEvents:
                 storm = self._rate_events / (now - self._rate_since) > STORM_EVENTS_PER_S
                 self.batch_window_s = STORM_WINDOW_S if storm else self.quiet_window_s
                 self._rate_since, self._rate_events = now, 0
-            if batch or overruns:
-                self._timer = loop.call_later(self.batch_window_s, drain)
+            if self.batch_window_s > self.quiet_window_s and (batch or overruns):
+                self._timer = loop.call_later(self.batch_window_s, drain)  # a storm: poll
             else:
                 loop.add_reader(fd, readable)
             if batch:
