@@ -40,8 +40,10 @@ from supervisor.procfs.stat import read_proc_stat, scan_pids, scan_procs
 from supervisor.state import StateStore, TreeMember
 from supervisor.trees.guardian import Guardian
 from supervisor.trees.proc_events import (
-    ProcEvent,
+    PROC_EVENT_EXIT,
+    PROC_EVENT_FORK,
     ProcEvents,
+    RawEvent,
     nested_pid_namespace,
     open_proc_events,
 )
@@ -337,44 +339,45 @@ class TreeKeeper:
 
     # -- events ----------------------------------------------------------------
 
-    def _on_events(self, batch: list[ProcEvent]) -> None:
+    def _on_events(self, batch: list[RawEvent]) -> None:
         root_pids = {r.pid: r.key for r in self.roots.values()}
+        members, lineage, births = self.members, self.lineage, self.births
         exited = False
+        forks = 0
         now = time.monotonic()
-        for ev in batch:
-            if not ev.is_process:
-                continue  # a thread: it inherited its creator's binding
-            if ev.kind == "fork":
-                owner = root_pids.get(ev.parent_tgid)
+        for what, pid, parent in batch:  # processes only: a thread inherits its binding
+            if what == PROC_EVENT_FORK:
+                if pid in members:
+                    continue
+                owner = root_pids.get(parent)
                 if owner is None:
-                    parent = self.members.get(ev.parent_tgid)
-                    owner = parent.owner if parent is not None else None
-                if owner is None:
+                    known = members.get(parent)
                     # A parent not settled yet, or one that exited before we could
                     # read it (the middle of a double fork), still passes its owner on.
-                    owner = self.lineage.get(ev.parent_tgid)
-                if ev.pid in self.members:
-                    continue
+                    owner = known.owner if known is not None else lineage.get(parent)
                 if owner is None:
                     # Maybe a tree whose root is not known yet (its runner is
                     # still reading the shim's report): kept a while for it.
-                    self._remember_fork(ev.parent_tgid, ev.pid)
+                    self._remember_fork(parent, pid)
                     continue
-                self.lineage[ev.pid] = owner
-                self.births[ev.pid] = (ev.parent_tgid, owner, now)
-                self._count_fork(now)
-            elif ev.kind in ("exec", "comm"):
-                known = self.members.get(ev.pid)
-                if known is not None and known.owner == "engine" and self.adopter is not None:
-                    self.adopter(known)
-            elif ev.kind == "exit":
-                gone = self.members.pop(ev.pid, None)
+                lineage[pid] = owner
+                births[pid] = (parent, owner, now)
+                forks += 1
+            elif what == PROC_EVENT_EXIT:
+                gone = members.pop(pid, None)
                 if gone is not None:
                     exited = True
-                    self.exited[ev.pid] = gone.start_time
+                    self.exited[pid] = gone.start_time
                     if self.guardian is not None:
-                        self.guardian.forget(ev.pid)
-        if self.births and self._settle_at is None:
+                        self.guardian.forget(pid)
+            else:  # exec, comm: a new name
+                known = members.get(pid)
+                if known is not None and known.owner == "engine" and self.adopter is not None:
+                    self.adopter(known)
+        if forks:
+            start, counted = self._forks_window
+            self._forks_window = (start, counted + forks) if now - start < 1.0 else (now, forks)
+        if births and self._settle_at is None:
             if self._storm(now):
                 loop = asyncio.get_running_loop()
                 self._settle_at = loop.call_later(STORM_SETTLE_S, self._settle_births)
@@ -384,31 +387,27 @@ class TreeKeeper:
             # The exit event comes before the process is a zombie: reap a moment later.
             asyncio.get_running_loop().call_later(0.05, self.reap)
 
-    def _count_fork(self, now: float) -> None:
-        start, forks = self._forks_window
-        self._forks_window = (start, forks + 1) if now - start < 1.0 else (now, 1)
-
     def _storm(self, now: float) -> bool:
         start, forks = self._forks_window
         return now - start < 1.0 and forks > STORM_FORKS_PER_S
 
     def _settle_births(self, min_age_s: float = STORM_SETTLE_S) -> None:
         """Forks older than `min_age_s` become members (the filter then lists them).
-        One read of their tree's cgroup.procs tells the live ones, if it has one."""
+        One read of their tree's cgroup.procs tells the live ones, if it has one
+        (a storm's are nearly all gone: sorted out in comprehensions, not a step each)."""
         self._settle_at = None
         cutoff = time.monotonic() - min_age_s
-        added: list[Member] = []
+        due = {
+            pid: b for pid, b in self.births.items() if b[2] <= cutoff and pid not in self.members
+        }
+        self.births = {pid: b for pid, b in self.births.items() if b[2] > cutoff}
         alive: dict[ProcKey, frozenset[int] | None] = {}
-        for pid, (ppid, owner, seen) in list(self.births.items()):
-            if seen > cutoff:
-                continue
-            del self.births[pid]
-            if pid in self.members:
-                continue
-            if owner not in alive:
-                directory = self.cgroup_dir(owner) if owner in self.roots else None
-                procs = None if directory is None else read_cgroup_procs(self.fs, directory)
-                alive[owner] = frozenset(procs) if procs else None
+        for owner in {b[1] for b in due.values()}:
+            directory = self.cgroup_dir(owner) if owner in self.roots else None
+            procs = None if directory is None else read_cgroup_procs(self.fs, directory)
+            alive[owner] = frozenset(procs) if procs else None
+        added: list[Member] = []
+        for pid, (ppid, owner, _) in due.items():
             live = alive[owner]
             if live is not None and pid not in live:
                 continue  # gone already; its children still find their owner (lineage)

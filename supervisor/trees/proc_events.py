@@ -41,9 +41,27 @@ _PAIR2 = struct.Struct("=iiii")  # fork: parent pid, tgid, child pid, tgid
 _PAIR = struct.Struct("=ii")  # exec, comm, exit: pid, tgid
 RECV_BYTES = 1 << 16
 STORM_EVENTS_PER_S = 200  # past this rate the window is the storm's
-STORM_WINDOW_S = 0.02  # the storm's window: adoption waits at most this much more
+# The rate is counted over this long: a storm is told within a quarter second
+# (until then every read of the quiet window finds events, hundreds a second).
+RATE_WINDOW_S = 0.25
+# The storm's window: adoption waits at most this much more. A storm's forks
+# become members only after 100 ms anyway (keeper STORM_SETTLE_S), and each
+# wake-up, cache-cold on a busy host, cost about as much as 20 events.
+STORM_WINDOW_S = 0.1
+# What the keeper reads of one datagram, in one unpack: nlmsg_len, `what`, and
+# the union's first four ints (fork: parent pid, parent tgid, child pid, child
+# tgid; exec/comm/exit: pid, tgid, ...). The kernel sends each event alone in
+# a datagram of sizeof(struct proc_event) (cn_proc.c send_msg), which holds them.
+_HOT = struct.Struct("=I32xI12xiiii")
+_KEPT = frozenset((PROC_EVENT_EXEC, PROC_EVENT_COMM, PROC_EVENT_EXIT))
 
 EventKind = Literal["fork", "exec", "comm", "exit"]
+# One event of a process as the keeper takes it: (what, pid, parent tgid for a
+# fork else 0), `what` a PROC_EVENT_* value. Plain ints, no object per event:
+# a fork storm is a thousand events a second, and building a ProcEvent for each
+# cost four times its recv.
+RawEvent = tuple[int, int, int]
+_WHAT = {"fork": PROC_EVENT_FORK, "exec": PROC_EVENT_EXEC, "comm": PROC_EVENT_COMM}
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +125,43 @@ def _event(data: bytes, body: int, end: int, what: int, ts: int) -> ProcEvent | 
     return ProcEvent(kind, pid, tgid, 0, ts)
 
 
+def raw_event(event: ProcEvent) -> RawEvent:
+    """`event` as the keeper takes it (pure)."""
+    return (_WHAT.get(event.kind, PROC_EVENT_EXIT), event.pid, event.parent_tgid)
+
+
+def read_raw_events(
+    recv_into: Callable[[bytearray], int], buf: bytearray, out: list[RawEvent], budget: int
+) -> int:
+    """Read datagrams with `recv_into` into `buf` until it would block (or
+    `budget` datagrams), appending the processes' events to `out`; returns how
+    many reads failed with ENOBUFS (the socket overflowed: events were lost).
+
+    One unpack per datagram, threads dropped as `parse_proc_events` drops them;
+    a datagram of another shape goes through `parse_proc_events`."""
+    hot = _HOT.unpack_from
+    overruns = 0
+    for _ in range(budget):
+        try:
+            n = recv_into(buf)
+        except BlockingIOError:
+            break
+        except OSError:  # ENOBUFS
+            overruns += 1
+            continue
+        if n >= _HOT.size:
+            size, what, a, b, c, d = hot(buf)
+            if 0 <= n - size < 4:  # one message (NLMSG_ALIGN padding at most)
+                if what == PROC_EVENT_FORK:
+                    if c == d:  # a process, not a thread
+                        out.append((PROC_EVENT_FORK, c, b))
+                elif a == b and what in _KEPT:
+                    out.append((what, a, 0))
+                continue
+        out.extend(raw_event(e) for e in parse_proc_events(bytes(buf[:n])))
+    return overruns
+
+
 class ProcEvents:
     """A subscribed proc connector socket; `attach` delivers batches of events on the loop."""
 
@@ -116,8 +171,9 @@ class ProcEvents:
         self.batch_window_s = batch_window_s  # longer while a storm lasts
         self.overruns = 0  # ENOBUFS: events were lost; the next check catches up
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._timer: asyncio.TimerHandle | None = None  # the next read, while events come
         self.watched: frozenset[int] | None = None  # None: every process's events
-        self._rate_since = time.monotonic()  # the event rate, counted a second at a time
+        self._rate_since = time.monotonic()  # the event rate, counted RATE_WINDOW_S at a time
         self._rate_events = 0
 
     def watch(self, pids: Iterable[int] | None) -> bool:
@@ -136,52 +192,59 @@ class ProcEvents:
         self.watched = target
         return True
 
-    def attach(self, on_events: Callable[[list[ProcEvent]], None]) -> None:
-        """Deliver events on the loop in batches.
+    def attach(self, on_events: Callable[[list[RawEvent]], None]) -> None:
+        """Deliver events on the loop in batches (`RawEvent`s, in the kernel's order).
 
         The connector sends one datagram per event for the whole host, and a
         thread pool creating 500 threads/s alone makes 1000 a second: a loop
         wake-up for each cost ~3% of a core. So the first readable datagram
         starts a short window (`batch_window_s`), after which everything
         queued is read at once: a few ms of latency for far fewer wake-ups.
+        In a storm, a read that found events reads again one window later,
+        without the reader: every wake-up is then a timer, where re-adding the
+        reader each time cost a poll handle and two epoll_ctl calls.
         """
         loop = asyncio.get_running_loop()
         self._loop = loop
         fd = self.sock.fileno()
+        buf = bytearray(RECV_BYTES)
+        recv_into = self.sock.recv_into
 
         def drain() -> None:
-            batch: list[ProcEvent] = []
-            for _ in range(4096):  # bounded: never starve the loop on a fork storm
-                try:
-                    data = self.sock.recv(RECV_BYTES)
-                except BlockingIOError:
-                    break
-                except OSError:  # ENOBUFS: the socket overflowed and events were dropped
-                    self.overruns += 1
-                    continue
-                batch.extend(parse_proc_events(data))
+            self._timer = None
+            if self._loop is None:  # closed meanwhile
+                return
+            batch: list[RawEvent] = []
+            # Bounded: never starve the loop on a fork storm.
+            overruns = read_raw_events(recv_into, buf, batch, 4096)
+            self.overruns += overruns
             # A fork storm (hundreds a second): wait longer between reads, so a
             # wake-up reads dozens of events, not three (each wake-up and recv
             # round costs more than the events in it); the short window again
-            # once a second passes at a quiet rate.
+            # once RATE_WINDOW_S passes at a quiet rate.
             self._rate_events += len(batch)
             now = time.monotonic()
-            if now - self._rate_since >= 1.0:
+            if now - self._rate_since >= RATE_WINDOW_S:
                 storm = self._rate_events / (now - self._rate_since) > STORM_EVENTS_PER_S
                 self.batch_window_s = STORM_WINDOW_S if storm else self.quiet_window_s
                 self._rate_since, self._rate_events = now, 0
-            if self._loop is not None:
+            if self.batch_window_s > self.quiet_window_s and (batch or overruns):
+                self._timer = loop.call_later(self.batch_window_s, drain)  # a storm: poll
+            else:
                 loop.add_reader(fd, readable)
             if batch:
                 on_events(batch)
 
         def readable() -> None:
             loop.remove_reader(fd)
-            loop.call_later(self.batch_window_s, drain)
+            self._timer = loop.call_later(self.batch_window_s, drain)
 
         loop.add_reader(fd, readable)
 
     def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if self._loop is not None:
             with contextlib.suppress(Exception):
                 self._loop.remove_reader(self.sock.fileno())

@@ -11,10 +11,12 @@ orphans, connector) is in test_trees.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -25,7 +27,17 @@ from supervisor.plan.placement import Placement
 from supervisor.state import Snapshot, StateStore
 from supervisor.topology.discover import read_topology
 from supervisor.trees.keeper import FULL_PASS_EVERY, TreeKeeper
-from supervisor.trees.proc_events import ProcEvent, ProcEvents, open_proc_events, parse_proc_events
+from supervisor.trees.proc_events import (
+    PROC_EVENT_FORK,
+    RATE_WINDOW_S,
+    STORM_EVENTS_PER_S,
+    STORM_WINDOW_S,
+    ProcEvent,
+    ProcEvents,
+    RawEvent,
+    open_proc_events,
+    parse_proc_events,
+)
 
 ENGINE_CG = "sys/fs/cgroup/cpuset/ps/engine"
 
@@ -161,5 +173,91 @@ def test_the_watch_list_keeps_only_the_listed_processes_forks_and_execs() -> Non
             assert (e.parent_tgid if e.kind == "fork" else e.pid) in listed, e
         assert events.watch(None)  # back to every process's events
         assert events.watched is None
+    finally:
+        events.close()
+
+
+def storm(duration_s: float) -> tuple[list[int], float]:
+    """posix_spawn `true` as fast as it goes for `duration_s`: (pids, forks per second)."""
+    pids: list[int] = []
+    start = time.monotonic()
+    while time.monotonic() - start < duration_s:
+        pids.append(os.posix_spawn("/bin/true", ["/bin/true"], {}))
+        with contextlib.suppress(ChildProcessError):
+            while os.waitpid(-1, os.WNOHANG)[0]:
+                pass
+    rate = len(pids) / (time.monotonic() - start)
+    with contextlib.suppress(ChildProcessError):
+        while True:
+            os.waitpid(-1, 0)
+    return pids, rate
+
+
+def spawn_one() -> int:
+    pid = os.posix_spawn("/bin/true", ["/bin/true"], {})
+    os.waitpid(pid, 0)
+    return pid
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the proc connector needs root")
+def test_the_loop_reads_a_real_connector_through_a_storm_and_after_it() -> None:
+    """`ProcEvents.attach` on a real loop: a fork storm arrives as (what, pid, parent)
+    ints with the kernel's numbers, read on the storm's window by a timer; once a
+    read finds nothing the socket's reader is back, a later fork is delivered and
+    the quiet window is back; a read pending at close never runs."""
+    events, why = open_proc_events()
+    assert events is not None, why
+    me = os.getpid()
+    assert events.watch({me})
+    got: list[RawEvent] = []
+
+    def forks_of(children: list[int]) -> bool:
+        return {(PROC_EVENT_FORK, c, me) for c in children} <= set(got)
+
+    async def until(done: Callable[[], bool]) -> None:
+        deadline = time.monotonic() + 10
+        while not done():
+            assert time.monotonic() < deadline, (len(got), events.batch_window_s)
+            await asyncio.sleep(0.01)
+
+    # At each delivery: the window in force, and whether the next read is a timer's.
+    reads: set[tuple[float, bool]] = set()
+
+    def deliver(batch: list[RawEvent]) -> None:
+        got.extend(batch)
+        reads.add((events.batch_window_s, events._timer is not None))
+
+    async def main() -> None:
+        events.attach(deliver)
+        loop = asyncio.get_running_loop()
+        pids, rate = await loop.run_in_executor(None, storm, 3 * RATE_WINDOW_S)
+        if rate < 1.5 * STORM_EVENTS_PER_S:
+            pytest.skip(f"this host forks {rate:.0f}/s, too slow for a storm")
+        await until(lambda: forks_of(pids))
+        # The storm was told, and read by a timer on its window; quiet reads
+        # leave the next one to the socket's reader.
+        assert (STORM_WINDOW_S, True) in reads
+        assert (events.quiet_window_s, True) not in reads
+        # Nothing more comes: a read finds the socket empty and the reader is back.
+        await until(lambda: events._timer is None)
+        # Single forks from now on: each is delivered, and once a rate window
+        # has passed at their rate, the quiet window is back.
+        deadline = time.monotonic() + 10
+        while events.batch_window_s != events.quiet_window_s:
+            assert time.monotonic() < deadline, "the storm's window never ended"
+            later = spawn_one()
+            await until(lambda pid=later: forks_of([pid]))
+            await asyncio.sleep(0.05)  # forks at a quiet rate (the condition is the loop's)
+        # Closed with a read pending: it never runs on the closed socket.
+        events.quiet_window_s = events.batch_window_s = 0.2
+        spawn_one()
+        await until(lambda: events._timer is not None)
+        events.close()
+        delivered = len(got)
+        await asyncio.sleep(0.4)  # past the window: nothing may come (a negative check)
+        assert len(got) == delivered and events.overruns == 0
+
+    try:
+        asyncio.run(main())
     finally:
         events.close()
