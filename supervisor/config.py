@@ -110,6 +110,8 @@ class DriftConfig:
     enforce_pinned: bool = False  # re-bind threads the workload pinned inside their role
     # The loop's own CPU mask (cpuset writes, hotplug) is read this often apart
     # from the full check, which runs at once on a change; 0: only the check.
+    # While inotify watches its cpuset files (a write wakes the check at once)
+    # the mask is read 4x less often (supervisor.watch.cpuset_watch).
     cpuset_watch_s: float = 0.05
     policy: Mapping[str, DriftPolicy] = field(
         default_factory=lambda: {

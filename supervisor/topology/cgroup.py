@@ -10,7 +10,7 @@ hierarchy that has the cpuset controller wins.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from supervisor.cpulist import format_cpulist
@@ -18,7 +18,7 @@ from supervisor.errors import TopologyError
 from supervisor.hostfs import HostFS
 from supervisor.topology.cpus import parse_list_text
 from supervisor.topology.model import Allowed
-from supervisor.topology.mountinfo import map_cgroup_path, read_mounts
+from supervisor.topology.mountinfo import MOUNTINFO, map_cgroup_path, read_mounts
 
 STATUS = "proc/self/status"
 PROC_CGROUP = "proc/self/cgroup"
@@ -46,17 +46,20 @@ class Cpuset:
 
 
 def parse_status_allowed(text: str, rel: str = STATUS) -> tuple[frozenset[int], frozenset[int]]:
-    """Cpus_allowed_list and Mems_allowed_list of a status file."""
-    values: dict[str, str] = {}
-    for line in text.splitlines():
-        key, sep, value = line.partition(":")
-        if sep:
-            values[key.strip()] = value.strip()
+    """Cpus_allowed_list and Mems_allowed_list of a status file.
+
+    Finds the two lines instead of splitting all ~55: the check loop parses
+    its own status every pass."""
     result = []
+    padded = "\n" + text
     for key in ("Cpus_allowed_list", "Mems_allowed_list"):
-        if key not in values:
+        at = padded.find(f"\n{key}:")
+        if at < 0:
             raise TopologyError(f"no {key} line in {rel}", rel)
-        result.append(parse_list_text(values[key], rel, key))
+        start = at + len(key) + 2
+        end = padded.find("\n", start)
+        value = padded[start:] if end < 0 else padded[start:end]
+        result.append(parse_list_text(value.strip(), rel, key))
     return result[0], result[1]
 
 
@@ -191,3 +194,48 @@ def read_allowed(fs: HostFS, online: frozenset[int], node_ids: frozenset[int]) -
         cgroup_version=None if cpuset is None else cpuset.version,
     )
     return allowed
+
+
+# The cached read re-resolves at least this often even when nothing it keys on
+# changed: a v2 parent that starts delegating cpuset gives a cgroup its own
+# files without changing /proc/self/cgroup or mountinfo.
+CPUSET_RESOLVE_EVERY = 60
+
+
+@dataclass(slots=True)
+class CpusetCache:
+    """Where `read_cpuset_cached` last found the cpuset files (mutable; one per reader)."""
+
+    key: tuple[str | None, str | None] | None = None  # /proc/self/cgroup, mountinfo texts
+    found: Cpuset | None = None
+    reads: int = 0
+    resolves: int = field(default=0, compare=False)  # full resolutions (for tests)
+
+
+def read_cpuset_cached(fs: HostFS, cache: CpusetCache) -> Cpuset | None:
+    """`read_cpuset`, resolving the files to read only when /proc/self/cgroup or
+    /proc/self/mountinfo changed, a cached file could not be read, or every
+    CPUSET_RESOLVE_EVERY reads; otherwise two small reads of the files found
+    last time. The resolution (a mountinfo parse and a walk up the hierarchy)
+    was ~3/4 of the check loop's read of its allowed set."""
+    key = (fs.read_optional(PROC_CGROUP), fs.read_optional(MOUNTINFO))
+    cache.reads += 1
+    found = cache.found
+    if key == cache.key and cache.reads % CPUSET_RESOLVE_EVERY != 0:
+        if found is None or not found.files:
+            return found
+        cpus_rel, mems_rel = found.files
+        cpus_text = fs.read_optional(cpus_rel)
+        if cpus_text is not None:
+            cpus = parse_list_text(cpus_text, cpus_rel, "cpuset CPU list")
+            mems_text = fs.read_optional(mems_rel)
+            mems = (
+                None if mems_text is None else parse_list_text(mems_text, mems_rel, "cpuset mems")
+            )
+            return Cpuset(found.version, found.path, cpus, mems, found.files)
+    # Read after the key: a change in between leaves the key stale, and the next
+    # read resolves again.
+    cache.found = found = read_cpuset(fs)
+    cache.key = key
+    cache.resolves += 1
+    return found

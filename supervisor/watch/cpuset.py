@@ -25,16 +25,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 
+from supervisor.config import DriftConfig
 from supervisor.cpulist import format_cpulist
 from supervisor.errors import SupervisorError
 from supervisor.events import Recorder
 from supervisor.plan.in_force import Moved, PlanInForce
-from supervisor.plan.keys import key_label
-from supervisor.plan.replan import AllowedSet, Replan, replan, same_processes
+from supervisor.plan.keys import ProcKey, key_label
+from supervisor.plan.replan import AllowedSet, Replan, mems_changed, replan, same_processes
+from supervisor.state import ProcessStatus
 from supervisor.topology.model import Topology
+from supervisor.watch.decide import Policy
 
 
 class Replanning:
@@ -105,3 +108,27 @@ class Replanning:
             log_message="replan failed", level=logging.ERROR, error=why,
             action="keep old plan, retry",
         )  # fmt: skip
+
+
+def moved_policies(
+    drift: DriftConfig,
+    topology: Topology,
+    processes: Mapping[ProcKey, ProcessStatus],
+    moved: Moved,
+) -> dict[ProcKey, Policy]:
+    """The cause "cpuset_changed" policy of each process a new plan moved (pure):
+    its pages move when its nodes changed and no cgroup of its own moves them."""
+    node_ids = tuple(n.id for n in topology.nodes)
+    out: dict[ProcKey, Policy] = {}
+    for key in moved.keys:
+        status = processes.get(key)
+        if status is None:
+            continue
+        in_cgroup = status.cgroup is not None and key not in moved.cgroup_failed
+        out[key] = Policy.of(
+            drift,
+            "cpuset_changed",
+            move_memory=mems_changed(moved.old, moved.new, key) and not in_cgroup,
+            node_ids=node_ids,
+        )
+    return out

@@ -36,12 +36,14 @@ from supervisor.logs import format_fields
 from supervisor.plan.in_force import Moved, PlanInForce
 from supervisor.plan.keys import ProcessKind, ProcKey, ThreadRole, key_label
 from supervisor.plan.placement import Placement, Slot
-from supervisor.plan.replan import AllowedSet, allowed_of, mems_changed, slots_by_key
+from supervisor.plan.replan import AllowedSet, allowed_of, slots_by_key
 from supervisor.plan.threads import DEFAULT_THREAD_ROLES, RoleMatcher, role_kinds, with_engine_roles
 from supervisor.state import Finding, Observation, ProcessStatus, StateStore
+from supervisor.topology.cgroup import CpusetCache
 from supervisor.topology.model import Topology
-from supervisor.watch.apply import Applier, CgroupsLike
-from supervisor.watch.cpuset import Replanning
+from supervisor.watch.apply import Applier, CgroupsLike, has_work
+from supervisor.watch.cpuset import Replanning, moved_policies
+from supervisor.watch.cpuset_watch import start_watch
 from supervisor.watch.decide import (
     Cause,
     Decision,
@@ -122,6 +124,7 @@ class CheckLoop:
         self._pass_cpus = frozenset[int]()  # the main thread's affinity as the last pass began
         self.can_migrate_other = self.binder.can_migrate_other()
         self._errors: dict[str, str | None] = {}  # what -> the last error said
+        self.cpuset_cache = CpusetCache()  # the passes' (under the lock) only
 
     def _set_roles(self, roles: Sequence[ThreadRole]) -> None:
         self.roles = all_roles = (*roles, *DEFAULT_THREAD_ROLES)
@@ -194,26 +197,25 @@ class CheckLoop:
         differs from what the last pass started from (level-triggered: a change
         that lands during a pass, after its read, still wakes the next one).
 
-        On the live host a plain thread (`_watch_thread`) polls one
-        sched_getaffinity(2) of the main thread, whose Cpus_allowed is what the
-        pass reads from /proc/self/status: a cpuset write (v1, and v2, which
-        narrows each task's mask to the new effective CPUs) or a CPU hotplug
-        (the mask is reported ∩ the active CPUs) changes it. A thread, not an
-        asyncio task: each wake-up of the event loop (timer, future, callbacks)
-        measured ~2.5x the CPU of a thread's sleep and syscall, and the loop
-        is woken only on a change. A change of the memory nodes alone waits for
-        the next check. On a fixture tree (tests) the allowed set itself is
-        read, in the executor, and compared with the loop's.
+        On the live host a plain thread (supervisor.watch.cpuset_watch) polls
+        the main thread's affinity and is woken at once by a write to the cpuset
+        files of the supervisor's cgroup or its ancestors (inotify). A thread,
+        not an asyncio task: each wake-up of the event loop (timer, future,
+        callbacks) measured ~2.5x the CPU of a thread's sleep and syscall, and
+        the loop is woken only on a change. On a fixture tree (tests) the
+        allowed set itself is read, in the executor, and compared with the loop's.
         """
         if self.fs.is_live:
             stop = threading.Event()
-            thread = threading.Thread(
-                target=self._watch_thread,
-                args=(asyncio.get_running_loop(), stop),
-                name="allowed_watch",
-                daemon=True,
+            start_watch(
+                self.fs,
+                self.cpuset_cache,
+                asyncio.get_running_loop(),
+                self.wake,
+                period_s=self.drift.cpuset_watch_s,
+                last_cpus=lambda: self._pass_cpus,
+                stop=stop,
             )
-            thread.start()
             try:
                 await self.stopping.wait()
             finally:
@@ -229,23 +231,6 @@ class CheckLoop:
                 continue  # the pass reports it
             if allowed != self.allowed:
                 self.wake.set()
-
-    def _watch_thread(self, loop: asyncio.AbstractEventLoop, stop: threading.Event) -> None:
-        """The live watch (its own thread): poll the main thread's affinity and
-        wake the loop while it differs from the one the last pass started from."""
-        period = self.drift.cpuset_watch_s
-        pid = os.getpid()  # the main thread's tid: /proc/self/status describes it
-        while not stop.is_set():
-            time.sleep(period)
-            try:
-                now = frozenset(os.sched_getaffinity(pid))
-            except OSError:
-                continue  # the pass reads and reports the allowed set
-            if now != self._pass_cpus and not stop.is_set():
-                try:
-                    loop.call_soon_threadsafe(self.wake.set)
-                except RuntimeError:
-                    return  # the loop is closed: the daemon is stopping
 
     def _main_cpus(self) -> frozenset[int]:
         """The main thread's affinity now (what the watch compares with); empty
@@ -310,6 +295,7 @@ class CheckLoop:
                 irqs=self.irqs,
                 cgroups=manager,
                 placement=placement,
+                cpuset_cache=self.cpuset_cache,
             ),
         )
         self._irq_facts()
@@ -323,6 +309,10 @@ class CheckLoop:
     async def _apply(self, decisions: Sequence[Decision]) -> list[Outcomes]:
         starts = {d.key: self.tracked[d.key].start_time for d in decisions}
         try:
+            if not any(has_work(d) for d in decisions):
+                # The steady state: no write, so no round trip through the executor
+                # (a worker wake-up and a loop wake-up, ~1/6 of an idle pass's CPU).
+                return [Outcomes() for _ in decisions]
             return await asyncio.get_running_loop().run_in_executor(
                 self.executor, self.applier.apply, decisions, starts, self.plan.placement
             )
@@ -355,7 +345,13 @@ class CheckLoop:
             targets = self._targets(only, moved)
             result = await self._scan(targets)
         policy = self.policy if cause == "check" else Policy.of(self.drift, cause)
-        policies = {} if moved is None else self._moved_policies(moved)
+        policies = (
+            {}
+            if moved is None
+            else moved_policies(
+                self.drift, self.plan.topology, self.store.snapshot.processes, moved
+            )
+        )
         now = time.monotonic()
         decisions: list[Decision] = []
         for t in targets:
@@ -398,7 +394,7 @@ class CheckLoop:
         node_ids = [n.id for n in self.plan.topology.nodes]
         try:
             allowed = await asyncio.get_running_loop().run_in_executor(
-                self.executor, read_allowed, self.fs, node_ids
+                self.executor, read_allowed, self.fs, node_ids, self.cpuset_cache
             )
         except (SupervisorError, OSError):
             return  # the next pass reports it
@@ -573,24 +569,6 @@ class CheckLoop:
                 if new:
                     self.record.bind_failed(key, "cgroup", err.reason, str(err), what="cgroup")
         return replace(moved, cgroup_failed=MappingProxyType(per_key))
-
-    def _moved_policies(self, moved: Moved) -> dict[ProcKey, Policy]:
-        """The cause "cpuset_changed" policy of each moved process: its pages move
-        when its nodes changed and no cgroup of its own moves them."""
-        node_ids = tuple(n.id for n in self.plan.topology.nodes)
-        out: dict[ProcKey, Policy] = {}
-        for key in moved.keys:
-            status = self.store.snapshot.processes.get(key)
-            if status is None:
-                continue
-            in_cgroup = status.cgroup is not None and key not in moved.cgroup_failed
-            out[key] = Policy.of(
-                self.drift,
-                "cpuset_changed",
-                move_memory=mems_changed(moved.old, moved.new, key) and not in_cgroup,
-                node_ids=node_ids,
-            )
-        return out
 
 
 def _einval(outcome: Outcome) -> bool:

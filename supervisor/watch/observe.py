@@ -27,7 +27,13 @@ from supervisor.procfs.files import list_tids, parse_status_thread
 from supervisor.procfs.identity import read_thread_start
 from supervisor.procfs.numa_maps import read_numa_maps
 from supervisor.state import IrqObservation, Observation, ThreadObservation
-from supervisor.topology.cgroup import STATUS, parse_status_allowed, read_cpuset
+from supervisor.topology.cgroup import (
+    STATUS,
+    CpusetCache,
+    parse_status_allowed,
+    read_cpuset,
+    read_cpuset_cached,
+)
 
 ThreadReadMethod = Literal["auto", "syscall", "status"]
 _GONE = (errno.ESRCH, errno.ENOENT)
@@ -314,7 +320,9 @@ def _parse_optional(text: str | None) -> frozenset[int] | None:
         return None
 
 
-def read_self_allowed(fs: HostFS) -> tuple[frozenset[int], frozenset[int]]:
+def read_self_allowed(
+    fs: HostFS, cache: CpusetCache | None = None
+) -> tuple[frozenset[int], frozenset[int]]:
     """The CPUs and memory nodes the supervisor may use now.
 
     proc/self/status Cpus_allowed_list / Mems_allowed_list narrowed by the
@@ -322,10 +330,12 @@ def read_self_allowed(fs: HostFS) -> tuple[frozenset[int], frozenset[int]]:
     helpers of supervisor.topology.cgroup. Not intersected with the online
     CPUs (see `read_online_cpus`); may be empty. The daemon compares
     successive values (supervisor.watch.loop) to detect a cpuset change.
+    With `cache`, the cpuset's files are found again only when the cgroup or
+    the mounts changed (topology.cgroup.read_cpuset_cached).
     """
     status = fs.read_required(STATUS, "the supervisor's allowed CPUs")
     cpus, mems = parse_status_allowed(status)
-    cpuset = read_cpuset(fs)
+    cpuset = read_cpuset(fs) if cache is None else read_cpuset_cached(fs, cache)
     if cpuset is not None and cpuset.cpus is not None:
         cpus &= cpuset.cpus
     if cpuset is not None and cpuset.mems is not None:

@@ -36,6 +36,7 @@ from supervisor.state import (
     ThreadObservation,
     TreeMember,
 )
+from supervisor.topology.cgroup import CpusetCache
 from supervisor.watch.decide import RepairState, Seen
 from supervisor.watch.observe import (
     ThreadScanner,
@@ -178,13 +179,16 @@ class ScanResult:
     member_errors: Mapping[ProcKey, tuple[tuple[int, str], ...]] = field(default_factory=dict)
 
 
-def read_allowed(fs: HostFS, node_ids: Iterable[int]) -> AllowedSet:
+def read_allowed(
+    fs: HostFS, node_ids: Iterable[int], cache: CpusetCache | None = None
+) -> AllowedSet:
     """The supervisor's allowed CPUs (online ones) and nodes, as discovery computes them.
 
-    Two small reads and the cgroup's cpuset files: what a cpuset write or a
-    hotplug changes. Raises SupervisorError or OSError when unreadable.
+    Two small reads and the cgroup's cpuset files (found again only when
+    `cache` says so): what a cpuset write or a hotplug changes. Raises
+    SupervisorError or OSError when unreadable.
     """
-    cpus, mems = read_self_allowed(fs)
+    cpus, mems = read_self_allowed(fs, cache)
     return normalize_allowed(cpus, mems, read_online_cpus(fs), node_ids)
 
 
@@ -197,6 +201,7 @@ def scan(
     cgroups: CgroupManager | None,
     placement: Placement | None = None,
     with_allowed: bool = True,
+    cpuset_cache: CpusetCache | None = None,
 ) -> ScanResult:
     """Every read of one pass; failures isolated per process, the IRQs (of
     `placement`, the plan in force) and the host."""
@@ -204,7 +209,7 @@ def scan(
     host_error: str | None = None
     if with_allowed:
         try:
-            allowed = read_allowed(fs, node_ids)
+            allowed = read_allowed(fs, node_ids, cpuset_cache)
         except (SupervisorError, OSError) as err:
             host_error = str(err)
     irq_obs: Mapping[ProcKey, tuple[IrqObservation, ...]] = {}

@@ -9,12 +9,13 @@ with real workers in per-rank cgroups; everything is removed afterwards.
     as v1 demands); per change, the time from the write to the moment every
     thread of every rank sits on its new planned CPUs and the API shows the
     new plan. p50/p99 over 20 changes at the default 1 s check interval, with
-    the fast allowed-set watch (`[drift] cpuset_watch_s`, 50 ms) and without
-    it (the old path: the change is seen at the next full check), both
-    measured in this run (target: p99 <= 250 ms with the watch).
+    the fast allowed-set watch (`[drift] cpuset_watch_s`, 50 ms: inotify on the
+    cpuset files wakes the check at the write, the affinity is polled every
+    200 ms) and without it (the old path: the change is seen at the next full
+    check), both measured in this run (target: p99 <= 250 ms with the watch).
 (b) idle cost: the daemon's utime+stime (/proc/<pid>/stat) over ~30 s with
     8 ranks x 100 named threads at the default 1 s interval and the watch on,
-    as % of one core (target < 1%), against the same daemon with the loop
+    as % of one core (target < 0.5%, issue 17), against the same daemon with the loop
     idle (interval 1 h, watch off) and with only the watch running (interval
     1 h, watch on), measured in the same run.
 
@@ -45,7 +46,7 @@ from tests.support.daemon_support import (
 )
 
 TARGET_P99_S = 0.25
-TARGET_IDLE_CORE_PERCENT = 1.0
+TARGET_IDLE_CORE_PERCENT = 0.5
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 

@@ -10,13 +10,14 @@ from pathlib import Path
 import pytest
 
 from supervisor.cpulist import parse_cpulist
-from supervisor.errors import Gone
+from supervisor.errors import Gone, TopologyError
 from supervisor.hostfs import HostFS
 from supervisor.plan.keys import ThreadRole
 from supervisor.plan.placement import Slot
 from supervisor.plan.threads import LiveThread
 from supervisor.procfs.files import parse_status_thread
 from supervisor.procfs.numa_maps import parse_numa_maps, read_numa_maps
+from supervisor.topology.cgroup import CPUSET_RESOLVE_EVERY, CpusetCache, parse_status_allowed
 from supervisor.watch.observe import (
     ThreadScanner,
     local_memory_ratio,
@@ -252,6 +253,70 @@ def test_read_self_allowed_narrowed_by_cgroup(tmp_path: Path) -> None:
     assert read_self_allowed(fs) == (frozenset(range(4)), frozenset({0, 1}))
     _write(tmp_path, "sys/devices/system/cpu/online", "0-7,12\n")
     assert read_online_cpus(fs) == frozenset([*range(8), 12])
+
+
+def test_cached_cpuset_read_follows_writes_moves_and_removals(tmp_path: Path) -> None:
+    """The pass's cached read: the files are found once, their contents read every
+    time; a move to another cgroup, a mount change or a vanished file finds them again."""
+    _write(
+        tmp_path,
+        "proc/self/status",
+        "Name:\tx\nCpus_allowed_list:\t0-15\nMems_allowed_list:\t0-1\n",
+    )
+    _write(tmp_path, "proc/self/cgroup", "12:cpuset:/job\n0::/\n")
+    _write(
+        tmp_path,
+        "proc/self/mountinfo",
+        "30 20 0:26 / /sys/fs/cgroup/cpuset rw - cgroup cgroup rw,cpuset\n",
+    )
+    _write(tmp_path, "sys/fs/cgroup/cpuset/job/cpuset.effective_cpus", "2-5\n")
+    _write(tmp_path, "sys/fs/cgroup/cpuset/job/cpuset.effective_mems", "1\n")
+    _write(tmp_path, "sys/fs/cgroup/cpuset/other/cpuset.effective_cpus", "6\n")
+    _write(tmp_path, "sys/fs/cgroup/cpuset/other/cpuset.effective_mems", "0\n")
+    fs = HostFS(str(tmp_path))
+    cache = CpusetCache()
+    for _ in range(3):
+        assert read_self_allowed(fs, cache) == (frozenset(range(2, 6)), frozenset({1}))
+    assert cache.resolves == 1
+    _write(tmp_path, "sys/fs/cgroup/cpuset/job/cpuset.effective_cpus", "3\n")  # a cpuset write
+    assert read_self_allowed(fs, cache) == (frozenset({3}), frozenset({1}))
+    assert cache.resolves == 1
+    _write(tmp_path, "proc/self/cgroup", "12:cpuset:/other\n0::/\n")  # moved
+    assert read_self_allowed(fs, cache) == (frozenset({6}), frozenset({0}))
+    assert cache.resolves == 2
+    # Its cgroup removed under it (the kernel moves it to the parent, which this
+    # fixture leaves unsaid): the read fails, the walk up finds the parent.
+    (tmp_path / "sys/fs/cgroup/cpuset/other/cpuset.effective_cpus").unlink()
+    _write(tmp_path, "sys/fs/cgroup/cpuset/cpuset.effective_cpus", "0-7\n")
+    _write(tmp_path, "sys/fs/cgroup/cpuset/cpuset.effective_mems", "0-1\n")
+    assert read_self_allowed(fs, cache) == (frozenset(range(8)), frozenset({0, 1}))
+    assert cache.resolves == 3
+    _write(
+        tmp_path,
+        "proc/self/mountinfo",
+        "31 20 0:27 / /sys/fs/cgroup/cpuset rw - cgroup cgroup rw,cpuset\n",
+    )
+    read_self_allowed(fs, cache)
+    assert cache.resolves == 4  # a mount change
+    # The same as the uncached read all along, and found again now and then anyway.
+    assert read_self_allowed(fs, cache) == read_self_allowed(fs)
+    for _ in range(CPUSET_RESOLVE_EVERY):
+        read_self_allowed(fs, cache)
+    assert cache.resolves == 5
+
+
+def test_parse_status_allowed_finds_its_two_lines() -> None:
+    text = "Name:\tx\nCpus_allowed:\tff\nCpus_allowed_list:\t0-7\nMems_allowed_list:\t0\n"
+    assert parse_status_allowed(text) == (frozenset(range(8)), frozenset({0}))
+    assert parse_status_allowed("Cpus_allowed_list:\t1\nMems_allowed_list:\t0-1") == (
+        frozenset({1}),
+        frozenset({0, 1}),
+    )
+    with pytest.raises(TopologyError, match="no Mems_allowed_list line"):
+        parse_status_allowed("Cpus_allowed_list:\t1\nMems_allowed:\t1\n")
+    live = LIVE.read_text("proc/self/status")
+    cpus, _ = parse_status_allowed(live)
+    assert cpus == frozenset(os.sched_getaffinity(0))
 
 
 def test_observe_process_live(child: ThreadedChild) -> None:
