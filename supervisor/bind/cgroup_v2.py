@@ -30,7 +30,6 @@ class V2Facts:
 
     path: str  # the "0::<path>" of /proc/self/cgroup
     mount: Mount | None  # the cgroup2 mount that shows it; None without mountinfo (fixtures)
-    has_mountinfo: bool
     own: str | None  # the dir of `path`; None when no cgroup2 mount shows it
     shown: str  # `own` as a path for messages (under the HostFS root)
     is_root_cgroup: bool  # no cgroup.type in `own`: the host's root cgroup
@@ -84,7 +83,6 @@ def read_v2_facts(fs: HostFS, path: str, mounts: tuple[Mount, ...] | None) -> V2
     return V2Facts(
         path=path,
         mount=None if mapped is None else mapped.mount,
-        has_mountinfo=mounts is not None,
         own=own,
         shown="" if own is None else fs.path(own),
         is_root_cgroup=is_root,
@@ -124,6 +122,12 @@ def decide_v2(facts: V2Facts) -> tuple[V2Decision | None, str]:
     if facts.is_root_cgroup:
         # The host's root (no cgroup.type), even inside a cgroup namespace whose
         # root it is: its subtree_control turns controllers on for the whole host.
+        # The evidence is a file of the cgroup itself, not the namespace: being in
+        # a namespace says nothing of where its root lies (`unshare --cgroup` run
+        # in the root cgroup makes one whose "/" is the host's root), and
+        # /proc/self/ns/cgroup against /proc/1/ns/cgroup agree in any container
+        # with its own pid namespace (its PID 1 shares our namespace). The
+        # namespace's inode is kept for the messages only.
         return None, (
             f"cgroup v2: {where} is the host's root cgroup; placement-supervisor never "
             "writes it: run it in a delegated cgroup (systemd Delegate=yes) or a container"

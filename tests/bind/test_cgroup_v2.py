@@ -115,7 +115,6 @@ def _facts(**changes: object) -> V2Facts:
     base = {
         "path": "/system.slice/llm.service",
         "mount": mount,
-        "has_mountinfo": True,
         "own": "sys/fs/cgroup/system.slice/llm.service",
         "shown": "/sys/fs/cgroup/system.slice/llm.service",
         "is_root_cgroup": False,
