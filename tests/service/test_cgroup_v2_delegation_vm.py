@@ -28,6 +28,11 @@ EXPECTED = (
     "rofs-no-child-cgroups",
     "rofs-capability",
     "rofs-clean-stop",
+    "busy-ready",  # a host cgroup with another process in it: EBUSY, moved back, said once
+    "busy-said-once",
+    "busy-no-child-cgroups",
+    "busy-capability",
+    "busy-clean-stop",
 )
 
 

@@ -12,9 +12,10 @@ so that the daemon reads "0::/" and a mount root of "/". (1) Delegated: the
 daemon moves itself and the other process into a leaf, makes its ranks'
 cgroups with their cpusets, follows a cpuset write by the "runtime", and
 writes none of `/ctr`'s files but cgroup.subtree_control and nothing of the
-host's root (inotify watches both dirs). (2) cpuset not delegated and (3) a
-read-only cgroupfs: one "cgroups none" line with the cause, no child
-cgroups, ready. Prints "PASS name: detail" / "FAIL name: detail".
+host's root (inotify watches both dirs). (2) cpuset not delegated, (3) a
+read-only cgroupfs and (4) a host cgroup holding another process (EBUSY):
+one "cgroups none" line with the cause, no child cgroups, ready.
+Prints "PASS name: detail" / "FAIL name: detail".
 """
 
 from __future__ import annotations
@@ -242,14 +243,15 @@ def delegated() -> None:
             print(f"--- {daemon.log} ---\n{daemon.tail(5000)}", flush=True)
 
 
-def undelegated(name: str, ctr: str, cause: str, *, mount_options: str = "rw") -> None:
+def undelegated(name: str, ctr: str, cause: str, *, prefix: list[str] | None = None) -> None:
+    """The daemon in `ctr` (in a container there, unless `prefix`), which it may not use."""
     env = dict(os.environ, **{INSTANCE_ENV: INSTANCE})
     log = f"/tmp/{name}.log"
     daemon = DaemonProcess(
         config(f"/tmp/{name}.toml"),
         log,
         env=env,
-        prefix=in_container(ctr, mount_options=mount_options),
+        prefix=in_container(ctr) if prefix is None else prefix,
     )
     try:
         doc = wait_until(daemon.running, 180, 0.25)
@@ -257,11 +259,15 @@ def undelegated(name: str, ctr: str, cause: str, *, mount_options: str = "rw") -
         CHECKS.check(f"{name}-ready", up, "running and /readyz 200")
         if doc is None:
             return
-        lines = [line for line in daemon.tail(200_000).splitlines() if "cgroups none" in line]
+        # The cgroup setup's own line, and the capability report's summary of it
+        # (supervisor.bind.capability): each once, each with the cause.
+        text = daemon.tail(200_000).splitlines()
+        lines = [line for line in text if "cgroups none" in line]
+        summary = [line for line in text if "capability missing name=cgroup" in line]
         CHECKS.check(
             f"{name}-said-once",
-            len(lines) == 1 and cause in lines[0],
-            f"{lines}",
+            len(lines) == 1 and cause in lines[0] and len(summary) == 1 and cause in summary[0],
+            f"{lines} {summary}",
         )
         ranks_in = {cgroup_of(r["pid"]) for r in doc["ranks"]}
         made = [d for d in os.listdir(ctr) if d.startswith("placement-supervisor")]
@@ -294,7 +300,23 @@ def not_delegated() -> None:
 def read_only() -> None:
     ctr = f"{CGROUP}/roctr"
     make_ctr(ctr)
-    undelegated("rofs", ctr, "mounted read-only", mount_options="ro")
+    undelegated("rofs", ctr, "mounted read-only", prefix=in_container(ctr, mount_options="ro"))
+
+
+@CHECKS.guarded("busy")
+def busy() -> None:
+    # A host service cgroup (no namespace: not the container's, so only the
+    # daemon moves) that holds another process: enabling controllers gets EBUSY.
+    ctr = f"{CGROUP}/busy"
+    make_ctr(ctr)
+    other = subprocess.Popen(["sh", "-c", f"echo $$ > {ctr}/cgroup.procs && exec sleep 600"])
+    try:
+        wait_until(lambda: str(other.pid) in read(f"{ctr}/cgroup.procs").split(), 20)
+        join = ["sh", "-c", f'echo $$ > {ctr}/cgroup.procs && exec "$@"', "join"]
+        undelegated("busy", ctr, "EBUSY", prefix=join)
+    finally:
+        other.kill()
+        other.wait()
 
 
 def main() -> int:
@@ -304,6 +326,7 @@ def main() -> int:
     delegated()
     not_delegated()
     read_only()
+    busy()
     return CHECKS.exit_code()
 
 
