@@ -17,15 +17,18 @@ plus an optional "-<suffix>", so parallel instances and tests never clash):
   still counts its pages per node (memory.numa_stat). Without a writable v1
   memory hierarchy there are no per-rank cgroups.
 - cgroup v2: `<own>/<inst>/<name>`, with `cpuset` and `memory` enabled in the
-  `cgroup.subtree_control` of `<own>` and `<inst>`. v2 allows no processes in
-  a non-root cgroup that enables controllers for its children ("no internal
-  process constraint", Documentation/admin-guide/cgroup-v2.rst 2-4-3), so when
-  `<own>` is not the root the supervisor first moves itself into the leaf
-  `<own>/<inst>/supervisor`: the layout systemd documents for a service with
-  `Delegate=yes`. Other processes in `<own>` make that fail (EBUSY): we then
-  move back and run without cgroups. v2 migrates pages whenever
-  `cpuset.mems` changes, and a child's cpuset never blocks its parent's
-  write (the child's effective set is narrowed instead, cgroup-v2.rst 5-3).
+  `cgroup.subtree_control` of `<own>` and `<inst>`, only when `<own>` is
+  delegated (`supervisor.bind.cgroup_v2`: never the host's root, never a
+  read-only mount). v2 allows no processes in a non-root cgroup that enables
+  controllers for its children ("no internal process constraint",
+  Documentation/admin-guide/cgroup-v2.rst 2-4-3), so the supervisor first
+  moves itself into the leaf `<own>/<inst>/supervisor` (systemd's layout for
+  `Delegate=yes`); in a container's own cgroup everything else there moves
+  too. Other processes in a host cgroup make that fail (EBUSY): we then move
+  back and run without cgroups. `<own>`'s resource files (cpuset.cpus,
+  memory.max) stay its owner's. v2 migrates pages whenever `cpuset.mems`
+  changes, and a child's cpuset never blocks its parent's write (the child's
+  effective set is narrowed instead, cgroup-v2.rst 5-3).
 
 A failure here never stops a worker: callers catch `KernelError`, count it
 (target "cgroup") and run the worker with affinity and memory policy only.
@@ -41,6 +44,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
+from supervisor.bind.cgroup_v2 import decide_v2, read_v2_facts
 from supervisor.cpulist import format_cpulist, parse_cpulist
 from supervisor.errors import KernelError, translate_oserror
 from supervisor.hostfs import HostFS
@@ -71,6 +75,7 @@ class CgroupSetup:
     memory_parent: str | None  # v1: the memory hierarchy's own dir; v2: cpuset_parent or None
     own_path: str  # the supervisor's cgroup path as /proc/self/cgroup names it
     evict_self: bool = False  # v2, non-root: the supervisor moves into a leaf first
+    evict_all: bool = False  # v2, the container's own cgroup: everything in it moves too
 
     @property
     def controllers(self) -> tuple[str, ...]:
@@ -177,27 +182,13 @@ def read_cgroup_setup(fs: HostFS) -> tuple[CgroupSetup | None, str]:
     entries = parse_proc_cgroup(text)
     unified = next((e for e in entries if e.hierarchy == 0 and not e.controllers), None)
     if fs.exists(f"{CGROUP_ROOT}/cgroup.controllers") and unified is not None:
-        mapped = _mapped(fs, (), unified.path)
-        own = mapped.rel if mapped is not None else (CGROUP_ROOT + unified.path).rstrip("/")
-        if mapped is not None and mapped.is_mount_root and mapped.mount.root != "/":
-            # A container's own cgroup, mounted as its cgroupfs root: it belongs to
-            # the runtime (or the kubelet), which writes its cpuset; enabling
-            # controllers in it, or moving ourselves below it, would take it over.
-            return None, (
-                f"cgroup v2: {fs.path(own)} is the container's own cgroup "
-                f"({mapped.mount.root}); no subtree is delegated below it"
-            )
-        available = (fs.read_optional(f"{own}/cgroup.controllers") or "").split()
-        if "cpuset" not in available:
-            return None, (
-                f"cgroup v2: cpuset is not delegated to {unified.path} "
-                f"(cgroup.controllers: {' '.join(available) or 'none'})"
-            )
-        if not _writable(fs, own) or not _writable(fs, f"{own}/cgroup.subtree_control"):
-            return None, f"cgroup v2: {fs.path(own)} is not writable"
-        memory = own if "memory" in available else None
-        setup = CgroupSetup(2, own, memory, unified.path, evict_self=unified.path != "/")
-        return setup, f"cgroup v2 at {fs.path(own)}"
+        decision, why = decide_v2(read_v2_facts(fs, unified.path, read_mounts(fs)))
+        if decision is None:
+            return None, why
+        memory = decision.own if decision.memory else None
+        container = decision.owner == "container"
+        evict = container or unified.path != "/"
+        return CgroupSetup(2, decision.own, memory, unified.path, evict, container), why
     by_controller = {c: e for e in entries for c in e.controllers}
     cpuset_entry = by_controller.get("cpuset")
     if cpuset_entry is None:
@@ -242,6 +233,7 @@ class CgroupManager:
         self.page_size = page_size or os.sysconf("SC_PAGE_SIZE")
         self._prepared = False
         self._moved_self = False
+        self._moved_others: list[int] = []
 
     def __repr__(self) -> str:
         return f"CgroupManager({self.fs!r}, v{self.setup.version}, {self.instance!r})"
@@ -331,14 +323,46 @@ class CgroupManager:
                 self._mkdir(leaf)
                 self._write(f"{leaf}/cgroup.procs", str(os.getpid()))
                 self._moved_self = True
+                if s.evict_all:
+                    self._evict_others(leaf)
             self._enable(s.cpuset_parent)
             self._enable(inst)
         except KernelError:
             self._undo_v2(inst, created)
             raise
 
+    def _evict_others(self, leaf: str, rounds: int = 5) -> None:
+        """Every other process in the container's cgroup into `leaf` too.
+
+        The container's cgroup holds only the container's own processes (a
+        wrapper shell, a `runc exec`): all of them go to the leaf, as moby's
+        hack/dind does with /init and systemd in a container with init.scope,
+        since one left behind makes the write to cgroup.subtree_control fail
+        (EBUSY, "no internal process constraint", cgroup-v2.rst 2-4-3). Later
+        execs are put in the init process's cgroup by the runtime when its own
+        is busy (runc's exec joins the init's cgroup on EBUSY). A process can
+        fork into the cgroup while we move: a few rounds, until it is empty.
+        """
+        own = self.setup.cpuset_parent
+        for _ in range(rounds):
+            pids = [p for p in self._read(f"{own}/cgroup.procs").split() if p.isdigit()]
+            if not pids:
+                return
+            for pid in pids:
+                try:
+                    self.fs.write_text(f"{leaf}/cgroup.procs", pid)
+                except ProcessLookupError:
+                    continue  # exited meanwhile
+                except OSError as err:
+                    raise translate_oserror(self.fs.path(f"{leaf}/cgroup.procs"), err) from None
+                self._moved_others.append(int(pid))
+
     def _undo_v2(self, inst: str, created: bool) -> None:
         s = self.setup
+        for pid in self._moved_others:  # back where they were (best effort)
+            with contextlib.suppress(OSError):
+                self.fs.write_text(f"{s.cpuset_parent}/cgroup.procs", str(pid))
+        self._moved_others = []
         if self._moved_self:
             try:
                 self.fs.write_text(f"{s.cpuset_parent}/cgroup.procs", str(os.getpid()))

@@ -126,8 +126,13 @@ def _prepared(manager: CgroupManager, version: int) -> tuple[ManagedCgroups | No
         # executor's threads raced, and a failure was redone at every spawn.
         manager.prepare()
     except KernelError as err:
-        log.warning("cgroups none %s", format_fields(error=str(err), action="skip cgroups"))
-        return None, f"{err}"
+        # One line, with the kernel's cause (EBUSY: processes left in the cgroup;
+        # EOPNOTSUPP/ENOENT: a controller not delegated after all; EROFS, EACCES).
+        log.warning(
+            "cgroups none %s",
+            format_fields(reason="cannot make child cgroups", detail=str(err), action="skip"),
+        )
+        return None, f"cannot make child cgroups: {err}"
     # What an earlier instance of this config left (it died with its guardian) ends first.
     sweep_leftovers(manager)
     log.info(

@@ -34,11 +34,13 @@ def write(root: Path, rel: str, text: str) -> None:
     path.write_text(text)
 
 
-def v2_root_setup(tmp_path: Path, controllers: str) -> CgroupSetup:
-    """The setup read from a v2-only tree in which this process sits in the root cgroup."""
-    write(tmp_path, "proc/self/cgroup", "0::/\n")
-    write(tmp_path, "sys/fs/cgroup/cgroup.controllers", f"{controllers}\n")
-    write(tmp_path, "sys/fs/cgroup/cgroup.subtree_control", "")
+def v2_service_setup(tmp_path: Path, controllers: str) -> CgroupSetup:
+    """The setup read from a v2-only tree in which this process sits in a delegated
+    service cgroup (the host's root is never used: tests/bind/test_cgroup_v2.py)."""
+    write(tmp_path, "proc/self/cgroup", "0::/svc\n")
+    write(tmp_path, "sys/fs/cgroup/cgroup.controllers", "cpuset memory pids\n")
+    write(tmp_path, "sys/fs/cgroup/svc/cgroup.controllers", f"{controllers}\n")
+    write(tmp_path, "sys/fs/cgroup/svc/cgroup.subtree_control", "")
     setup, _ = read_cgroup_setup(HostFS(str(tmp_path)))
     assert setup is not None
     return setup
@@ -96,9 +98,9 @@ def test_detect_v2_delegated(tmp_path: Path) -> None:
     assert setup.controllers == ("cpuset", "memory")
 
 
-def test_detect_v2_root_needs_no_eviction(tmp_path: Path) -> None:
-    setup = v2_root_setup(tmp_path, "cpuset pids")
-    assert not setup.evict_self
+def test_detect_v2_without_memory_uses_cpuset_only(tmp_path: Path) -> None:
+    setup = v2_service_setup(tmp_path, "cpuset pids")
+    assert setup.evict_self and not setup.evict_all
     assert setup.memory_parent is None
     assert setup.controllers == ("cpuset",)
 
@@ -264,7 +266,7 @@ def test_update_rejects_empty_sets(manager: CgroupManager) -> None:
 
 
 def test_bad_names_are_refused(tmp_path: Path) -> None:
-    setup = v2_root_setup(tmp_path, "cpuset")
+    setup = v2_service_setup(tmp_path, "cpuset")
     with pytest.raises(ValueError, match="suffix"):
         CgroupManager(HostFS(str(tmp_path)), setup, suffix="a/b")
     mgr = CgroupManager(HostFS(str(tmp_path)), setup)

@@ -94,16 +94,24 @@ def test_a_container_s_writable_v1_cgroup_is_found_through_mountinfo(tmp_path: P
     assert setup.memory_parent == "sys/fs/cgroup/memory"
 
 
-def test_a_v2_container_s_own_cgroup_is_never_taken_over(tmp_path: Path) -> None:
+def test_a_v2_container_s_own_cgroup_is_used_through_a_leaf(tmp_path: Path) -> None:
+    # Its cgroupfs read-write (privileged): the container's cgroup is delegated to
+    # it. Everything in it moves to a leaf; its own cpuset stays the runtime's.
     write(tmp_path, "proc/self/mountinfo", CONTAINER_V2)
     write(tmp_path, "proc/self/cgroup", "0::/kubepods/pod1/ctr\n")
+    write(tmp_path, "sys/fs/cgroup/cgroup.type", "domain\n")
     write(tmp_path, "sys/fs/cgroup/cgroup.controllers", "cpuset cpu memory\n")
     write(tmp_path, "sys/fs/cgroup/cgroup.subtree_control", "\n")
     write(tmp_path, "sys/fs/cgroup/cpuset.cpus.effective", "2-3\n")
     write(tmp_path, "sys/fs/cgroup/cpuset.mems.effective", "0\n")
     fs = HostFS(str(tmp_path))
     setup, why = read_cgroup_setup(fs)
-    assert setup is None
-    assert "container's own cgroup" in why and "/kubepods/pod1/ctr" in why
+    assert setup is not None, why
+    assert setup.cpuset_parent == "sys/fs/cgroup" and setup.evict_all
+    assert "the container's cgroup /kubepods/pod1/ctr" in why
     cs = read_cpuset(fs)
     assert cs is not None and cs.version == 2 and cs.cpus == frozenset({2, 3})
+    # Mounted read-only (docker's and the kubelet's default): not delegated.
+    write(tmp_path, "proc/self/mountinfo", CONTAINER_V2.replace("rw,nosuid", "ro,nosuid"))
+    setup, why = read_cgroup_setup(fs)
+    assert setup is None and "mounted read-only" in why

@@ -140,9 +140,23 @@ def migrate_other() -> None:
         stop(proc)
 
 
+def join_service_cgroup() -> None:
+    """This process into `/ps-bind` (cpuset and memory enabled above it), as a service
+    manager with `Delegate=yes` would start it: the host's root is never used."""
+    with open("/sys/fs/cgroup/cgroup.subtree_control", "w") as f:
+        f.write("+cpuset +memory")
+    os.makedirs(f"/sys/fs/cgroup/{SERVICE}", exist_ok=True)
+    with open(f"/sys/fs/cgroup/{SERVICE}/cgroup.procs", "w") as f:
+        f.write(str(os.getpid()))
+
+
+SERVICE = "ps-bind"
+
+
 @CHECKS.guarded("cgroup-v2-rank")
 def cgroup_v2_rank() -> None:
     fs = HostFS("/")
+    join_service_cgroup()
     setup, why = read_cgroup_setup(fs)
     if setup is None or setup.version != 2:
         CHECKS.check("cgroup-v2-rank", False, f"no v2 setup: {why}")
@@ -164,7 +178,7 @@ def cgroup_v2_rank() -> None:
             and mems == "1"
             and rep.cgroups == pc.dirs
             and not rep.cgroup_errors
-            and cg == f"0::/{mgr.instance}/rank1"
+            and cg == f"0::/{SERVICE}/{mgr.instance}/rank1"
             and stat_before.get(1, 0) >= 32 * MIB
             and stat_before.get(0, 0) < 4 * MIB
         )
