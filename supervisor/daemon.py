@@ -307,6 +307,7 @@ class Daemon:
             subreaper=self.subreaper,
             adopter=fleet.adopter,
             on_refresh=fleet.on_refresh,
+            recent_procs=None if self.cgroups is None else self.cgroups.manager.recent_procs,
         )
         self.rt.trees = self.trees
         self.trees.start()

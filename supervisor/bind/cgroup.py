@@ -230,6 +230,7 @@ class CgroupManager:
         self.fs = fs
         self.setup = setup
         self.instance = f"{PREFIX}-{suffix}" if suffix else PREFIX
+        self._procs_read: dict[str, tuple[float, str]] = {}  # rel -> (monotonic, cgroup.procs)
         self.page_size = page_size or os.sysconf("SC_PAGE_SIZE")
         self._prepared = False
         self._moved_self = False
@@ -494,6 +495,7 @@ class CgroupManager:
                 continue
             except OSError as err:
                 raise translate_oserror(self.fs.path(rel), err) from None
+            self._procs_read[rel] = (time.monotonic(), text)
             outside = outside or str(pid) not in text.split()
         cpus = mems = None
         if pc.cpuset_dir is not None and self.fs.path(pc.cpuset_dir) not in missing:
@@ -524,6 +526,14 @@ class CgroupManager:
                     continue  # exited meanwhile: its runner reports that
                 except OSError as err:
                     raise translate_oserror(self.fs.path(f"{rel}/cgroup.procs"), err) from None
+
+    def recent_procs(self, rel: str, max_age_s: float) -> list[int] | None:
+        """The pids `observe` read in `rel`/cgroup.procs less than `max_age_s` ago, or
+        None: the tree keeper takes them rather than read the file again (any thread)."""
+        read = self._procs_read.get(rel)
+        if read is None or time.monotonic() - read[0] >= max_age_s:
+            return None
+        return [int(word) for word in read[1].split() if word.isdigit()]
 
     def read_procs(self, pc: ProcessCgroup) -> list[int]:
         """The pids in the cgroup (cgroup.procs)."""

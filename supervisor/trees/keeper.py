@@ -13,9 +13,10 @@ the guardian what to end if the daemon dies, hands engine-owned processes
 to the adopter, and ends a tree on request: TERM, then KILL after a
 timeout (`cgroup.kill` where cgroup v2 has it).
 
-Over 500 lines because the pass, the connector's watch list, the early forks
-waiting for their root and the ending of trees all read and write the same
-roots and members under one lock; split, each piece would reach into the others.
+Over 500 lines: the pass, the connector's watch list, the early forks waiting
+for their root and the ending of trees read and write the same roots and
+members; split, each piece would reach into the others (the pure parts and the
+reaping are in tree.py, quiet.py, strays.py).
 """
 
 from __future__ import annotations
@@ -47,13 +48,21 @@ from supervisor.trees.proc_events import (
     nested_pid_namespace,
     open_proc_events,
 )
-from supervisor.trees.strays import reap_strays
+from supervisor.trees.quiet import (
+    LastPass,
+    RecentProcs,
+    cgroup_readings,
+    fork_lineage,
+    unchanged,
+)
+from supervisor.trees.strays import any_zombie_child, reap_members
 from supervisor.trees.tree import (
     Member,
     ReadFailures,
     RefreshResult,
     Root,
     assign_owners,
+    descendants,
     read_cgroup_procs,
     read_member_info,
     without_new_roots,
@@ -69,6 +78,9 @@ UNOWNED_FORKS_KEPT = 4096  # how often an ending tree is looked at (a deadline-b
 # members (a child is born in its parent's cgroup); every this many passes it
 # walks all of /proc anyway, for a process someone moved out of our cgroups.
 FULL_PASS_EVERY = 10
+# With the proc connector open (no events lost since the last full pass) a member's
+# fork is known at once: a full pass only for one moved out before that (1 a minute).
+FULL_PASS_EVERY_WITH_EVENTS = 60
 # A process forked in a tree becomes a member (a stat read, the guardian told,
 # the adopter asked, the kernel filter rebuilt) at once on a quiet tree. When
 # a tree forks more than STORM_FORKS_PER_S (engines fork compile workers,
@@ -100,6 +112,7 @@ class TreeKeeper:
         subreaper: bool = True,
         adopter: Adopter | None = None,
         on_refresh: Callable[[Mapping[int, Member]], None] | None = None,
+        recent_procs: RecentProcs | None = None,
     ) -> None:
         self.fs = fs
         self.store = store
@@ -136,6 +149,9 @@ class TreeKeeper:
         self.passes = 0  # tree passes so far (ps-tree thread)
         self.full_passes = 0  # those that walked all of /proc
         self.in_cgroups = False  # at the last pass, every root was in its cgroup
+        self.recent_procs = recent_procs  # the check loop's cgroup.procs reads (quiet.py)
+        self._last: LastPass | None = None
+        self._overruns = 0  # the connector's, at the last full pass
 
     # -- roots ---------------------------------------------------------------
 
@@ -184,17 +200,7 @@ class TreeKeeper:
 
     def descendants(self, pid: int) -> list[int]:
         """Known members below `pid` by their parent links."""
-        below: dict[int, list[int]] = {}
-        for m in self.members.values():
-            below.setdefault(m.ppid, []).append(m.pid)
-        out: list[int] = []
-        queue = list(below.get(pid, ()))
-        while queue:
-            child = queue.pop()
-            if child in self.members and child not in out:
-                out.append(child)
-                queue.extend(below.get(child, ()))
-        return out
+        return descendants(self.members, pid)
 
     def owner_of(self, pid: int) -> ProcKey | None:
         for root in self.roots.values():
@@ -261,8 +267,13 @@ class TreeKeeper:
         """One /proc + cgroup pass; publishes the trees and reaps zombies."""
         roots = tuple(self.roots.values())
         known = dict(self.members)
-        loop = asyncio.get_running_loop()
-        result = await loop.run_in_executor(self.executor, self._scan, roots, known)
+        last = None if self._full_due() else self._last  # its result, read nowhere, if it holds
+        result = unchanged(last, roots, known, self.recent_procs, self.interval_s)
+        if result is not None:
+            self.passes += 1
+        else:
+            loop = asyncio.get_running_loop()
+            result = await loop.run_in_executor(self.executor, self._scan, roots, known)
         if self.roots.keys() != {r.key for r in roots} or any(
             self.roots[r.key] != r for r in roots
         ):
@@ -302,23 +313,28 @@ class TreeKeeper:
             self.on_refresh(self.members)
         return result
 
+    def _full_due(self) -> bool:
+        overruns = self.events.overruns if self.events is not None else 0
+        every = FULL_PASS_EVERY if self.events is None else FULL_PASS_EVERY_WITH_EVENTS
+        return self.passes % every == 0 or overruns != self._overruns
+
     def _scan(self, roots: Sequence[Root], known: Mapping[int, Member]) -> RefreshResult:
-        cgroup_members: dict[ProcKey, list[int]] = {}
-        for root in roots:
-            if root.cgroup_dir is not None:
-                cgroup_members[root.key] = read_cgroup_procs(self.fs, root.cgroup_dir)
+        cgroup_members = cgroup_readings(
+            self.fs, roots, self.recent_procs, self.interval_s, read_cgroup_procs
+        )
         # Scoped when every root is in its cgroup: then every descendant is in
         # one of them too (fork(2) puts a child in its parent's cgroup,
         # cgroups(7)), and a pass is a few dozen reads instead of the host's
         # whole /proc, whatever else runs there.
         self.in_cgroups = all(r.pid in cgroup_members.get(r.key, ()) for r in roots)
-        scoped = self.in_cgroups and self.passes % FULL_PASS_EVERY != 0
+        scoped = self.in_cgroups and not self._full_due()
         self.passes += 1
         if scoped:
             pids = {r.pid for r in roots}.union(known, *cgroup_members.values())
             stats = scan_pids(self.fs, pids)
         else:
             self.full_passes += 1
+            self._overruns = self.events.overruns if self.events is not None else 0
             stats = scan_procs(self.fs)
         # Zombies are done: they leave the trees (and are reaped as `exited`).
         table = {pid: s for pid, s in stats.items() if s.state != "Z"}
@@ -335,7 +351,9 @@ class TreeKeeper:
                 continue
             if info is not None:
                 infos.setdefault(m.owner, []).append(info)
-        return RefreshResult(members, {k: tuple(v) for k, v in infos.items()}, tuple(unreadable))
+        result = RefreshResult(members, {k: tuple(v) for k, v in infos.items()}, tuple(unreadable))
+        self._last = LastPass(tuple(roots), cgroup_members, result) if scoped else None
+        return result
 
     # -- events ----------------------------------------------------------------
 
@@ -468,20 +486,12 @@ class TreeKeeper:
     def _replay_forks(self, key: ProcKey, pid: int) -> list[Member]:
         """Forks seen before `pid` became a root: its descendants join its tree."""
         added: list[Member] = []
-        if not self.unowned_forks:
-            return added
-        below: dict[int, list[int]] = {}
-        for child, (parent, _) in self.unowned_forks.items():
-            below.setdefault(parent, []).append(child)
-        queue = [(c, pid) for c in below.get(pid, ())]
-        while queue:
-            child, parent = queue.pop()
+        for child, parent in fork_lineage(self.unowned_forks, pid):
             self.unowned_forks.pop(child, None)
             if child not in self.members:
                 member = self._add_member(child, parent, key)
                 if member is not None:
                     added.append(member)
-            queue.extend((c, child) for c in below.get(child, ()))
         return added
 
     # -- reaping -----------------------------------------------------------------
@@ -490,30 +500,21 @@ class TreeKeeper:
         """waitpid the daemon's exited children that were members of a tree
         (orphans it adopted as subreaper); never a runner's own child, never a
         process that was not in a tree (an embedding program's children)."""
-        direct = set(self.direct_children())
+        if not any_zombie_child():
+            # Nothing to reap. The members gone are forgotten: one that is not a
+            # zombie yet is reaped, once it is, as a stray (or by its parent).
+            self.exited.clear()
+            return 0
         candidates = dict(self.exited)
         candidates.update((m.pid, m.start_time) for m in self.members.values())
-        reaped = 0
-        for pid, start in candidates.items():
-            stat = read_proc_stat(self.fs, pid)
-            if not ProcessId(pid, start).matches(stat):
-                self.exited.pop(pid, None)
-                continue
-            assert stat is not None
-            if stat.ppid != self.me or stat.state != "Z" or pid in direct:
-                continue
-            with contextlib.suppress(ChildProcessError, OSError):
-                done, _ = os.waitpid(pid, os.WNOHANG)
-                if done:
-                    reaped += 1
-                    self.exited.pop(pid, None)
-                    self.members.pop(pid, None)
-        if self.subreaper:  # orphans no pass saw (supervisor.trees.strays)
-            for pid in reap_strays(self.fs, self.me, direct):
-                reaped += 1
-                self.exited.pop(pid, None)
-                self.members.pop(pid, None)
-        return reaped
+        direct = set(self.direct_children())
+        reaped, gone = reap_members(self.fs, self.me, direct, candidates, strays=self.subreaper)
+        for pid in gone:
+            self.exited.pop(pid, None)
+        for pid in reaped:
+            self.exited.pop(pid, None)
+            self.members.pop(pid, None)
+        return len(reaped)
 
     # -- ending trees --------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""Orphans no tree pass saw, reaped (does I/O: /proc reads, waitpid).
+"""The tree keeper's reaping: members and orphans no tree pass saw (does I/O: /proc, waitid).
 
 A child subreaper, and PID 1 of a container's pid namespace (the kernel hands
 it every orphan of that namespace, `runc exec`'s included), gets orphans the
@@ -13,10 +13,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 
 from supervisor.hostfs import HostFS
 from supervisor.logs import format_fields
+from supervisor.procfs.identity import ProcessId
 from supervisor.procfs.stat import read_proc_stat
 
 log = logging.getLogger("placement_supervisor.trees")
@@ -47,3 +48,44 @@ def reap_strays(fs: HostFS, me: int, direct: Collection[int]) -> list[int]:
                 reaped.append(pid)
                 log.debug("orphan reaped %s", format_fields(pid=pid, action="reap"))
     return reaped
+
+
+def any_zombie_child() -> bool:
+    """Whether some child of this process (of any of its threads) has exited and
+    waits to be reaped: one waitid(2) with WNOWAIT, which leaves it waitable.
+    False means no reap can find anything: the /proc reads are skipped (a tree
+    pass's reap ran 0.2 ms of /proc reads a second on an idle daemon)."""
+    try:
+        return os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return False  # no children at all
+
+
+def reap_members(
+    fs: HostFS,
+    me: int,
+    direct: Collection[int],
+    candidates: Mapping[int, int],
+    *,
+    strays: bool,
+) -> tuple[list[int], list[int]]:
+    """waitpid each of `candidates` (pid -> start time: members, and members gone)
+    that is `me`'s zombie child and not in `direct`; with `strays`, every other
+    zombie child too (`reap_strays`). Returns (reaped, gone: candidates that are
+    no longer that process, to forget)."""
+    reaped: list[int] = []
+    gone: list[int] = []
+    for pid, start in candidates.items():
+        stat = read_proc_stat(fs, pid)
+        if not ProcessId(pid, start).matches(stat):
+            gone.append(pid)
+            continue
+        assert stat is not None
+        if stat.ppid != me or stat.state != "Z" or pid in direct:
+            continue
+        with contextlib.suppress(ChildProcessError, OSError):
+            if os.waitpid(pid, os.WNOHANG)[0]:
+                reaped.append(pid)
+    if strays:
+        reaped.extend(reap_strays(fs, me, direct))
+    return reaped, gone

@@ -114,6 +114,21 @@ def assign_owners(
     return out
 
 
+def descendants(members: Mapping[int, Member], pid: int) -> list[int]:
+    """The members below `pid` by their parent links (pure)."""
+    below: dict[int, list[int]] = {}
+    for m in members.values():
+        below.setdefault(m.ppid, []).append(m.pid)
+    out: list[int] = []
+    queue = list(below.get(pid, ()))
+    while queue:
+        child = queue.pop()
+        if child in members and child not in out:
+            out.append(child)
+            queue.extend(below.get(child, ()))
+    return out
+
+
 def read_member_info(fs: HostFS, member: Member) -> TreeMember | None:
     """A member's command line and CPUs; None when it has exited."""
     cmdline = read_cmdline(fs, member.pid)

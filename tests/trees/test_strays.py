@@ -1,4 +1,5 @@
-"""Orphans no tree pass saw are reaped; a runner's own exited child is not
+"""Orphans no tree pass saw are reaped; a runner's own exited child is not;
+`any_zombie_child` says whether any is waiting, and leaves it waitable
 (supervisor.trees.strays, in a real child subreaper: a subprocess, so the test
 process itself stays what it was). And a child pid namespace, where the proc
 connector is of no use, is recognised (supervisor.trees.proc_events)."""
@@ -17,10 +18,11 @@ import ctypes, os, sys, time
 from supervisor.hostfs import HostFS
 from supervisor.procfs.stat import read_proc_stat
 from supervisor.bind.syscalls import set_child_subreaper
-from supervisor.trees.strays import exited_children, reap_strays
+from supervisor.trees.strays import any_zombie_child, exited_children, reap_strays
 
 assert set_child_subreaper()
 fs, me = HostFS("/"), os.getpid()
+assert not any_zombie_child()  # no child at all
 own = os.fork()  # "a runner's child": exits at once, its status is the runner's
 if own == 0:
     os._exit(7)
@@ -49,11 +51,14 @@ deadline = time.monotonic() + 10
 while not all(map(zombie, [own, *orphans])):
     assert time.monotonic() < deadline, "never zombies"
     time.sleep(0.01)
+assert any_zombie_child()
 assert sorted(exited_children(fs, me, {own})) == sorted(orphans)
 assert sorted(reap_strays(fs, me, {own})) == sorted(orphans)
 assert not any(map(zombie, orphans)) and zombie(own)  # the runner's child: still there
 assert reap_strays(fs, me, {own}) == []
+assert any_zombie_child()  # the runner's child: WNOWAIT left it waitable
 assert os.waitpid(own, 0)[1] >> 8 == 7  # its exit status kept for its runner
+assert not any_zombie_child()  # every zombie reaped: a reap reads nothing now
 print("ok")
 """
 

@@ -38,6 +38,7 @@ from supervisor.trees.proc_events import (
     open_proc_events,
     parse_proc_events,
 )
+from supervisor.trees.quiet import RecentProcs
 
 ENGINE_CG = "sys/fs/cgroup/cpuset/ps/engine"
 
@@ -57,7 +58,7 @@ def write_cgroup(root: Path, pids: list[int]) -> None:
     (d / "cgroup.procs").write_text("".join(f"{pid}\n" for pid in pids))
 
 
-def keeper(root: Path) -> TreeKeeper:
+def keeper(root: Path, recent_procs: RecentProcs | None = None) -> TreeKeeper:
     store = StateStore(Snapshot(Placement("test", None, ()), read_topology(HostFS("/")), {}))
 
     def cgroup_dir(key: ProcKey) -> str | None:
@@ -71,6 +72,7 @@ def keeper(root: Path) -> TreeKeeper:
         direct_children=list,
         use_connector=False,
         subreaper=False,
+        recent_procs=recent_procs,
     )
 
 
@@ -105,6 +107,45 @@ def test_a_pass_reads_only_the_cgroups_while_every_root_is_in_one(tmp_path: Path
         again = await trees.refresh()
         assert set(again.members) == {11, 12, 13}
         assert trees.full_passes == 2
+        await trees.stop()
+
+    asyncio.run(body())
+
+
+def test_a_pass_takes_the_check_loop_s_reading_and_is_skipped_while_nothing_changed(
+    tmp_path: Path,
+) -> None:
+    """With a recent cgroup.procs reading (the check loop's), the keeper reads
+    the file no more: a child in the file but not in the reading is found only
+    once the reading lists it; a root alone, its reading unchanged, costs no
+    pass on the tree thread; a stale reading (none) means the keeper's own read."""
+    write_proc(tmp_path, 1, 0)
+    write_proc(tmp_path, 10, 1)  # the engine, alone in its cgroup
+    write_cgroup(tmp_path, [10])
+    reading: dict[str, list[int] | None] = {ENGINE_CG: [10]}
+
+    def recent(rel: str, max_age_s: float) -> list[int] | None:
+        assert max_age_s == 1.0  # the check interval
+        return reading.get(rel)
+
+    async def body() -> None:
+        trees = keeper(tmp_path, recent)
+        trees.set_root("engine", 10, 100)
+        assert (await trees.refresh()).members == {}  # full (the first)
+        scanned = await trees.refresh()  # scoped: read on the tree thread
+        write_proc(tmp_path, 11, 10)
+        write_cgroup(tmp_path, [10, 11])  # in the file, not yet in the loop's reading
+        skipped = await trees.refresh()
+        assert skipped is scanned and skipped.members == {}  # the same result, nothing read
+        reading[ENGINE_CG] = [10, 11]  # the check loop read it
+        assert set((await trees.refresh()).members) == {11}
+        assert trees.full_passes == 1 and trees.passes == 4
+        # A reading too old for the keeper: it reads the file itself.
+        trees.members.clear()
+        write_proc(tmp_path, 12, 10)
+        write_cgroup(tmp_path, [10, 12])
+        reading[ENGINE_CG] = None
+        assert set((await trees.refresh()).members) == {12}
         await trees.stop()
 
     asyncio.run(body())
