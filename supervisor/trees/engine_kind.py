@@ -104,17 +104,18 @@ def has_flag(argv: Sequence[str], names: Sequence[str]) -> bool:
 class VllmLayout:
     """The sizes vLLM's titles and device order follow, from `vllm serve` flags.
 
-    Flag names and defaults from vllm/engine/arg_utils.py (EngineArgs) and
-    vllm/entrypoints/openai/cli_args.py (`--data-parallel-start-rank`, `-dpr`).
+    Flag names and defaults from vllm/engine/arg_utils.py (EngineArgs,
+    add_cli_args: `--data-parallel-rank/-dpn`, `--data-parallel-start-rank/-dpr`,
+    `--data-parallel-size-local/-dpl`, `--nnodes/-n`, `--node-rank/-r`).
     """
 
     tp: int = 1  # --tensor-parallel-size, -tp
     pp: int = 1  # --pipeline-parallel-size, -pp
     pcp: int = 1  # --prefill-context-parallel-size, -pcp
     dp: int = 1  # --data-parallel-size, -dp
-    dp_local: int = 1  # --data-parallel-size-local, -dpl (default: all of dp here)
-    dp_start: int = 0  # --data-parallel-start-rank, -dpr (secondary nodes, --headless)
-    nnodes: int = 1  # --nnodes: one engine's TP x PP spread over nodes (mp backend)
+    dp_local: int = 1  # DP ranks whose engine cores run on this node
+    dp_start: int = 0  # the first of them (the engine's data_parallel_rank)
+    nnodes: int = 1  # --nnodes: all the nodes of the deployment (mp backend)
     node_rank: int = 0  # --node-rank
     backend: str | None = None  # --distributed-executor-backend
 
@@ -129,37 +130,72 @@ class VllmLayout:
         model in the engine core itself (UniProcExecutor, vllm/v1/executor/abstract.py)."""
         return self.world == 1 and self.backend in (None, "uni")
 
+    @property
+    def nnodes_within_dp(self) -> int:
+        """Nodes one DP rank's workers span (vllm/config/parallel.py
+        ParallelConfig.nnodes_within_dp: nnodes // (dp // dp_local))."""
+        if self.nnodes == 1:
+            return 1
+        return max(1, self.nnodes // max(1, self.dp // self.dp_local))
+
+    @property
+    def local_world(self) -> int:
+        """Workers of one engine core on this node (ParallelConfig.local_world_size)."""
+        return self.world // self.nnodes_within_dp
+
     def local_device(self, dp_rank: int, pp_rank: int, pcp_rank: int, tp_rank: int) -> int | None:
         """The ordinal among the engine's visible devices of worker (d, p, c, t).
 
-        Ranks of one engine core are laid out DP x PP x PCP x TP, TP fastest
+        A worker's rank in its engine core's world is (p x PCP + c) x TP + t
         (vllm/distributed/parallel_state.py initialize_model_parallel reshapes
-        the world to (-1, dp, pp, pcp, tp)); each local DP engine core gets the
-        next `world` devices (vllm/v1/engine/utils.py, CUDA_VISIBLE_DEVICES per
-        local DP rank). None: a rank that runs on another node.
+        the world to (-1, dp, pp, pcp, tp)). When one DP rank's workers span
+        nodes, this node runs ranks from local_world x node_rank_within_dp
+        (vllm/v1/executor/multiproc_executor.py _init_executor:
+        global_start_rank) and each drives cuda:<local rank>. Otherwise the
+        engine cores of DP ranks dp_start.. run here with local DP ranks 0..
+        (vllm/v1/engine/utils.py launch_core_engines: CoreEngineProcManager
+        start_index=dp_rank, local_start_index=0), local DP rank l owning
+        devices l x world.. (utils.py get_device_indices; on CUDA
+        vllm/v1/worker/gpu_worker.py init_device adds l x PP x TP to the
+        worker's local rank, the same offset while PCP = 1).
+        None: a rank that runs on another node.
         """
+        rank = (pp_rank * self.pcp + pcp_rank) * self.tp + tp_rank
+        within = self.nnodes_within_dp
+        if within > 1:
+            local = rank - (self.node_rank % within) * self.local_world
+            return local if 0 <= local < self.local_world else None
         d = dp_rank - self.dp_start if self.dp > 1 else 0
         if not 0 <= d < self.dp_local:
             return None
-        in_core = (pp_rank * self.pcp + pcp_rank) * self.tp + tp_rank
-        per_node = self.world // self.nnodes if self.nnodes > 1 else self.world
-        if self.nnodes > 1:
-            in_core -= self.node_rank * per_node
-            if not 0 <= in_core < per_node:
-                return None
-        return d * per_node + in_core
+        return d * self.world + rank
 
 
 def vllm_layout(argv: Sequence[str]) -> VllmLayout:
-    """vLLM's sizes from its flags (ValueError naming a flag that is not an integer)."""
-    dp = flag_int(argv, ("--data-parallel-size", "-dp"), 1)
+    """vLLM's sizes from its flags (ValueError naming a flag that is not an integer).
+
+    Which DP ranks run here, as vllm/engine/arg_utils.py create_engine_config
+    decides: `--data-parallel-rank N` (external load balancing) is one local
+    DP rank, N; else `--data-parallel-size-local L` runs L from
+    `--data-parallel-start-rank` (default 0); else all of them, from 0 (a
+    start rank without a local size is ignored there).
+    """
+    dp = max(1, flag_int(argv, ("--data-parallel-size", "-dp"), 1))
+    external = flag_value(argv, ("--data-parallel-rank", "-dpn"))
+    if external is not None:
+        dp_local, dp_start = 1, flag_int(argv, ("--data-parallel-rank", "-dpn"), 0)
+    elif flag_value(argv, ("--data-parallel-size-local", "-dpl")) is not None:
+        dp_local = max(1, flag_int(argv, ("--data-parallel-size-local", "-dpl"), dp))
+        dp_start = flag_int(argv, ("--data-parallel-start-rank", "-dpr"), 0)
+    else:
+        dp_local, dp_start = dp, 0
     return VllmLayout(
         tp=max(1, flag_int(argv, ("--tensor-parallel-size", "-tp"), 1)),
         pp=max(1, flag_int(argv, ("--pipeline-parallel-size", "-pp"), 1)),
         pcp=max(1, flag_int(argv, ("--prefill-context-parallel-size", "-pcp"), 1)),
-        dp=max(1, dp),
-        dp_local=max(1, flag_int(argv, ("--data-parallel-size-local", "-dpl"), max(1, dp))),
-        dp_start=flag_int(argv, ("--data-parallel-start-rank", "-dpr"), 0),
+        dp=dp,
+        dp_local=dp_local,
+        dp_start=dp_start,
         nnodes=max(1, flag_int(argv, ("--nnodes", "-n"), 1)),
         node_rank=flag_int(argv, ("--node-rank", "-r"), 0),
         backend=flag_value(argv, ("--distributed-executor-backend",)),
@@ -184,21 +220,35 @@ class SglangLayout:
     dp_attention: bool = False  # --enable-dp-attention: DP ranks share the TP group's GPUs
 
     def local_device(self, dp_rank: int, pp_rank: int, tp_rank: int) -> int | None:
-        """The GPU id SGLang gives scheduler (d, p, t) on this node.
+        """The GPU id SGLang gives scheduler (d, p, t) on this node (None: it runs
+        on another node).
 
-        python/sglang/srt/entrypoints/engine.py _launch_subprocesses (and
-        managers/data_parallel_controller.py for DP): gpu_id = base_gpu_id +
-        (pp % pp_per_node) * tp_per_node + (tp % tp_per_node) * gpu_id_step,
-        each DP group after the last (base += tp_per_node * gpu_id_step),
-        except under DP attention, where DP splits the TP group itself.
+        python/sglang/srt/entrypoints/engine.py _launch_subprocesses and
+        managers/data_parallel_controller.py launch_tensor_parallel_group:
+        nnodes_per_pp_rank = max(nnodes // pp, 1) nodes share one PP stage,
+        each running tp // nnodes_per_pp_rank TP ranks from
+        tp_per_node x (node_rank % nnodes_per_pp_rank), and pp_per_node =
+        max(pp // nnodes, 1) stages from pp_per_node x (node_rank //
+        nnodes_per_pp_rank); gpu_id = base_gpu_id + dp_base + (p %
+        pp_per_node) x tp_per_node + (t % tp_per_node) x gpu_id_step.
+        Without DP attention each DP rank's dp_base is the last one's plus
+        tp x pp x gpu_id_step (launch_dp_schedulers); with it, all DP ranks
+        split one TP group's GPUs (dp_base 0, launch_dp_attention_schedulers).
         """
-        nodes_per_tp_group = max(self.nnodes // self.pp, 1)
-        tp_per_node = max(self.tp // nodes_per_tp_group, 1)
+        nodes_per_stage = max(self.nnodes // self.pp, 1)
+        tp_per_node = max(self.tp // nodes_per_stage, 1)
         pp_per_node = max(self.pp // self.nnodes, 1)
+        tp_first = tp_per_node * (self.node_rank % nodes_per_stage)
+        pp_first = pp_per_node * (self.node_rank // nodes_per_stage)
+        if not (
+            tp_first <= tp_rank < tp_first + tp_per_node
+            and pp_first <= pp_rank < pp_first + pp_per_node
+        ):
+            return None
         d = 0 if self.dp_attention or self.dp == 1 else dp_rank
         return (
             self.base_gpu_id
-            + d * tp_per_node * self.gpu_id_step
+            + d * self.tp * self.pp * self.gpu_id_step
             + (pp_rank % pp_per_node) * tp_per_node
             + (tp_rank % tp_per_node) * self.gpu_id_step
         )

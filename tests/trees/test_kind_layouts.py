@@ -142,6 +142,36 @@ LAYOUTS = [
     pytest.param(SGLANG_MODULE, ["--tp", "2"], 2, {}, id="sglang-tp2"),
     pytest.param(SGLANG_MODULE, ["--tp-size", "2", "--dp-size", "2"], 4, {}, id="sglang-dp2-tp2"),
     pytest.param(SGLANG_MODULE, [], 1, {}, id="sglang-tp1"),
+    # Node 1 of 2: vLLM's DP ranks 2-3 run here as local DP ranks 0-1
+    # (devices 0-3); SGLang's second PP stage runs here from GPU 0.
+    pytest.param(
+        VLLM_MODULE,
+        [
+            "-tp",
+            "2",
+            "-dp",
+            "4",
+            "-dpl",
+            "2",
+            "-dpr",
+            "2",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--headless",
+        ],
+        4,
+        {},
+        id="vllm-node1-dp4-tp2",
+    ),
+    pytest.param(
+        SGLANG_MODULE,
+        ["--tp", "2", "--pp", "2", "--nnodes", "2", "--node-rank", "1"],
+        2,
+        {},
+        id="sglang-node1-pp2-tp2",
+    ),
 ]
 
 

@@ -6,8 +6,15 @@ The guest has no GPU, so two device nodes are made: /dev/nvidia0 and
 /dev/nvidia1, character devices with /dev/null's numbers (1:3), so that a
 process can open them (a node of the NVIDIA major 195 gives ENXIO without
 the driver). Discovery finds the two "GPUs" by their nodes (the fallback
-without /proc/driver/nvidia). Real Ray does not start in this emulated
-guest in time (its GCS RPCs time out under TCG); real Ray's tree, titles and
+without /proc/driver/nvidia). Real Ray (2.60) does not start in this
+emulated guest: every Ray Python process needs about 45 s for `import ray`
+under TCG, and the raylet aborts (Check failed in
+NodeManager::WaitForDashboardAgentPorts, "Timed out waiting for file
+<session>/metrics_agent_port_<node>") about 24 s after starting its
+dashboard agent: a fixed wait, not lifted by RAY_agent_register_timeout_ms;
+with all four agent ports given to `ray start` it still waits for (and
+times out on) <session>/dashboard_agent_listen_port_<node>. Real Ray's
+tree, titles and
 cleanup are tested on the host (tests/trees/test_ray.py). Here:
 1. `[engine] kind = "ray"` with a stand-in shaped as `ray start --head
    --block` (tests/support/fake_engine/layouts.py ray_main): a raylet starts

@@ -69,9 +69,30 @@ def vllm_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1)
     p.add_argument("--data-parallel-size-local", "-dpl", type=int, default=None)
     p.add_argument("--data-parallel-start-rank", "-dpr", type=int, default=0)
+    p.add_argument("--data-parallel-rank", "-dpn", type=int, default=None)
+    p.add_argument("--nnodes", "-n", type=int, default=1)
+    p.add_argument("--node-rank", "-r", type=int, default=0)
+    p.add_argument("--headless", action="store_true")
     p.add_argument("--enable-expert-parallel", action="store_true")
     p.add_argument("--record-dir")
     return p.parse_known_args(list(argv))[0]
+
+
+def vllm_local_dp(args: argparse.Namespace) -> tuple[int, int]:
+    """(the node's first DP rank, how many run here): vllm/engine/arg_utils.py
+    create_engine_config."""
+    if args.data_parallel_rank is not None:
+        return args.data_parallel_rank, 1
+    if args.data_parallel_size_local is not None:
+        return args.data_parallel_start_rank, args.data_parallel_size_local
+    return 0, args.data_parallel_size
+
+
+def vllm_nodes_within_dp(args: argparse.Namespace) -> int:
+    """vllm/config/parallel.py ParallelConfig.nnodes_within_dp."""
+    if args.nnodes == 1:
+        return 1
+    return args.nnodes // (args.data_parallel_size // vllm_local_dp(args)[1])
 
 
 def vllm_worker(args: argparse.Namespace, dp_rank: int, local_dp: int, rank: int) -> None:
@@ -92,7 +113,12 @@ def vllm_worker(args: argparse.Namespace, dp_rank: int, local_dp: int, rank: int
     if args.enable_expert_parallel:
         name += f"_EP{dp_rank * tp + tp_rank}"
     _title(prefix, name)
-    device = local_dp * tp * pp + rank
+    # vllm/v1/worker/gpu_worker.py init_device: the local rank, offset by the
+    # local DP rank's devices unless one DP rank spans nodes.
+    world = tp * pp
+    within = vllm_nodes_within_dp(args)
+    local = rank - (args.node_rank % within) * (world // within)
+    device = local if within > 1 else local_dp * world + rank
     if os.environ.get(OPEN_DEVICE_ENV) == "reverse":
         device = tp * pp - 1 - rank
         held = os.open(f"/dev/nvidia{device}", os.O_RDWR)  # as CUDA's context holds its GPU
@@ -111,8 +137,12 @@ def vllm_engine_core(args: argparse.Namespace, dp_rank: int, local_dp: int) -> N
         _hold(args.record_dir, local_dp)  # UniProcExecutor: the model runs here
         return
     ctx = multiprocessing.get_context("spawn")
+    # vllm/v1/executor/multiproc_executor.py: this node's share of the world.
+    within = vllm_nodes_within_dp(args)
+    first = (world // within) * (args.node_rank % within)
     procs = [
-        ctx.Process(target=vllm_worker, args=(args, dp_rank, local_dp, r)) for r in range(world)
+        ctx.Process(target=vllm_worker, args=(args, dp_rank, local_dp, r))
+        for r in range(first, first + world // within)
     ]
     for proc in procs:
         proc.start()
@@ -122,12 +152,9 @@ def vllm_engine_core(args: argparse.Namespace, dp_rank: int, local_dp: int) -> N
 def vllm_main(argv: Sequence[str]) -> None:
     """The API server: one engine core per local DP rank, then serve."""
     args = vllm_args(argv)
-    local = args.data_parallel_size_local or args.data_parallel_size
+    start, local = vllm_local_dp(args)
     ctx = multiprocessing.get_context("spawn")
-    cores = [
-        ctx.Process(target=vllm_engine_core, args=(args, args.data_parallel_start_rank + d, d))
-        for d in range(local)
-    ]
+    cores = [ctx.Process(target=vllm_engine_core, args=(args, start + d, d)) for d in range(local)]
     for core in cores:
         core.start()
     _hold(None, None, threads=1)
@@ -145,6 +172,8 @@ def sglang_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--ep-size", "--ep", type=int, default=1)
     p.add_argument("--base-gpu-id", type=int, default=0)
     p.add_argument("--gpu-id-step", type=int, default=1)
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--node-rank", type=int, default=0)
     p.add_argument("--record-dir")
     return p.parse_known_args(list(argv))[0]
 
@@ -196,10 +225,19 @@ def sglang_scheduler(
 def _launch_tp_group(args: argparse.Namespace, base_gpu_id: int, dp_rank: int | None) -> list:  # type: ignore[type-arg]
     ctx = multiprocessing.get_context("spawn")
     procs = []
-    for pp_rank in range(args.pp_size):
-        for tp_rank in range(args.tp_size):
+    # engine.py _launch_subprocesses: this node's PP stages and TP ranks.
+    nodes_per_stage = max(args.nnodes // args.pp_size, 1)
+    tp_node = args.tp_size // nodes_per_stage
+    pp_node = max(args.pp_size // args.nnodes, 1)
+    pp_first = pp_node * (args.node_rank // nodes_per_stage)
+    tp_first = tp_node * (args.node_rank % nodes_per_stage)
+    for pp_rank in range(pp_first, pp_first + pp_node):
+        for tp_rank in range(tp_first, tp_first + tp_node):
             gpu_id = (
-                args.base_gpu_id + base_gpu_id + pp_rank * args.tp_size + tp_rank * args.gpu_id_step
+                args.base_gpu_id
+                + base_gpu_id
+                + (pp_rank % pp_node) * tp_node
+                + (tp_rank % tp_node) * args.gpu_id_step
             )
             proc = ctx.Process(
                 target=sglang_scheduler, args=(args, gpu_id, tp_rank, pp_rank, dp_rank)
@@ -214,7 +252,7 @@ def sglang_dp_controller(args: argparse.Namespace) -> None:
     base = 0
     for dp_rank in range(args.dp_size):
         _launch_tp_group(args, base, dp_rank)
-        base += args.tp_size * args.gpu_id_step
+        base += args.tp_size * args.pp_size * args.gpu_id_step  # launch_dp_schedulers
     _hold(None, None, threads=0)
 
 
