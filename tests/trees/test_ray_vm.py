@@ -2,7 +2,8 @@
 (where device nodes can be made): tests/vm_checks/ray_devices.py in one boot.
 A Ray-shaped stand-in's actors are ranked by their device; a vLLM stand-in whose
 workers' devices disagree with their titles is ranked by device, with one
-rank_conflict event each."""
+rank_conflict event each. Real Ray ranked by device runs on the host, in a
+private /dev: tests/trees/test_ray_devices.py."""
 
 from __future__ import annotations
 

@@ -14,8 +14,9 @@ NodeManager::WaitForDashboardAgentPorts, "Timed out waiting for file
 dashboard agent: a fixed wait, not lifted by RAY_agent_register_timeout_ms;
 with all four agent ports given to `ray start` it still waits for (and
 times out on) <session>/dashboard_agent_listen_port_<node>. Real Ray's
-tree, titles and
-cleanup are tested on the host (tests/trees/test_ray.py). Here:
+tree, titles and cleanup are tested on the host (tests/trees/test_ray.py),
+and real Ray ranked by device there too (tests/trees/test_ray_devices.py:
+the same two nodes in a private /dev of the daemon's mount namespace). Here:
 1. `[engine] kind = "ray"` with a stand-in shaped as `ray start --head
    --block` (tests/support/fake_engine/layouts.py ray_main): a raylet starts
    two workers, titled ray::IDLE then ray::RayWorkerWrapper, the first
