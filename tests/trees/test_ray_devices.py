@@ -23,6 +23,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from supervisor.cpulist import format_cpulist
 from tests.support.children import thread_cpus
 from tests.support.daemon_support import (
@@ -45,6 +47,9 @@ from tests.support.ray_support import (
     title,
 )
 
+# unshare(1) and mount(2) into a new mount namespace need CAP_SYS_ADMIN.
+pytestmark = pytest.mark.root
+
 
 def mount_ns(pid: int) -> str:
     try:
@@ -62,7 +67,9 @@ def in_namespace(ns: str) -> list[int]:
     ]
 
 
-def test_ray_actors_are_ranked_by_the_device_they_hold_open(tmp_path: Path) -> None:
+def test_ray_actors_are_ranked_by_the_device_they_hold_open(
+    tmp_path: Path, need_root: None
+) -> None:
     assert Path(RAY).exists(), "ray is installed by .ci/setup"
     temp_dir = tempfile.mkdtemp(prefix="ps-ray-", dir="/tmp")  # short: unix socket paths
     port = free_port()
