@@ -315,6 +315,15 @@ def start_shimmed(
 # -- /proc of a process ----------------------------------------------------------------
 
 
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie (or dead): its /proc/<pid>/stat state."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
 def status_field(where: int | str, name: str) -> str:
     """A field of /proc/<where>/status (`where`: a pid, "self", "PID/task/TID")."""
     with open(f"/proc/{where}/status") as f:

@@ -148,14 +148,6 @@ def engine_running(d: DaemonProcess) -> dict[str, Any] | None:
     return doc if doc and doc["engine"]["state"] == "running" and doc["engine"]["pid"] else None
 
 
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def engine_tree(d: DaemonProcess) -> dict[int, dict[str, Any]]:
     """{pid: entry} of the engine's children as GET /placement lists them."""
     doc = d.placement() or {"engine": {"children": []}}

@@ -16,6 +16,7 @@ import tempfile
 import uuid
 from pathlib import Path
 
+from tests.support.children import alive
 from tests.support.daemon_support import (
     INSTANCE_ENV,
     DaemonProcess,
@@ -25,7 +26,6 @@ from tests.support.daemon_support import (
 )
 from tests.support.ray_support import (
     RAY,
-    alive,
     below_raylet,
     engine_running,
     engine_tree,

@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from supervisor.cpulist import format_cpulist
-from tests.support.children import thread_cpus
+from tests.support.children import alive, thread_cpus
 from tests.support.daemon_support import (
     INSTANCE_ENV,
     DaemonProcess,
@@ -37,7 +37,6 @@ from tests.support.daemon_support import (
 from tests.support.ray_support import (
     PRIVATE_DEV_PREFIX,
     RAY,
-    alive,
     below_raylet,
     engine_running,
     engine_tree,

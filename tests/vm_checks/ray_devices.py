@@ -40,7 +40,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, REPO)
 
 from supervisor.cpulist import format_cpulist  # noqa: E402
-from tests.support.children import status_field  # noqa: E402
+from tests.support.children import alive, status_field  # noqa: E402
 from tests.support.daemon_support import DaemonProcess, to_toml, wait_until  # noqa: E402
 from tests.support.fake_engine.layouts import OPEN_DEVICE_ENV  # noqa: E402
 from tests.support.vm import Checklist  # noqa: E402
@@ -58,14 +58,6 @@ def make_nodes() -> None:
         path = f"/dev/nvidia{n}"
         if not os.path.exists(path):
             os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def records(record: Path) -> dict[int, int]:
