@@ -91,15 +91,25 @@ def _find_cpuset(
 ) -> Cpuset:
     for rel in _ancestors(path):
         d = f"{mount}/{rel}" if rel else mount
-        cpus_rel, mems_rel = f"{d}/{names[0]}", f"{d}/{names[1]}"
-        cpus_text = fs.read_optional(cpus_rel)
-        if cpus_text is None:
-            continue
-        cpus = parse_list_text(cpus_text, cpus_rel, "cpuset CPU list")
-        mems_text = fs.read_optional(mems_rel)
-        mems = None if mems_text is None else parse_list_text(mems_text, mems_rel, "cpuset mems")
-        return Cpuset(version, "/" + rel, cpus, mems, (cpus_rel, mems_rel))
+        found = _read_files(fs, version, "/" + rel, (f"{d}/{names[0]}", f"{d}/{names[1]}"))
+        if found is not None:
+            return found
     return Cpuset(version, path or "/", None, None, ())
+
+
+def _read_files(
+    fs: HostFS, version: Literal[1, 2], path: str, files: tuple[str, str]
+) -> Cpuset | None:
+    """The cpuset whose CPU and memory lists are `files`; None when the CPU list
+    cannot be read (absent: not this cgroup's, or gone). Absent mems are None."""
+    cpus_rel, mems_rel = files
+    cpus_text = fs.read_optional(cpus_rel)
+    if cpus_text is None:
+        return None
+    cpus = parse_list_text(cpus_text, cpus_rel, "cpuset CPU list")
+    mems_text = fs.read_optional(mems_rel)
+    mems = None if mems_text is None else parse_list_text(mems_text, mems_rel, "cpuset mems")
+    return Cpuset(version, path, cpus, mems, files)
 
 
 def _read_mapped(fs: HostFS, line: CgroupLine) -> Cpuset | None:
@@ -116,14 +126,9 @@ def _read_mapped(fs: HostFS, line: CgroupLine) -> Cpuset | None:
         if version == 1
         else ("cpuset.cpus.effective", "cpuset.mems.effective")
     )
-    cpus_rel, mems_rel = f"{mapped.rel}/{names[0]}", f"{mapped.rel}/{names[1]}"
-    cpus_text = fs.read_optional(cpus_rel)
-    if cpus_text is None:
-        return None  # the walk up (older kernels' names, or a v2 cgroup without cpuset)
-    cpus = parse_list_text(cpus_text, cpus_rel, "cpuset CPU list")
-    mems_text = fs.read_optional(mems_rel)
-    mems = None if mems_text is None else parse_list_text(mems_text, mems_rel, "cpuset mems")
-    return Cpuset(version, line.path or "/", cpus, mems, (cpus_rel, mems_rel))
+    # None: the walk up (older kernels' names, or a v2 cgroup without cpuset).
+    files = (f"{mapped.rel}/{names[0]}", f"{mapped.rel}/{names[1]}")
+    return _read_files(fs, version, line.path or "/", files)
 
 
 def read_cpuset(fs: HostFS) -> Cpuset | None:
@@ -225,14 +230,9 @@ def read_cpuset_cached(fs: HostFS, cache: CpusetCache) -> Cpuset | None:
         if found is None or not found.files:
             return found
         cpus_rel, mems_rel = found.files
-        cpus_text = fs.read_optional(cpus_rel)
-        if cpus_text is not None:
-            cpus = parse_list_text(cpus_text, cpus_rel, "cpuset CPU list")
-            mems_text = fs.read_optional(mems_rel)
-            mems = (
-                None if mems_text is None else parse_list_text(mems_text, mems_rel, "cpuset mems")
-            )
-            return Cpuset(found.version, found.path, cpus, mems, found.files)
+        fresh = _read_files(fs, found.version, found.path, (cpus_rel, mems_rel))
+        if fresh is not None:
+            return fresh
     # Read after the key: a change in between leaves the key stale, and the next
     # read resolves again.
     cache.found = found = read_cpuset(fs)
