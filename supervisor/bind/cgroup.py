@@ -49,10 +49,10 @@ from supervisor.cpulist import format_cpulist, parse_cpulist
 from supervisor.errors import KernelError, translate_oserror
 from supervisor.hostfs import HostFS
 from supervisor.state import CgroupObservation
+from supervisor.topology.cgroup import CGROUP_ROOT
 from supervisor.topology.mountinfo import CgroupDir, map_cgroup_path, read_mounts
 
 PREFIX = "placement-supervisor"
-CGROUP_ROOT = "sys/fs/cgroup"
 SUPERVISOR_LEAF = "supervisor"
 CgroupVersion = Literal[1, 2]
 

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 from supervisor.hostfs import HostFS
+from supervisor.topology.cgroup import CGROUP_ROOT
 from supervisor.topology.mountinfo import Mount, map_cgroup_path
 
-CGROUP_ROOT = "sys/fs/cgroup"
 # The inode of the initial cgroup namespace is a fixed constant
 # (PROC_CGROUP_INIT_INO = 0xEFFFFFFB, include/linux/proc_ns.h), the same on
 # every boot, so "cgroup:[4026531835]" in /proc/self/ns/cgroup means "not in a

@@ -22,7 +22,8 @@ from supervisor.topology.mountinfo import MOUNTINFO, map_cgroup_path, read_mount
 
 STATUS = "proc/self/status"
 PROC_CGROUP = "proc/self/cgroup"
-V1_CPUSET_ROOT = "sys/fs/cgroup/cpuset"
+CGROUP_ROOT = "sys/fs/cgroup"  # where the cgroup hierarchies are mounted
+V1_CPUSET_ROOT = f"{CGROUP_ROOT}/cpuset"
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,9 +158,9 @@ def read_cpuset(fs: HostFS) -> Cpuset | None:
                 return mapped
             # Pure cgroup2 mounts at sys/fs/cgroup; hybrid hosts at sys/fs/cgroup/unified.
             mount = (
-                "sys/fs/cgroup"
-                if fs.read_optional("sys/fs/cgroup/cgroup.controllers") is not None
-                else "sys/fs/cgroup/unified"
+                CGROUP_ROOT
+                if fs.read_optional(f"{CGROUP_ROOT}/cgroup.controllers") is not None
+                else f"{CGROUP_ROOT}/unified"
             )
             return _find_cpuset(
                 fs, 2, mount, line.path, ("cpuset.cpus.effective", "cpuset.mems.effective")

@@ -26,11 +26,10 @@ from collections.abc import Callable
 
 from supervisor.bind.inotify import Inotify
 from supervisor.hostfs import HostFS
-from supervisor.topology.cgroup import CpusetCache
+from supervisor.topology.cgroup import CGROUP_ROOT, CpusetCache
 
 INOTIFY_POLL_FACTOR = 4  # the 50 ms default polls every 200 ms: inside the 250 ms target
 MAX_ANCESTORS = 32
-CGROUP_MOUNTS = "sys/fs/cgroup"
 
 
 def watched_files(fs: HostFS, cache: CpusetCache) -> tuple[str, ...]:
@@ -44,7 +43,7 @@ def watched_files(fs: HostFS, cache: CpusetCache) -> tuple[str, ...]:
     out: list[str] = []
     rel = posixpath.dirname(found.files[0])
     for _ in range(MAX_ANCESTORS):
-        if not rel.startswith(CGROUP_MOUNTS + "/") or not fs.exists(f"{rel}/cpuset.cpus"):
+        if not rel.startswith(CGROUP_ROOT + "/") or not fs.exists(f"{rel}/cpuset.cpus"):
             break
         out.extend(fs.path(f"{rel}/{name}") for name in ("cpuset.cpus", "cpuset.mems"))
         rel = posixpath.dirname(rel)
