@@ -37,7 +37,7 @@ from supervisor.state import (
     RebindReason,
     ThreadObservation,
 )
-from supervisor.watch.drift import apply_policy, diff, target_id
+from supervisor.watch.drift import apply_policy, process_findings, target_id, thread_findings
 
 Cause = Literal["check", "api", "cpuset_changed"]
 """Why a pass runs: the periodic check, POST /rebind, or a new plan after a cpuset change."""
@@ -130,6 +130,34 @@ class MoveRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class ThreadCheck:
+    """One pass's thread findings and what they were computed from. The scanner
+    returns the same threads tuple while nothing changed (watch.observe), so
+    the next pass reuses the findings by identity instead of a walk per thread."""
+
+    slot: Slot
+    threads: tuple[ThreadObservation, ...]
+    bound: Mapping[int, tuple[int, ...]]
+    pinned_ok: bool
+    drift: tuple[Finding, ...]  # drift.thread_findings
+    pinned: tuple[Finding, ...]  # _pinned_by_us
+
+    def holds_for(
+        self,
+        slot: Slot,
+        threads: tuple[ThreadObservation, ...],
+        bound: Mapping[int, tuple[int, ...]],
+        pinned_ok: bool,
+    ) -> bool:
+        return (
+            self.threads is threads
+            and self.bound is bound
+            and self.pinned_ok == pinned_ok
+            and (self.slot is slot or self.slot == slot)
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class RepairState:
     """What the loop remembers of one process between passes (replaced, never mutated)."""
 
@@ -143,11 +171,12 @@ class RepairState:
     last_move: MoveRecord | None = None
     repairing: bool = False  # a memory_locality finding started a repair
     memory_stale: bool = False  # re-read memory at the next pass
+    thread_check: ThreadCheck | None = None  # the last pass's thread findings
 
 
 def after_replan(state: RepairState) -> RepairState:
     """A process the new plan moved: its memory and threads are to be read afresh."""
-    return replace(state, memory_stale=True, threads=None, migrated_from=None)
+    return replace(state, memory_stale=True, threads=None, migrated_from=None, thread_check=None)
 
 
 # -- outputs --------------------------------------------------------------------------
@@ -230,9 +259,9 @@ def decide(
     """
     obs = seen.observation
     stale = state.memory_stale and not seen.memory_read
+    check = _thread_check(slot, obs, state, pinned_ok=not policy.enforce_pinned)
     findings = apply_policy(
-        diff(slot, obs, threshold=policy.threshold, pinned_ok=not policy.enforce_pinned)
-        + _pinned_by_us(slot, obs, state),
+        check.drift + process_findings(slot, obs, threshold=policy.threshold) + check.pinned,
         {kind: policy.action(kind) for kind in DRIFT_KINDS},
     )
     w = _Work(seen.key, state, stale, now)
@@ -325,7 +354,7 @@ def decide(
         cgroup=cgroup,
         state=RepairState(
             placed=_placed(state, obs, drift_tids),
-            bound=_live(state.bound, obs),
+            bound=_live(state.bound, obs, state.threads),
             reported=frozenset(reported),
             threads=obs.threads,
             failures=state.failures,
@@ -334,7 +363,26 @@ def decide(
             last_move=state.last_move,
             repairing=w.repairing,
             memory_stale=stale,
+            thread_check=check,
         ),
+    )
+
+
+def _thread_check(
+    slot: Slot, obs: Observation, state: RepairState, *, pinned_ok: bool
+) -> ThreadCheck:
+    """The thread findings of `obs`: the last pass's when it saw the same threads
+    (the same tuple), the same slot and the same binds of ours; else computed."""
+    last = state.thread_check
+    if last is not None and last.holds_for(slot, obs.threads, state.bound, pinned_ok):
+        return last
+    return ThreadCheck(
+        slot,
+        obs.threads,
+        state.bound,
+        pinned_ok,
+        thread_findings(slot, obs.threads, pinned_ok=pinned_ok),
+        _pinned_by_us(slot, obs, state),
     )
 
 
@@ -369,10 +417,13 @@ def _pinned_by_us(slot: Slot, obs: Observation, state: RepairState) -> tuple[Fin
     if not state.bound:
         return ()
     out: list[Finding] = []
+    wanted: dict[str, tuple[int, ...]] = {}
     for t in obs.threads:
         if state.bound.get(t.tid) != t.cpus:
             continue
-        want = tuple(sorted(set(slot.role_cpus(t.role))))
+        want = wanted.get(t.role)
+        if want is None:
+            want = wanted[t.role] = tuple(sorted(set(slot.role_cpus(t.role))))
         if t.cpus != want and set(t.cpus) < set(want):
             out.append(
                 Finding(
@@ -397,9 +448,14 @@ def _placed(state: RepairState, obs: Observation, drift_tids: set[int]) -> Mappi
     return placed
 
 
-def _live(bound: Mapping[int, tuple[int, ...]], obs: Observation) -> Mapping[int, tuple[int, ...]]:
-    """`bound` without the threads that are gone (the same mapping when none is)."""
-    if not bound:
+def _live(
+    bound: Mapping[int, tuple[int, ...]],
+    obs: Observation,
+    previous: tuple[ThreadObservation, ...] | None,
+) -> Mapping[int, tuple[int, ...]]:
+    """`bound` without the threads that are gone (the same mapping when none is).
+    The same threads tuple as the last pass's (`previous`) has lost none."""
+    if not bound or obs.threads is previous:
         return bound
     live = {t.tid for t in obs.threads}
     if all(tid in live for tid in bound):

@@ -50,9 +50,19 @@ def diff(
         return (Finding("process_gone", "process", "running", "exited"),)
     if observation is None:
         return ()
+    return thread_findings(slot, observation.threads, pinned_ok=pinned_ok) + process_findings(
+        slot, observation, threshold=threshold
+    )
+
+
+def thread_findings(
+    slot: Slot, threads: Sequence[ThreadObservation], *, pinned_ok: bool = True
+) -> tuple[Finding, ...]:
+    """`diff`'s thread_affinity and self_rebind findings: they depend on the slot and
+    the threads alone (the check loop reuses them while both are the same objects)."""
     findings: list[Finding] = []
     wanted: dict[str, tuple[int, ...]] = {}
-    for thread in observation.threads:
+    for thread in threads:
         want = wanted.get(thread.role)
         if want is None:
             want = wanted[thread.role] = tuple(sorted(set(slot.role_cpus(thread.role))))
@@ -66,7 +76,14 @@ def diff(
                     format_cpulist(thread.cpus),
                 )
             )
-    findings = _self_rebind(slot, observation, findings)
+    return tuple(_self_rebind(slot, threads, findings))
+
+
+def process_findings(
+    slot: Slot, observation: Observation, *, threshold: float
+) -> tuple[Finding, ...]:
+    """`diff`'s findings about the process as a whole: its cgroup, memory and IRQs."""
+    findings: list[Finding] = []
     if observation.cgroup is not None:
         findings.extend(cgroup_findings(slot, observation.cgroup))
     ratio = observation.local_memory_ratio
@@ -124,7 +141,9 @@ def irq_drifted(delivered: Iterable[int], planned: Iterable[int]) -> bool:
     return bool(got) and bool(want) and not got <= want
 
 
-def _self_rebind(slot: Slot, obs: Observation, findings: list[Finding]) -> list[Finding]:
+def _self_rebind(
+    slot: Slot, threads: Sequence[ThreadObservation], findings: list[Finding]
+) -> list[Finding]:
     """thread_affinity findings that are one process moving itself out of its slot.
 
     Judged per process of the tree (threads grouped by their `pid`). When
@@ -137,20 +156,20 @@ def _self_rebind(slot: Slot, obs: Observation, findings: list[Finding]) -> list[
     """
     if not findings:
         return findings
-    if all(t.pid is None for t in obs.threads):  # no tree members: one process
-        groups: list[Sequence[ThreadObservation]] = [obs.threads]
+    if all(t.pid is None for t in threads):  # no tree members: one process
+        groups: list[Sequence[ThreadObservation]] = [threads]
     else:
         by_pid: dict[int | None, list[ThreadObservation]] = {}
-        for t in obs.threads:
+        for t in threads:
             by_pid.setdefault(t.pid, []).append(t)
         groups = list(by_pid.values())
     targets = {f.target for f in findings}
     moved: set[str] = set()
-    for threads in groups:
-        names = [f"tid {t.tid}" for t in threads]
+    for group in groups:
+        names = [f"tid {t.tid}" for t in group]
         if not all(n in targets for n in names):
             continue
-        cpus = {t.cpus for t in threads}
+        cpus = {t.cpus for t in group}
         if len(cpus) == 1 and not set(next(iter(cpus))) <= set(slot.cpus):
             moved.update(names)
     if not moved:

@@ -108,6 +108,24 @@ class _Known:
         self.matcher: RoleMatcher | None = None
 
 
+class _Steady:
+    """A scan with every thread settled: what `ThreadScanner._steady_observe` compares."""
+
+    __slots__ = ("cpus", "matcher", "observed", "tids")
+
+    def __init__(
+        self,
+        matcher: RoleMatcher,
+        observed: tuple[ThreadObservation, ...],
+        tids: list[int],
+        cpus: list[set[int]],
+    ) -> None:
+        self.matcher = matcher
+        self.observed = observed
+        self.tids = tids
+        self.cpus = cpus
+
+
 class ThreadScanner:
     """Reads one process's threads once per check, at close to syscall cost.
 
@@ -123,12 +141,21 @@ class ThreadScanner:
     tree it falls back to `read_threads`. Keep one per process; make a new
     one when the process is restarted. With `member` its observations carry
     the pid (a tree member's threads, listed with its owner's).
+
+    The steady state (no listing or renaming due, the same thread count, every
+    thread past its young scans and on the CPUs it had) is one stat, one
+    sched_getaffinity per thread in a comprehension and one list compare, and
+    `observe` returns the very tuple it returned last time: the check loop's
+    per-thread decisions are then skipped by identity (watch.decide). That
+    made the 8 x 100-thread scan ~3x cheaper than the per-thread bookkeeping
+    (issue 17, item 6; tests/bench/drift_bench.py).
     """
 
     __slots__ = (
         "_known",
         "_nlink",
         "_scan",
+        "_steady",
         "fs",
         "member",
         "pid",
@@ -158,11 +185,13 @@ class ThreadScanner:
         self._known: dict[int, _Known] = {}
         self._nlink = -1
         self._scan = 0
+        self._steady: _Steady | None = None
 
     def scan(self) -> list[LiveThread]:
         """The process's threads now, in tid order; [] when it is gone."""
         if not self.fs.is_live:
             return read_threads(self.fs, self.pid, "status")
+        self._steady = None  # what this scan updates, the next observe builds afresh
         return [entry.live for entry in self._scan_entries() if entry.live is not None]
 
     def observe(self, matcher: RoleMatcher) -> tuple[ThreadObservation, ...]:
@@ -173,8 +202,12 @@ class ThreadScanner:
                 ThreadObservation(t.tid, t.name, matcher.role(t.name), t.cpus, pid=pid)
                 for t in self.scan()
             )
+        steady = self._steady_observe(matcher)
+        if steady is not None:
+            return steady
         out: list[ThreadObservation] = []
-        for entry in self._scan_entries():
+        entries = self._scan_entries()
+        for entry in entries:
             observed = entry.observed
             if observed is not None and entry.matcher is matcher:
                 out.append(observed)
@@ -188,7 +221,49 @@ class ThreadScanner:
             entry.observed = observed
             entry.matcher = matcher
             out.append(observed)
-        return tuple(out)
+        result = tuple(out)
+        self._remember(matcher, entries, result)
+        return result
+
+    def _steady_observe(self, matcher: RoleMatcher) -> tuple[ThreadObservation, ...] | None:
+        """Last scan's observations when nothing changed since (see the class); None
+        when anything may have: the full scan then finds out what."""
+        steady = self._steady
+        n = self._scan
+        if (
+            steady is None
+            or steady.matcher is not matcher
+            or n % self.relist_every == 0
+            or n % self.rename_every == 0
+        ):
+            return None
+        getaffinity = os.sched_getaffinity
+        try:
+            if os.stat(self.fs.path(f"proc/{self.pid}/task")).st_nlink != self._nlink:
+                return None
+            if [getaffinity(tid) for tid in steady.tids] != steady.cpus:
+                return None
+        except OSError:
+            return None  # a thread (or the process) is gone: the full scan says which
+        self._scan = n + 1
+        return steady.observed
+
+    def _remember(
+        self, matcher: RoleMatcher, entries: list[_Known], observed: tuple[ThreadObservation, ...]
+    ) -> None:
+        """Keep this scan for `_steady_observe` when every thread is settled in it."""
+        young = self.young_scans
+        if len(entries) != len(self._known) or any(
+            e.live is None or e.cpus is None or e.scans < young for e in entries
+        ):
+            self._steady = None
+            return
+        self._steady = _Steady(
+            matcher,
+            observed,
+            [e.live.tid for e in entries if e.live is not None],
+            [e.cpus for e in entries if e.cpus is not None],
+        )
 
     def _scan_entries(self) -> list[_Known]:
         task_path = self.fs.path(f"proc/{self.pid}/task")

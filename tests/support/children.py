@@ -183,6 +183,13 @@ for line in sys.stdin:
         stop.set()
         t.join()
         print(json.dumps({"tid": tids.pop(name)}), flush=True)
+    elif cmd == "rename":  # "rename OLD NEW": a sibling may write a thread's comm
+        old, new = name.split()
+        with open(f"/proc/self/task/{tids[old]}/comm", "w") as f:
+            f.write(new)
+        tids[new] = tids.pop(old)
+        stops[new] = stops.pop(old)
+        print(json.dumps({"tid": tids[new]}), flush=True)
 """
 
 

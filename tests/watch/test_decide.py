@@ -442,3 +442,30 @@ def test_note_failure_is_new_once_per_reason() -> None:
     assert new
     assert note_failure(state, "process", "pid 7 (detail)", "error") == (state, False)
     assert note_failure(state, "process", "pid 7", "denied")[1]
+
+
+def test_the_same_threads_reuse_the_last_thread_findings_until_an_input_changes() -> None:
+    """The scanner hands back the same tuple while nothing changed; decide then
+    reuses the last pass's thread findings, and computes them again as soon as
+    the threads, the slot, our binds or the pinned rule differ."""
+    threads = (MAIN_OK, COMM_WRONG)
+    first = run(observation(threads), PLACED, policy(OBSERVE_ALL))
+    assert [f.target for f in first.findings] == ["tid 101"]
+    check = first.state.thread_check
+    assert check is not None and check.threads is threads
+    again = run(observation(threads), first.state, policy(OBSERVE_ALL))
+    assert again.state.thread_check is check  # reused: no walk over the threads
+    assert [f.target for f in again.findings] == ["tid 101"]
+    # Another slot (a re-plan put comm on CPUs 0-1): the same threads, no drift.
+    wider = Slot((0, 1, 2), (0,), {"main": (0, 1), "comm": (0, 1)})
+    moved = decide(wider, Seen(0, 4242, observation(threads), True), again.state, policy(), NOW)
+    assert moved.findings == () and moved.state.thread_check is not check
+    # Equal threads in a new tuple (a scan that rebuilt them) are checked afresh.
+    fresh = run(observation((MAIN_OK, thread(101, "comm", (2,)))), again.state, policy())
+    assert fresh.findings == () and fresh.state.thread_check is not check
+    # The same tuple, but now our own bind pinned it: the pinned rule says otherwise.
+    narrowed = (thread(100, "main", (0,)),)
+    theirs = run(observation(narrowed), PLACED, policy())
+    assert theirs.findings == ()  # the workload's pin inside its role's CPUs
+    ours = run(observation(narrowed), replace(theirs.state, bound={100: (0,)}), policy())
+    assert [f.target for f in ours.findings] == ["tid 100"]

@@ -14,7 +14,7 @@ from supervisor.errors import Gone, TopologyError
 from supervisor.hostfs import HostFS
 from supervisor.plan.keys import ThreadRole
 from supervisor.plan.placement import Slot
-from supervisor.plan.threads import LiveThread
+from supervisor.plan.threads import LiveThread, RoleMatcher
 from supervisor.procfs.files import parse_status_thread
 from supervisor.procfs.numa_maps import parse_numa_maps, read_numa_maps
 from supervisor.topology.cgroup import CPUSET_RESOLVE_EVERY, CpusetCache, parse_status_allowed
@@ -106,6 +106,39 @@ def test_thread_scanner_sees_affinity_changes_every_scan(child: ThreadedChild) -
         scanner.scan()
     os.sched_setaffinity(tid, {allowed[0]})
     assert _by_tid(scanner.scan())[tid].cpus == (allowed[0],)
+
+
+def test_a_settled_scan_hands_back_its_tuple_until_something_changes(
+    child: ThreadedChild,
+) -> None:
+    """Once every thread is past its young scans, `observe` returns the very tuple
+    it returned last (what lets decide skip its walk over the threads); an
+    affinity change, a new or an exited thread, and a rename (at the renaming
+    scan) each give a new one with the change in it."""
+    matcher = RoleMatcher("workers", (ThreadRole("comm", "workers", "hccl*"),))
+    scanner = ThreadScanner(LIVE, child.pid, relist_every=1000, rename_every=1000, young_scans=2)
+    for _ in range(3):
+        settled = scanner.observe(matcher)
+    assert scanner.observe(matcher) is settled
+    tid = child.threads["so-compile-0"]
+    cpu = min(os.sched_getaffinity(child.pid))
+    os.sched_setaffinity(tid, {cpu})
+    moved = scanner.observe(matcher)
+    assert moved is not settled and {t.tid: t.cpus for t in moved}[tid] == (cpu,)
+    assert scanner.observe(matcher) is moved
+    new_tid = child.command("spawn hccl_worker")
+    grown = scanner.observe(matcher)
+    assert {t.tid: t.role for t in grown}[new_tid] == "comm"
+    gone_tid = child.command("stop release_thread")
+    shrunk = scanner.observe(matcher)
+    assert gone_tid not in {t.tid for t in shrunk} and new_tid in {t.tid for t in shrunk}
+    assert scanner.observe(matcher) is scanner.observe(matcher)
+    renaming = ThreadScanner(LIVE, child.pid, relist_every=1000, rename_every=6, young_scans=2)
+    for _ in range(3):
+        renaming.observe(matcher)
+    acl = child.command("rename acl_thread renamed-acl")
+    names = [{t.tid: t.name for t in renaming.observe(matcher)}[acl] for _ in range(6)]
+    assert names[0] == "acl_thread" and names[-1] == "renamed-acl"  # at the renaming scan
 
 
 def test_thread_scanner_process_gone(child: ThreadedChild) -> None:
