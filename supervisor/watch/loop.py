@@ -43,7 +43,7 @@ from supervisor.topology.cgroup import CpusetCache
 from supervisor.topology.model import Topology
 from supervisor.watch.apply import Applier, CgroupsLike, has_work
 from supervisor.watch.cpuset import Replanning, moved_policies
-from supervisor.watch.cpuset_watch import start_watch
+from supervisor.watch.cpuset_watch import AllowedTrust, WatchState, start_watch
 from supervisor.watch.decide import (
     Cause,
     Decision,
@@ -69,6 +69,13 @@ from supervisor.watch.settle import Outcome, Outcomes, moved_by_plan, note_failu
 Results = dict[ProcKey, tuple[Observation, tuple[Finding, ...]]]
 
 log = logging.getLogger("placement_supervisor.checker")
+
+
+# A rank cgroup's memory.numa_stat is read every this many checks (and at once
+# after a migration or a new plan): locality moves slowly, the read was a
+# tenth of a quiet pass (issue 17, item 6), and the ratio between reads is the
+# last one read.
+NUMA_STAT_EVERY = 5
 
 
 class CheckLoop:
@@ -122,6 +129,8 @@ class CheckLoop:
         self.lock = asyncio.Lock()
         self.wake = asyncio.Event()  # the fast watch saw a change: check now
         self._pass_cpus = frozenset[int]()  # the main thread's affinity as the last pass began
+        self.watch_state = WatchState()  # what the live watch thread saw
+        self.allowed_trust = AllowedTrust()  # when a pass may skip reading the allowed set
         self.can_migrate_other = self.binder.can_migrate_other()
         self._errors: dict[str, str | None] = {}  # what -> the last error said
         self.cpuset_cache = CpusetCache()  # the passes' (under the lock) only
@@ -215,6 +224,7 @@ class CheckLoop:
                 period_s=self.drift.cpuset_watch_s,
                 last_cpus=lambda: self._pass_cpus,
                 stop=stop,
+                state=self.watch_state,
             )
             try:
                 await self.stopping.wait()
@@ -282,7 +292,9 @@ class CheckLoop:
 
     # -- one pass ---------------------------------------------------------------------
 
-    async def _scan(self, targets: Sequence[ScanTarget]) -> ScanResult:
+    async def _scan(
+        self, targets: Sequence[ScanTarget], *, with_allowed: bool = True
+    ) -> ScanResult:
         manager = self.cgroups.manager if self.cgroups is not None else None
         node_ids = [n.id for n in self.plan.topology.nodes]
         placement = self.plan.placement
@@ -295,11 +307,15 @@ class CheckLoop:
                 irqs=self.irqs,
                 cgroups=manager,
                 placement=placement,
+                with_allowed=with_allowed,
                 cpuset_cache=self.cpuset_cache,
             ),
         )
         self._irq_facts()
-        for what, text in (("allowed CPUs", result.host_error), ("IRQs", result.irq_error)):
+        said = [("IRQs", result.irq_error)]
+        if with_allowed:
+            said.append(("allowed CPUs", result.host_error))
+        for what, text in said:
             if self._said(what, text) and text is not None:
                 self.record.error(
                     f"cannot observe {what}: {text}", text, what="observe", action="skip"
@@ -333,7 +349,8 @@ class CheckLoop:
             only = None  # a new plan moves whom it moves, whoever asked for the pass
         self._pass_cpus = self._main_cpus()  # before the scan reads the allowed set
         targets = self._targets(only, moved)
-        result = await self._scan(targets)
+        with_allowed = self.allowed_trust.due(self.watch_state, self._pass_cpus)
+        result = await self._scan(targets, with_allowed=with_allowed)
         changed = result.allowed is not None and result.allowed != self.allowed
         if changed or (self.replanning is not None and self.replanning.pending):
             if result.allowed is not None and changed:
@@ -442,6 +459,7 @@ class CheckLoop:
             made,
             only=only,
             numa_maps_interval_s=self.drift.numa_maps_interval_s,
+            numa_stat_interval_s=(NUMA_STAT_EVERY - 0.5) * self.policy.check_interval_s,
             now=time.monotonic(),
             trees=self.store.snapshot.trees,
         )

@@ -139,11 +139,15 @@ def track(
     numa_maps_interval_s: float,
     now: float,
     trees: Mapping[ProcKey, Sequence[TreeMember]] | None = None,
+    numa_stat_interval_s: float = 0.0,
 ) -> list[ScanTarget]:
     """The running processes to scan (no I/O). Starts tracking a process anew
     when its pid or start time changed (a restart, or a reused pid), and
     forgets the ones no longer running. `matchers` by `role_kinds`; `trees`:
-    the members of each process's tree (`Snapshot.trees`)."""
+    the members of each process's tree (`Snapshot.trees`). Memory is read
+    when due: a process in its own memory cgroup every `numa_stat_interval_s`
+    (memory.numa_stat), any other every `numa_maps_interval_s` (numa_maps);
+    either at once when its state says the last reading is stale."""
     targets: list[ScanTarget] = []
     live: set[ProcKey] = set()
     for key, status, slot in supervised:
@@ -160,8 +164,10 @@ def track(
         members = sync_members(fs, t.members, (trees or {}).get(key, ()))
         own = made.get(key) if status.cgroup is not None else None
         pc = own if own is not None and own.memory_dir is not None else None
-        due = t.state.memory_stale or now - t.maps_at >= numa_maps_interval_s
-        targets.append(ScanTarget(key, status.pid, slot, t, pc, pc is None and due, members, own))
+        every = numa_maps_interval_s if pc is None else numa_stat_interval_s
+        due = t.state.memory_stale or now - t.maps_at >= every
+        stat = pc if due else None
+        targets.append(ScanTarget(key, status.pid, slot, t, stat, pc is None and due, members, own))
     if only is None:
         for key in list(tracked):
             if key not in live:

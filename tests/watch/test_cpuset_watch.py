@@ -19,7 +19,7 @@ import pytest
 from supervisor.bind.inotify import Inotify
 from supervisor.hostfs import HostFS
 from supervisor.topology.cgroup import Cpuset, CpusetCache
-from supervisor.watch.cpuset_watch import run_watch, watched_files
+from supervisor.watch.cpuset_watch import AllowedTrust, WatchState, run_watch, watched_files
 from tests.support.cgroup_v1 import v1_available, v1_cpuset
 from tests.support.daemon_support import poll
 
@@ -94,7 +94,10 @@ def test_watched_files_are_the_writable_ones_up_to_the_hierarchy_root(tmp_path: 
 
 @contextmanager
 def _watching(
-    cache: CpusetCache, period_s: float, last_cpus: Callable[[], frozenset[int]]
+    cache: CpusetCache,
+    period_s: float,
+    last_cpus: Callable[[], frozenset[int]],
+    state: WatchState | None = None,
 ) -> Iterator[list[float]]:
     """The real watch thread on the live host; yields the times it woke the loop."""
     wakes: list[float] = []
@@ -107,6 +110,7 @@ def _watching(
             "last_cpus": last_cpus,
             "wake": lambda: wakes.append(time.monotonic()),
             "stop": stop,
+            "state": state,
         },
         daemon=True,
     )
@@ -119,9 +123,11 @@ def _watching(
 
 @pytest.mark.timeout(60)
 def test_a_cpuset_write_wakes_the_loop_long_before_the_poll(tmp_path: Path) -> None:
-    """The poll runs every 30 s x INOTIFY_POLL_FACTOR here: only the write's
-    inotify event can wake the loop within the deadline, for cpuset.cpus and
-    cpuset.mems alike, and a write to a child (the ranks' cgroups) does not."""
+    """The poll runs every 30 s here (inotify armed: the period or ARMED_POLL_S,
+    the longer): only the write's inotify event can wake the loop within the
+    deadline, for cpuset.cpus and cpuset.mems alike, and a write to a child
+    (the ranks' cgroups) does not. The watch's state says it is armed and
+    counts each change it woke the loop for."""
     why = v1_available()
     if why is not None:
         pytest.skip(why)
@@ -133,7 +139,8 @@ def test_a_cpuset_write_wakes_the_loop_long_before_the_poll(tmp_path: Path) -> N
         rel = str(cg.relative_to("/"))
         cache = _cache(1, rel, ("cpuset.effective_cpus", "cpuset.effective_mems"))
         mine = frozenset(os.sched_getaffinity(0))
-        with _watching(cache, 30.0, lambda: mine) as wakes:
+        state = WatchState()
+        with _watching(cache, 30.0, lambda: mine, state) as wakes:
 
             def woken_by(file: Path, value: str, what: str) -> None:
                 # Written again on each poll: the first writes may land before the
@@ -150,6 +157,7 @@ def test_a_cpuset_write_wakes_the_loop_long_before_the_poll(tmp_path: Path) -> N
             (child / "cpuset.cpus").write_text("0")
             time.sleep(0.3)
             assert len(wakes) == n, "a write to a child's cpuset woke the loop"
+            assert state.armed and state.changes == len(wakes) >= 3
 
 
 @pytest.mark.timeout(30)
@@ -169,3 +177,20 @@ def test_an_affinity_change_wakes_the_loop_at_the_poll(tmp_path: Path) -> None:
         n = len(wakes)
         time.sleep(0.2)
         assert len(wakes) == n
+
+
+def test_a_pass_trusts_the_last_allowed_read_only_while_the_armed_watch_saw_nothing() -> None:
+    """AllowedTrust: every pass reads the allowed set unless inotify is armed, the
+    watch counted no change and the main thread's affinity is the same as at
+    the last read; and even then every `every` passes."""
+    state, trust = WatchState(), AllowedTrust(every=4)
+    cpus = frozenset({0, 1})
+    assert [trust.due(state, cpus) for _ in range(3)] == [True] * 3  # not armed
+    state.armed = True
+    assert [trust.due(state, cpus) for _ in range(5)] == [False, False, False, True, False]
+    state.changes += 1  # the watch saw a write (or the affinity move)
+    assert [trust.due(state, cpus) for _ in range(2)] == [True, False]
+    assert trust.due(state, frozenset({1}))  # the affinity itself differs
+    assert not trust.due(state, frozenset({1}))
+    state.armed = False  # inotify failed, or the thread ended
+    assert trust.due(state, frozenset({1}))
