@@ -55,6 +55,7 @@ from supervisor.watch.decide import (
 )
 from supervisor.watch.publish import publish_down, record_settled, summary_of
 from supervisor.watch.scan import (
+    NUMA_STAT_EVERY,
     IrqKeeperLike,
     ScanResult,
     ScanTarget,
@@ -65,17 +66,11 @@ from supervisor.watch.scan import (
     track,
 )
 from supervisor.watch.settle import Outcome, Outcomes, moved_by_plan, note_failure, settle
+from supervisor.watch.steady import mark_of
 
 Results = dict[ProcKey, tuple[Observation, tuple[Finding, ...]]]
 
 log = logging.getLogger("placement_supervisor.checker")
-
-
-# A rank cgroup's memory.numa_stat is read every this many checks (and at once
-# after a migration or a new plan): locality moves slowly, the read was a
-# tenth of a quiet pass (issue 17, item 6), and the ratio between reads is the
-# last one read.
-NUMA_STAT_EVERY = 5
 
 
 class CheckLoop:
@@ -202,17 +197,11 @@ class CheckLoop:
                 watch.cancel()
 
     async def watch_allowed(self) -> None:
-        """Every `cpuset_watch_s`, wake the full check at once when the allowed set
-        differs from what the last pass started from (level-triggered: a change
-        that lands during a pass, after its read, still wakes the next one).
-
-        On the live host a plain thread (supervisor.watch.cpuset_watch) polls
-        the main thread's affinity and is woken at once by a write to the cpuset
-        files of the supervisor's cgroup or its ancestors (inotify). A thread,
-        not an asyncio task: each wake-up of the event loop (timer, future,
-        callbacks) measured ~2.5x the CPU of a thread's sleep and syscall, and
-        the loop is woken only on a change. On a fixture tree (tests) the
-        allowed set itself is read, in the executor, and compared with the loop's.
+        """Wake the full check at once when the allowed set differs from what the
+        last pass started from (level-triggered: a change during a pass wakes the next).
+        On the live host a plain thread (watch.cpuset_watch: inotify on the cpuset
+        files, an affinity poll) does it: an event-loop wake-up cost ~2.5x a thread's.
+        On a fixture tree (tests) the allowed set is read every `cpuset_watch_s`.
         """
         if self.fs.is_live:
             stop = threading.Event()
@@ -371,6 +360,8 @@ class CheckLoop:
         )
         now = time.monotonic()
         decisions: list[Decision] = []
+        steady: dict[ProcKey, tuple[Observation, dict[str, Any]]] = {}  # see watch.steady
+        slots: dict[ProcKey, Slot] = {}
         for t in targets:
             tracked = self.tracked.get(t.key)
             if tracked is None or tracked.pid != t.pid:
@@ -385,6 +376,15 @@ class CheckLoop:
                 continue  # exited since the listing: its runner reports that
             if seen.memory_read:
                 tracked.maps_at = now
+            mark = tracked.steady  # decided nothing last time, and sees the same now: skip
+            if (
+                moved is None
+                and mark
+                and mark.holds(t.slot, policy, tracked.state, seen.observation)
+            ):
+                tracked.previous, steady[t.key] = seen.observation, (seen.observation, mark.summary)
+                continue
+            slots[t.key] = t.slot
             decisions.append(self._decide(tracked, t.slot, seen, policies.get(t.key, policy), now))
         # The trees as they are now (an adoption publishes at once), not as scanned.
         trees = self.store.snapshot.trees
@@ -397,8 +397,11 @@ class CheckLoop:
         summary: dict[str, Any] = {}
         for d, out in zip(decisions, outcomes, strict=True):
             summary[key_label(d.key)] = self._publish(
-                d, out, policies.get(d.key, policy), now, results, moved=moved
+                d, out, policies.get(d.key, policy), now, results, moved=moved, slot=slots[d.key]
             )
+        for key, (obs, said) in steady.items():
+            results[key], summary[key_label(key)] = (obs, ()), said
+            self.down_reported.discard(key)
         summary.update(self._publish_down(only, results))
         return {"reason": "api" if cause == "api" else "check", "processes": summary}
 
@@ -492,6 +495,7 @@ class CheckLoop:
         results: Results,
         *,
         moved: Moved | None = None,
+        slot: Slot,
     ) -> dict[str, Any]:
         key = d.key
         tracked = self.tracked[key]
@@ -510,7 +514,9 @@ class CheckLoop:
             record_settled(self.record, d, s, out)
         results[key] = (s.observation, s.remaining)
         self.down_reported.discard(key)
-        return summary_of(tracked.pid, d, s)
+        summary = summary_of(tracked.pid, d, s)
+        tracked.steady = mark_of(d, s, slot, policy, summary)
+        return summary
 
     def _publish_down(self, only: ProcKey | None, results: Results) -> dict[str, Any]:
         if self.stopping.is_set():

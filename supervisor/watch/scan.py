@@ -17,7 +17,7 @@ on it (supervisor.watch.decide). `read_allowed` is the allowed set alone
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from supervisor.bind.cgroup import CgroupManager, ProcessCgroup
@@ -44,6 +44,7 @@ from supervisor.watch.observe import (
     read_online_cpus,
     read_self_allowed,
 )
+from supervisor.watch.steady import SteadyMark
 
 
 class IrqOutcomeLike(Protocol):
@@ -73,6 +74,12 @@ Supervised = tuple[ProcKey, ProcessStatus, Slot]
 """A planned process as its runner has it: key, status, slot."""
 
 
+# A rank cgroup's memory.numa_stat is read every this many checks (and at once
+# after a migration or a new plan): locality moves slowly, the read was a tenth
+# of a quiet pass (issue 17, item 6); between reads the last ratio stands.
+NUMA_STAT_EVERY = 5
+
+
 @dataclass(frozen=True, slots=True)
 class MemberScan:
     """One member of a tree (pid + start time) and the scanner kept for it."""
@@ -95,6 +102,15 @@ class Tracked:
     previous: Observation | None = None  # memory carried over when none is read
     maps_at: float = float("-inf")  # monotonic time of the last memory read
     state: RepairState = field(default_factory=RepairState)
+    steady: SteadyMark | None = None  # the last pass decided nothing (watch.steady)
+    # The last pass's tree threads: the per-process tuples and their concatenation,
+    # handed back while every part is the same tuple (decide then skips its walk).
+    tree_threads: tuple[
+        tuple[tuple[ThreadObservation, ...], ...], tuple[ThreadObservation, ...]
+    ] = (
+        (),
+        (),
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,38 +269,66 @@ def scan(
         except KernelError as err:
             errors[t.key] = str(err)
             continue
+        threads, delivered, own = observation.threads, observation.irqs, observation.cgroup
         if t.members:
-            extra, failed = scan_members(fs, t.members, t.tracked.matcher)
-            if extra:
-                observation = replace(observation, threads=observation.threads + extra)
+            parts, failed = scan_members(fs, t.members, t.tracked.matcher)
+            threads = tree_threads(t.tracked, (threads, *parts))
             if failed:
                 member_errors[t.key] = failed
-        if t.key in irq_obs:
-            observation = replace(observation, irqs=irq_obs[t.key])
+        delivered = irq_obs.get(t.key, delivered)
         if t.own is not None and cgroups is not None:
             try:
-                observation = replace(observation, cgroup=cgroups.observe(t.own, t.pid))
+                own = cgroups.observe(t.own, t.pid)
             except KernelError as err:
                 member_errors[t.key] = (*member_errors.get(t.key, ()), (t.pid, str(err)))
+        if (
+            threads is not observation.threads
+            or delivered is not observation.irqs
+            or own is not None
+        ):
+            # One constructor, not dataclasses.replace (~5x its cost) per part.
+            observation = Observation(
+                threads,
+                observation.memory_bytes_by_node,
+                observation.local_memory_ratio,
+                delivered,
+                observation.observed_at,
+                own,
+            )
         seen[t.key] = Seen(t.key, t.pid, observation, t.read_maps or t.cgroup is not None)
     return ScanResult(allowed, host_error, seen, errors, irq_error, member_errors)
 
 
+def tree_threads(
+    tracked: Tracked, parts: tuple[tuple[ThreadObservation, ...], ...]
+) -> tuple[ThreadObservation, ...]:
+    """The threads of a process and its tree's members in one tuple: the last
+    pass's very tuple while every part is the one its scanner handed back then."""
+    last_parts, last = tracked.tree_threads
+    if len(parts) == len(last_parts) and all(
+        a is b for a, b in zip(parts, last_parts, strict=True)
+    ):
+        return last
+    threads = tuple(t for part in parts for t in part)
+    tracked.tree_threads = (parts, threads)
+    return threads
+
+
 def scan_members(
     fs: HostFS, members: Sequence[MemberScan], matcher: RoleMatcher
-) -> tuple[tuple[ThreadObservation, ...], tuple[tuple[int, str], ...]]:
-    """The threads of a tree's members (each labelled with its pid), and the
-    members that could not be read (pid, error). A member is read only while
+) -> tuple[tuple[tuple[ThreadObservation, ...], ...], tuple[tuple[int, str], ...]]:
+    """The threads of a tree's members (a tuple per member, each thread labelled
+    with its pid), and the members that could not be read (pid, error). A member is read only while
     its pid is the process the tree keeper saw (its start time: one small read
     of its main thread's stat); one that exited or whose pid was reused since
     is skipped: the keeper drops it at its next pass."""
-    threads: list[ThreadObservation] = []
+    threads: list[tuple[ThreadObservation, ...]] = []
     failed: list[tuple[int, str]] = []
     for m in members:
         try:
             if not is_leader_since(fs, m.pid, m.start_time):
                 continue
-            threads.extend(m.scanner.observe(matcher))
+            threads.append(m.scanner.observe(matcher))
         except Gone:
             continue
         except KernelError as err:

@@ -182,8 +182,16 @@ def settle(
                 for t in observation.threads
             ),
         )
+    unchanged = (
+        placed is None
+        and failures == state.failures
+        and (migrate_after, last_move, migrated_from, stale)
+        == (state.migrate_after, state.last_move, state.migrated_from, state.memory_stale)
+    )
     return Settled(
-        replace(
+        state  # the steady state: nothing bound, moved or failed anew
+        if unchanged
+        else replace(
             state,
             placed=state.placed if placed is None else placed,
             bound=state.bound if placed is None else bound,

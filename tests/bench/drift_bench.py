@@ -11,7 +11,7 @@ with real workers in per-rank cgroups; everything is removed afterwards.
     new plan. p50/p99 over 20 changes at the default 1 s check interval, with
     the fast allowed-set watch (`[drift] cpuset_watch_s`, 50 ms: inotify on the
     cpuset files wakes the check at the write, the affinity is polled every
-    200 ms) and without it (the old path: the change is seen at the next full
+    1 s) and without it (the old path: the change is seen at the next full
     check), both measured in this run (target: p99 <= 250 ms with the watch).
 (b) idle cost: the daemon's utime+stime (/proc/<pid>/stat) over ~30 s with
     8 ranks x 100 named threads at the default 1 s interval and the watch on,

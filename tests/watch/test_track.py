@@ -8,9 +8,9 @@ from supervisor.bind.cgroup import ProcessCgroup
 from supervisor.hostfs import HostFS
 from supervisor.plan.keys import ProcKey
 from supervisor.plan.placement import Slot
-from supervisor.plan.threads import RoleMatcher
-from supervisor.state import ProcessStatus
-from supervisor.watch.scan import ScanTarget, Tracked, role_kinds, track
+from supervisor.plan.threads import RoleMatcher, role_kinds
+from supervisor.state import ProcessStatus, ThreadObservation
+from supervisor.watch.scan import ScanTarget, Tracked, track, tree_threads
 
 SLOT = Slot((0, 1), (0,), {"main": (0, 1)})
 OWN = ProcessCgroup("rank0", 1, None, "sys/fs/cgroup/memory/ps/rank0", ("/x",))
@@ -74,3 +74,18 @@ def test_a_process_without_its_own_memory_cgroup_reads_numa_maps_when_due() -> N
     _read(tracked, first, 100.0)
     assert not _targets(tracked, 105.0, cgroup=False)[0].read_maps
     assert _targets(tracked, 110.0, cgroup=False)[0].read_maps
+
+
+def test_a_tree_s_threads_are_the_same_tuple_while_every_part_is() -> None:
+    """The process's and its members' tuples, joined: the last join handed back
+    while each part is the very tuple its scanner returned (what lets decide
+    reuse its thread findings for a worker with children), a new one otherwise."""
+    tracked = _targets({}, 100.0, cgroup=False)[0].tracked
+    own = (ThreadObservation(1, "python", "main", (0, 1)),)
+    child = (ThreadObservation(2, "python", "main", (0, 1), pid=2),)
+    joined = tree_threads(tracked, (own, child))
+    assert joined == own + child
+    assert tree_threads(tracked, (own, child)) is joined
+    rebuilt = (ThreadObservation(2, "python", "main", (0,), pid=2),)
+    assert tree_threads(tracked, (own, rebuilt)) == own + rebuilt
+    assert tree_threads(tracked, (own,)) == own  # the child exited
