@@ -230,16 +230,14 @@ class ThreadScanner:
         when anything may have: the full scan then finds out what."""
         steady = self._steady
         n = self._scan
-        if (
-            steady is None
-            or steady.matcher is not matcher
-            or n % self.relist_every == 0
-            or n % self.rename_every == 0
-        ):
+        if steady is None or steady.matcher is not matcher or n % self.rename_every == 0:
             return None
         getaffinity = os.sched_getaffinity
         try:
             if os.stat(self.fs.path(f"proc/{self.pid}/task")).st_nlink != self._nlink:
+                return None
+            # The periodic listing: the same tids is all it is for (a full scan cost 3x).
+            if n % self.relist_every == 0 and list_tids(self.fs, self.pid) != steady.tids:
                 return None
             if [getaffinity(tid) for tid in steady.tids] != steady.cpus:
                 return None

@@ -133,6 +133,11 @@ def test_a_settled_scan_hands_back_its_tuple_until_something_changes(
     shrunk = scanner.observe(matcher)
     assert gone_tid not in {t.tid for t in shrunk} and new_tid in {t.tid for t in shrunk}
     assert scanner.observe(matcher) is scanner.observe(matcher)
+    # The periodic listing finds the same tids: still the same tuple.
+    listing = ThreadScanner(LIVE, child.pid, relist_every=2, rename_every=1000, young_scans=2)
+    for _ in range(3):
+        listed = listing.observe(matcher)
+    assert all(listing.observe(matcher) is listed for _ in range(4))
     renaming = ThreadScanner(LIVE, child.pid, relist_every=1000, rename_every=6, young_scans=2)
     for _ in range(3):
         renaming.observe(matcher)
