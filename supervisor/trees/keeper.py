@@ -14,9 +14,9 @@ to the adopter, and ends a tree on request: TERM, then KILL after a
 timeout (`cgroup.kill` where cgroup v2 has it).
 
 Over 500 lines: the pass, the connector's watch list, the early forks waiting
-for their root and the ending of trees read and write the same roots and
-members; split, each piece would reach into the others (the pure parts and the
-reaping are in tree.py, quiet.py, strays.py).
+for their root and the ending of trees share the roots and members; split, each
+piece would reach into the others (pure parts and reaping: tree.py, quiet.py,
+strays.py).
 """
 
 from __future__ import annotations
@@ -66,6 +66,7 @@ from supervisor.trees.tree import (
     read_cgroup_procs,
     read_member_info,
     without_new_roots,
+    without_pids,
 )
 
 log = logging.getLogger("placement_supervisor.trees")
@@ -117,8 +118,7 @@ class TreeKeeper:
         self.fs = fs
         self.store = store
         self.read_failures = ReadFailures(store, log)
-        # Its own thread by default: a /proc pass on a loaded host must never
-        # delay the daemon's executor (spawns, IRQ writes, the check loop).
+        # Its own thread by default: a loaded host's /proc pass never delays the daemon's.
         self._own_executor: ThreadPoolExecutor | None = None
         if executor is None:
             executor = self._own_executor = ThreadPoolExecutor(1, thread_name_prefix="ps-tree")
@@ -130,6 +130,7 @@ class TreeKeeper:
         self.use_connector = use_connector
         self.roots: dict[ProcKey, Root] = {}
         self.adopted: set[ProcKey] = set()  # roots that are engine-spawned workers
+        self.leaving_pids: set[int] = set()  # being adopted: in no published tree meanwhile
         self.members: dict[int, Member] = {}
         self.adopter = adopter  # names the engine's processes ([workers] spawned_by = "engine")
         self.on_refresh = on_refresh  # after each pass, with every tree's members
@@ -138,12 +139,10 @@ class TreeKeeper:
         self.me = os.getpid()
         self.exited: dict[int, int] = {}  # members gone from the trees, maybe not reaped yet
         self.lineage: dict[int, ProcKey] = {}  # pid -> owner from fork events, until a pass
-        # Forks in a tree not yet members: pid -> (parent, owner, monotonic time).
-        self.births: dict[int, tuple[int, ProcKey, float]] = {}
+        self.births: dict[int, tuple[int, ProcKey, float]] = {}  # forks: pid -> (ppid, owner, t)
         self._settle_at: asyncio.TimerHandle | None = None
         self._forks_window = (0.0, 0)  # (window start, forks in it): the storm test
-        # Process forks of no known tree: child -> (parent, monotonic time).
-        self.unowned_forks: dict[int, tuple[int, float]] = {}
+        self.unowned_forks: dict[int, tuple[int, float]] = {}  # in no tree: pid -> (ppid, t)
         self.subreaper = subreaper
         self._wake = asyncio.Event()
         self.passes = 0  # tree passes so far (ps-tree thread)
@@ -169,6 +168,7 @@ class TreeKeeper:
                 m = self.members[child]
                 self.members[child] = Member(m.pid, m.start_time, m.ppid, key)
             self._unpublish(moved)
+            self.leaving_pids -= moved
         if self.guardian is not None and start_time is not None:
             self.guardian.process(pid, start_time)
         self._watch()
@@ -176,20 +176,18 @@ class TreeKeeper:
         self._wake.set()
 
     def leaving(self, pids: Sequence[int]) -> None:
-        """`pids` are being adopted: out of the published trees before their binds
-        (a failed adoption finds them again at the next pass)."""
+        """`pids` are being adopted: out of the published trees now and kept out by
+        every pass until `set_root` (gone ones are dropped). The check loop binds a
+        tree's members to their owner's slot: listed as the engine's meanwhile (an
+        adoption's page move takes seconds), the worker was bound back to the
+        engine's CPUs, or refused them outside its rank's cpuset (EINVAL)."""
+        self.leaving_pids.update(pids)
         self._unpublish(set(pids))
 
     def _unpublish(self, pids: set[int]) -> None:
-        """Drop `pids` from the published trees now, not at the next pass: the
-        check loop binds the members it finds there to their owner's slot, and
-        an adopted worker still listed as the engine's was bound to the engine's
-        CPUs, outside its rank's cpuset (EINVAL, sched_setaffinity(2))."""
         trees = self.store.snapshot.trees
-        if not any(m.pid in pids for members in trees.values() for m in members):
-            return
-        kept = {k: tuple(m for m in ms if m.pid not in pids) for k, ms in trees.items()}
-        self.store.update(trees=MappingProxyType(kept))
+        if any(m.pid in pids for members in trees.values() for m in members):
+            self.store.update(trees=MappingProxyType(without_pids(trees, pids)))
 
     def clear_root(self, key: ProcKey) -> None:
         root = self.roots.pop(key, None)
@@ -279,8 +277,7 @@ class TreeKeeper:
         ):
             result = without_new_roots(result, self.roots.values())  # adopted meanwhile
         fresh = {pid: m for pid, m in result.members.items() if pid not in self.members}
-        # Gone: what the scan knew of and no longer found. A member an event
-        # added while the scan ran is not in `known`: it is kept, not gone.
+        # Gone: known to the scan, not found (one an event added meanwhile is kept).
         gone = [pid for pid in known if pid not in result.members]
         # Events may have added members meanwhile: keep those the scan could not know.
         merged = dict(result.members)
@@ -302,8 +299,11 @@ class TreeKeeper:
                 self.guardian.process(m.pid, m.start_time)
         for pid, error in result.unreadable:
             self.read_failures.note(pid, error)
-        if dict(self.store.snapshot.trees) != result.infos:  # unchanged: keep the API's cache
-            self.store.update(trees=MappingProxyType(dict(result.infos)))
+        self.leaving_pids &= result.members.keys()
+        leaving = self.leaving_pids
+        infos = without_pids(result.infos, leaving) if leaving else dict(result.infos)
+        if dict(self.store.snapshot.trees) != infos:  # unchanged: keep the API's cache
+            self.store.update(trees=MappingProxyType(infos))
         self.reap()
         if self.adopter is not None:
             for m in fresh.values():

@@ -189,3 +189,10 @@ def without_new_roots(result: RefreshResult, roots: Iterable[Root]) -> RefreshRe
         for key, items in result.infos.items()
     }
     return RefreshResult(members, infos, result.unreadable)
+
+
+def without_pids(
+    trees: Mapping[ProcKey, tuple[TreeMember, ...]], pids: set[int]
+) -> dict[ProcKey, tuple[TreeMember, ...]]:
+    """Published trees less `pids` (processes being adopted: no owner's meanwhile)."""
+    return {k: tuple(m for m in ms if m.pid not in pids) for k, ms in trees.items()}

@@ -18,6 +18,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -41,6 +42,16 @@ from supervisor.trees.proc_events import (
 from supervisor.trees.quiet import RecentProcs
 
 ENGINE_CG = "sys/fs/cgroup/cpuset/ps/engine"
+
+
+def poll_until(fn: Callable[[], object], timeout_s: float = 10.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = fn()
+        if value:
+            return value
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
 
 
 def write_proc(root: Path, pid: int, ppid: int, start: int = 100) -> None:
@@ -110,6 +121,68 @@ def test_a_pass_reads_only_the_cgroups_while_every_root_is_in_one(tmp_path: Path
         await trees.stop()
 
     asyncio.run(body())
+
+
+def _start_time(pid: int) -> int:
+    text = Path(f"/proc/{pid}/stat").read_text()
+    return int(text[text.rindex(")") + 2 :].split()[19])
+
+
+def _children(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def test_a_worker_being_adopted_stays_out_of_every_published_tree_until_its_root_is_set() -> None:
+    """`leaving` takes a worker (and its child) out of the published trees, and
+    the passes while its adoption runs (the page move takes seconds) do not put
+    it back as the engine's: the check loop would bind it to the engine's CPUs.
+    Once it is the rank's root, its child is published in the rank's tree.
+    Real processes: an "engine" shell with a sleep and a "worker" shell with one."""
+    engine = subprocess.Popen(["sh", "-c", 'sleep 600 & sh -c "sleep 600 & wait" & wait'])
+    try:
+        kids = poll_until(
+            lambda: _children(engine.pid) if len(_children(engine.pid)) == 2 else None
+        )
+        worker = next(k for k in kids if Path(f"/proc/{k}/comm").read_text().strip() == "sh")
+        other = next(k for k in kids if k != worker)
+        child = poll_until(lambda: (_children(worker) or [None])[0])
+
+        async def body() -> None:
+            store = StateStore(
+                Snapshot(Placement("test", None, ()), read_topology(HostFS("/")), {})
+            )
+            trees = TreeKeeper(
+                HostFS("/"),
+                store,
+                interval_s=1.0,
+                cgroup_dir=lambda key: None,
+                direct_children=list,
+                use_connector=False,
+                subreaper=False,
+            )
+
+            def published() -> dict[ProcKey, set[int]]:
+                return {k: {m.pid for m in ms} for k, ms in store.snapshot.trees.items()}
+
+            trees.set_root("engine", engine.pid, _start_time(engine.pid))
+            await trees.refresh()
+            assert published() == {"engine": {worker, other, child}}
+            trees.leaving([worker, child])
+            assert published() == {"engine": {other}}
+            for _ in range(3):
+                await trees.refresh()
+                assert published() == {"engine": {other}}
+            trees.set_root(0, worker, _start_time(worker), adopted=True)
+            await trees.refresh()
+            assert published() == {"engine": {other}, 0: {child}}
+            assert trees.leaving_pids == set()
+            await trees.stop()
+
+        asyncio.run(body())
+    finally:
+        subprocess.run(["pkill", "-KILL", "-P", str(engine.pid)], check=False)
+        engine.kill()
+        engine.wait()
 
 
 def test_a_pass_takes_the_check_loop_s_reading_and_is_skipped_while_nothing_changed(
