@@ -50,11 +50,6 @@ class CgroupsLike(Protocol):
     def repair(self, key: ProcKey, slot: Slot, pids: Sequence[int]) -> None: ...
 
 
-def has_work(d: Decision) -> bool:
-    """Whether `d` writes anything: without it `Applier.apply` makes no syscall for it."""
-    return bool(d.binds or d.moves or d.joins or d.cgroup is not None or d.irq_reason is not None)
-
-
 @dataclass(frozen=True, slots=True)
 class Target:
     """Which process a decision is for: its pid and start time (None: unknown)."""

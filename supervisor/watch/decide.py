@@ -241,6 +241,11 @@ class Decision:
     joins: tuple[tuple[int, int | None], ...] = ()
 
 
+def has_work(d: Decision) -> bool:
+    """Whether `d` writes anything: without it `Applier.apply` makes no syscall for it."""
+    return bool(d.binds or d.moves or d.joins or d.cgroup is not None or d.irq_reason is not None)
+
+
 # -- deciding -------------------------------------------------------------------------
 
 

@@ -41,7 +41,7 @@ from supervisor.plan.threads import DEFAULT_THREAD_ROLES, RoleMatcher, role_kind
 from supervisor.state import Finding, Observation, ProcessStatus, StateStore
 from supervisor.topology.cgroup import CpusetCache
 from supervisor.topology.model import Topology
-from supervisor.watch.apply import Applier, CgroupsLike, has_work
+from supervisor.watch.apply import Applier, CgroupsLike
 from supervisor.watch.cpuset import Replanning, moved_policies
 from supervisor.watch.cpuset_watch import AllowedTrust, WatchState, start_watch
 from supervisor.watch.decide import (
@@ -51,6 +51,7 @@ from supervisor.watch.decide import (
     Seen,
     after_replan,
     decide,
+    has_work,
     without_moved,
 )
 from supervisor.watch.publish import publish_down, record_settled, summary_of
@@ -478,8 +479,7 @@ class CheckLoop:
         plan.threads.with_engine_roles; the hook decides alike)."""
         if "engine" not in role_kinds(key, status.adopted) or key == "engine":
             return slot
-        # Its cpuset is its rank's only where it has one (v2); on v1 it shares the
-        # supervisor's (supervisor.bind.cgroup), as the hook reads it.
+        # Its cpuset is its rank's only where it has one (v2); on v1 the supervisor's.
         rank_cpuset = self.cgroups is not None and self.cgroups.manager.setup.rank_cpusets
         cpuset = slot.cpus if status.cgroup is not None and rank_cpuset else self.allowed.cpus
         return with_engine_roles(slot, self.plan.placement.engine, self.roles, cpuset)

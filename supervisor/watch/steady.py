@@ -17,7 +17,7 @@ from typing import Any
 
 from supervisor.plan.placement import Slot
 from supervisor.state import Observation
-from supervisor.watch.decide import Decision, Policy, RepairState
+from supervisor.watch.decide import Decision, Policy, RepairState, has_work
 from supervisor.watch.settle import Settled
 
 
@@ -55,12 +55,8 @@ def mark_of(
     if (
         policy.cause != "check"
         or d.findings
-        or d.binds
-        or d.moves
-        or d.irq_reason is not None
         or d.notes
-        or d.cgroup is not None
-        or d.joins
+        or has_work(d)
         or s.failures
         or st.reported
         or st.repairing
