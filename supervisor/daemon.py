@@ -29,6 +29,7 @@ from types import MappingProxyType
 from typing import Any, Protocol
 
 from supervisor.bind.capability import probe_capabilities
+from supervisor.bind.cgroup import MEMBERSHIP_READ_EVERY
 from supervisor.bind.fdlimit import log_fd_limit, raise_fd_limit
 from supervisor.bind.irq_checkpoint import IrqCheckpoint
 from supervisor.config import (
@@ -311,6 +312,12 @@ class Daemon:
         )
         self.rt.trees = self.trees
         self.trees.start()
+        if self.cgroups is not None and self.trees.events is not None:
+            # Forks reach the keeper as events: the check loop reads each rank's
+            # cgroup.procs every few checks only, and the keeper's quiet pass
+            # takes a reading that old (issue 17, item 6; bind.cgroup).
+            self.cgroups.manager.membership_every = MEMBERSHIP_READ_EVERY
+            self.trees.quiet_age_s = (MEMBERSHIP_READ_EVERY + 1) * self.trees.interval_s
 
     def _make_fleet(self, rt: Runtime) -> Fleet:
         """The spawned fleet; with `[workers] spawned_by = "engine"`, the adopting one."""

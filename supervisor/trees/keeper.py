@@ -115,8 +115,7 @@ class TreeKeeper:
         on_refresh: Callable[[Mapping[int, Member]], None] | None = None,
         recent_procs: RecentProcs | None = None,
     ) -> None:
-        self.fs = fs
-        self.store = store
+        self.fs, self.store = fs, store
         self.read_failures = ReadFailures(store, log)
         # Its own thread by default: a loaded host's /proc pass never delays the daemon's.
         self._own_executor: ThreadPoolExecutor | None = None
@@ -149,6 +148,7 @@ class TreeKeeper:
         self.full_passes = 0  # those that walked all of /proc
         self.in_cgroups = False  # at the last pass, every root was in its cgroup
         self.recent_procs = recent_procs  # the check loop's cgroup.procs reads (quiet.py)
+        self.quiet_age_s = interval_s  # the oldest of them a quiet pass takes (daemon.py)
         self._last: LastPass | None = None
         self._overruns = 0  # the connector's, at the last full pass
 
@@ -266,7 +266,7 @@ class TreeKeeper:
         roots = tuple(self.roots.values())
         known = dict(self.members)
         last = None if self._full_due() else self._last  # its result, read nowhere, if it holds
-        result = unchanged(last, roots, known, self.recent_procs, self.interval_s)
+        result = unchanged(last, roots, known, self.recent_procs, self.quiet_age_s)
         if result is not None:
             self.passes += 1
         else:

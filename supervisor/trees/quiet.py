@@ -1,9 +1,13 @@
-"""A quiet tree pass: one cgroup.procs read a second, none when nothing changed (no I/O here).
+"""A quiet tree pass: no cgroup.procs read of its own while nothing changed (no I/O here).
 
-The check loop reads each rank's cgroup.procs every pass (is the process still
-in its cgroup?); the tree keeper reads the same files. `cgroup_readings` takes
-the loop's reading while it is younger than a check interval and reads only
-the rest. `unchanged` says when the last scoped pass's result still holds;
+The check loop reads each rank's cgroup.procs (is the process still in its
+cgroup?); the tree keeper reads the same files. `cgroup_readings` takes the
+loop's reading while it is younger than a check interval and reads only the
+rest. `unchanged` says when the last scoped pass's result still holds, on a
+reading up to the keeper's `quiet_age_s` old: one check interval, or, while
+the proc connector reports the forks, the few checks between the loop's reads
+(bind.cgroup.MEMBERSHIP_READ_EVERY; a fork below a root is an event, so only
+a process someone else moved into a cgroup waits for the next read).
 `fork_lineage` orders the forks seen before their root was known.
 """
 

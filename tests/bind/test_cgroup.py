@@ -22,6 +22,7 @@ from supervisor.bind.cgroup import (
 from supervisor.cpulist import parse_cpulist
 from supervisor.errors import KernelError
 from supervisor.hostfs import HostFS
+from supervisor.state import CgroupObservation
 from tests.support.children import close_process, start_shimmed
 from tests.support.daemon_support import wait_until
 
@@ -232,6 +233,63 @@ def test_rank_cgroup_lifecycle(
     for rel in (pc.cpuset_dir, pc.memory_dir):
         if rel is not None:
             assert not manager.fs.exists(rel)
+
+
+def test_a_check_reads_cgroup_procs_every_few_checks_while_proc_cgroup_is_unchanged(
+    manager: CgroupManager, children: list[subprocess.Popen[str]]
+) -> None:
+    """`membership_every` > 1 (the daemon's, with the proc connector on): between
+    cgroup.procs reads an unchanged /proc/<pid>/cgroup says the process is inside,
+    so a process someone else moved in shows in the reading the keeper takes only
+    at the next read; a move out of the cgroup is seen at the very next check."""
+    if manager.setup.version != 1:
+        pytest.skip("moves processes between v1 memory cgroups")
+    assert manager.setup.memory_parent is not None
+    cpus = sorted(os.sched_getaffinity(0))
+    pc = manager.create("rank3", cpus, [0])
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        proc, _, _ = spawn_in(pc, cpus, MIB)
+        children.append(proc)
+        rel = pc.procs_dir
+        parent = Path(manager.fs.path(manager.setup.memory_parent)) / "cgroup.procs"
+        inside = CgroupObservation((), None, None, False)
+
+        def move_in() -> None:
+            (Path(manager.fs.path(rel)) / "cgroup.procs").write_text(str(other.pid))
+
+        # The default: every check reads cgroup.procs.
+        assert manager.observe(pc, proc.pid) == inside
+        move_in()
+        assert manager.observe(pc, proc.pid) == inside
+        assert manager.recent_procs(rel, 60) == sorted([proc.pid, other.pid])
+        parent.write_text(str(other.pid))
+
+        manager.membership_every = 3
+        assert manager.observe(pc, proc.pid) == inside  # read: [proc]
+        assert manager.recent_procs(rel, 60) == [proc.pid]
+        move_in()
+        for _ in range(2):  # confirmed by /proc/<pid>/cgroup: the file is not read
+            assert manager.observe(pc, proc.pid) == inside
+            assert manager.recent_procs(rel, 60) == [proc.pid]
+        assert manager.observe(pc, proc.pid) == inside  # the third: read again
+        assert manager.recent_procs(rel, 60) == sorted([proc.pid, other.pid])
+
+        parent.write_text(str(proc.pid))  # someone moves the process out
+        assert manager.observe(pc, proc.pid) == CgroupObservation((), None, None, True)
+        (Path(manager.fs.path(rel)) / "cgroup.procs").write_text(str(proc.pid))
+        assert manager.observe(pc, proc.pid) == inside
+        parent.write_text(str(other.pid))
+        parent.write_text(str(proc.pid))
+        Path(manager.fs.path(rel)).rmdir()  # and removes the dir
+        missing = manager.observe(pc, proc.pid)
+        assert missing.missing == (manager.fs.path(rel),), missing
+    finally:
+        other.kill()
+        other.wait()
+        for p in children:
+            close_process(p)
+        manager.remove(pc)
 
 
 def test_create_outside_the_parent_cpuset_leaves_nothing(manager: CgroupManager) -> None:

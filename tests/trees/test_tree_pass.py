@@ -224,6 +224,39 @@ def test_a_pass_takes_the_check_loop_s_reading_and_is_skipped_while_nothing_chan
     asyncio.run(body())
 
 
+def test_a_quiet_pass_takes_a_reading_as_old_as_quiet_age_s_and_a_scan_a_fresh_one(
+    tmp_path: Path,
+) -> None:
+    """With the proc connector on, the daemon has the check loop read cgroup.procs
+    every few checks and widens `quiet_age_s` to match: the quiet pass asks for
+    a reading that old; a pass that scans still asks for one a check old."""
+    write_proc(tmp_path, 1, 0)
+    write_proc(tmp_path, 10, 1)
+    write_cgroup(tmp_path, [10])
+    asked: list[float] = []
+
+    def recent(rel: str, max_age_s: float) -> list[int] | None:
+        asked.append(max_age_s)
+        return [10] if max_age_s >= 6.0 else None  # the loop read it 3 s ago
+
+    async def body() -> None:
+        trees = keeper(tmp_path, recent)
+        trees.quiet_age_s = 6.0
+        trees.set_root("engine", 10, 100)
+        await trees.refresh()  # full (the first)
+        scoped = await trees.refresh()  # scoped: the keeper reads the file itself
+        assert set(asked) == {1.0}
+        asked.clear()
+        assert await trees.refresh() is scoped  # quiet, on the 3 s old reading
+        assert asked == [6.0] and trees.full_passes == 1
+        trees.quiet_age_s = 1.0  # the default: that reading is too old
+        assert await trees.refresh() is not scoped
+        assert asked[1:] == [1.0, 1.0]
+        await trees.stop()
+
+    asyncio.run(body())
+
+
 def test_every_pass_is_full_while_a_root_is_outside_its_cgroup(tmp_path: Path) -> None:
     write_proc(tmp_path, 1, 0)
     write_proc(tmp_path, 10, 1)
