@@ -548,11 +548,8 @@ class CgroupManager:
         last = self._inside.get(pc.rels)
         if last is None or last.pid != pid or last.text != text or not text:
             return text
-        last.checks += 1
-        if last.checks >= self.membership_every:
-            del self._inside[pc.rels]  # read cgroup.procs now: the keeper's reading ages
-            return text
-        return None
+        last.checks += 1  # at `membership_every`, cgroup.procs again: the keeper's reading ages
+        return text if last.checks >= self.membership_every else None
 
     def repair(
         self, pc: ProcessCgroup, cpus: Iterable[int], mems: Iterable[int], pids: Iterable[int]
