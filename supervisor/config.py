@@ -42,7 +42,7 @@ from supervisor.trees.kind_rules import rules_for
 from supervisor.trees.rank_source import RankSource, parse_rank_source
 
 RestartPolicy = Literal["always", "on-failure", "never"]
-DriftPolicy = Literal["observe", "enforce"]
+DriftPolicy = Literal["observe", "enforce", "auto"]  # "auto": memory_locality only
 DEFAULT_LISTEN = "127.0.0.1:9477"
 WAITING_WARNING_S = 30.0  # a rank still waiting this long after the engine started: a WARNING
 MAX_CPU_RANKS = 1024  # stand-in ranks on a host without accelerators; more is a typo
@@ -116,7 +116,7 @@ class DriftConfig:
     policy: Mapping[str, DriftPolicy] = field(
         default_factory=lambda: {
             "thread_affinity": "enforce",
-            "memory_locality": "observe",
+            "memory_locality": "auto",
             "irq_affinity": "enforce",
             "cpuset_changed": "enforce",
             "process_gone": "observe",
@@ -264,7 +264,10 @@ def _drift(t: Table) -> DriftConfig:
     for kind in list(sub.doc):
         if kind not in policy:
             raise sub.fail(kind, f"unknown drift kind; known: {', '.join(policy)}")
-        policy[kind] = sub.choice(kind, "observe", ("observe", "enforce"))
+        choices: tuple[DriftPolicy, ...] = ("observe", "enforce")
+        if kind == "memory_locality":
+            choices = ("auto", "observe", "enforce")
+        policy[kind] = sub.choice(kind, "observe", choices)
     sub.done()
     threshold = t.number("local_memory_threshold", d.local_memory_threshold)
     if threshold > 1.0:

@@ -21,7 +21,9 @@ from supervisor.topology.accelerators import CPU
 from supervisor.topology.model import Topology
 
 ProcessState = Literal["starting", "running", "backoff", "failed", "stopped", "waiting"]
-MemPolicyStep = Literal["bind", "preferred", "none"]
+# "local": MPOL_LOCAL, an engine whose children are workers (docs/engines.md):
+# its pages follow its CPUs, and a child it spawns inherits no node of its own.
+MemPolicyStep = Literal["bind", "local", "preferred", "none"]
 
 # -- the vocabulary: every event kind and metric label value, in one place -----------
 

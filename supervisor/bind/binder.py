@@ -16,8 +16,13 @@ from dataclasses import dataclass, field
 from supervisor.bind import syscalls
 from supervisor.errors import Gone, KernelError, translate_oserror
 from supervisor.hostfs import HostFS
+from supervisor.procfs.numa_maps import PAGE_BYTES, parse_private_ranges
 
 CAP_SYS_NICE = 23  # include/uapi/linux/capability.h
+
+
+# move_pages(2) addresses per call: 64 MiB of base pages.
+PAGES_PER_CALL = 16384
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +134,46 @@ class Binder:
         the executor. Raises Gone, Denied, Invalid with target "pid N".
         """
         return syscalls.migrate_pages(pid, from_nodes, to_nodes)
+
+    def move_private_pages(
+        self, pid: int, from_nodes: Iterable[int], to_node: int, max_bytes: int
+    ) -> tuple[int, int]:
+        """Move up to `max_bytes` of `pid`'s private anonymous pages on `from_nodes`
+        to `to_node`; (pages moved, remote pages seen and not moved: refused, or
+        past the budget, where the walk stops and the next pass goes on).
+        Shared pages (file mappings, shared memory, pages another process
+        maps) stay: move_pages(2) with MPOL_MF_MOVE.
+
+        Chunked: PAGES_PER_CALL addresses a call, each chunk first asked where
+        its pages are (nodes=NULL), then only the remote ones moved, so one call
+        holds the worker's mmap lock for 64 MiB at most and a move of gigabytes
+        spreads over passes (`max_bytes` is one pass's share of
+        drift.migrate_max_bytes_per_s). Raises Gone, Denied (seccomp, no
+        CAP_SYS_NICE), Invalid with target "pid N".
+        """
+        remote = frozenset(from_nodes)
+        try:
+            maps = self.fs.read_text(f"proc/{pid}/maps")
+            numa = self.fs.read_text(f"proc/{pid}/numa_maps")
+        except OSError as err:
+            raise translate_oserror(f"pid {pid}", err) from None
+        budget = max(max_bytes // PAGE_BYTES, 1)
+        moved = left = 0
+        for start, end in parse_private_ranges(maps, numa, remote):
+            for at in range(start, end, PAGES_PER_CALL * PAGE_BYTES):
+                chunk = range(at, min(end, at + PAGES_PER_CALL * PAGE_BYTES), PAGE_BYTES)
+                where = syscalls.move_pages_query(pid, chunk)
+                todo = [a for a, node in zip(chunk, where, strict=True) if node in remote]
+                if not todo:
+                    continue
+                todo, rest = todo[: budget - moved], todo[budget - moved :]
+                status = syscalls.move_pages_to(pid, todo, to_node)
+                done = sum(1 for s in status if s == to_node)
+                moved += done
+                left += len(todo) - done + len(rest)
+                if moved >= budget:
+                    return moved, left
+        return moved, left
 
     def can_migrate_other(self) -> bool:
         """True when this process holds CAP_SYS_NICE (CapEff bit 23).

@@ -12,7 +12,7 @@ import json
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast, get_args
 
 import supervisor
 from supervisor.plan.placement import Slot
@@ -124,7 +124,7 @@ def parse_shim_report(data: bytes) -> ShimReport:
     if "exec_error" in main and "mempolicy" not in main:
         raise ShimReportError("shim report: exec error without a binding report")
     step = main.get("mempolicy")
-    if step not in ("bind", "preferred", "none"):
+    if step not in get_args(MemPolicyStep):
         raise ShimReportError(f"shim report: bad mempolicy {step!r}")
     exec_doc = next((d for d in docs[1:] if "exec_error" in d), {})
     pid = main.get("pid")
@@ -132,7 +132,7 @@ def parse_shim_report(data: bytes) -> ShimReport:
     return ShimReport(
         cpus=_ints(main, "cpus"),
         mems=_ints(main, "mems"),
-        mempolicy=step,
+        mempolicy=cast(MemPolicyStep, step),
         reason=_opt_str(main, "reason"),
         cgroups=_strs(main, "cgroups"),
         cgroup_errors=_strs(main, "cgroup_errors"),
@@ -181,8 +181,10 @@ def shim_argv(
     """
     if not argv:
         raise ValueError("shim_argv: empty command")
-    if mempolicy not in ("bind", "preferred", "none"):
-        raise ValueError(f"shim_argv: mempolicy must be bind, preferred or none, got {mempolicy!r}")
+    if mempolicy not in get_args(MemPolicyStep):
+        raise ValueError(
+            f"shim_argv: mempolicy must be bind, local, preferred or none, got {mempolicy!r}"
+        )
     cmd = (
         [python, "-I", "-S", "-c", SHIM_STUB] if isolated else [python, "-m", "supervisor.run.shim"]
     )
@@ -213,11 +215,21 @@ def shim_argv(
 # -- the report against the plan (pure) ---------------------------------------------
 
 
-def bound_as_planned(report: ShimReport, slot: Slot, *, mempolicy_allowed: bool = True) -> bool:
-    """True when the kernel read back exactly the planned CPUs and an MPOL_BIND to the
-    mems; with `mempolicy_allowed` False (the host denies a memory policy, probed at
-    start: supervisor.bind.capability) the CPUs alone: bound as far as allowed."""
-    memory = report.mempolicy == "bind" and tuple(report.mems) == tuple(sorted(slot.mems))
+def bound_as_planned(
+    report: ShimReport,
+    slot: Slot,
+    *,
+    mempolicy_allowed: bool = True,
+    wanted: MemPolicyStep = "bind",
+) -> bool:
+    """True when the kernel read back exactly the planned CPUs and the `wanted`
+    policy (MPOL_BIND to the mems, or MPOL_LOCAL); with `mempolicy_allowed`
+    False (the host denies a memory policy, probed at start:
+    supervisor.bind.capability) the CPUs alone: bound as far as allowed."""
+    if wanted == "bind":
+        memory = report.mempolicy == "bind" and tuple(report.mems) == tuple(sorted(slot.mems))
+    else:
+        memory = report.mempolicy == wanted
     return (
         cpus_as_planned(report, slot)
         and (memory or not mempolicy_allowed)

@@ -17,7 +17,7 @@ from supervisor.errors import KernelError, translate_oserror
 # mypy treats any name TYPE_CHECKING as true.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Iterable, Sequence
 
 # Memory policy modes, include/uapi/linux/mempolicy.h (see set_mempolicy(2)).
 MPOL_DEFAULT = 0
@@ -256,6 +256,33 @@ def move_pages_query(pid: int, addresses: Iterable[int]) -> list[int]:
             None,
             status,
             ctypes.c_int(0),
+        )
+    except OSError as err:
+        raise translate_oserror(f"pid {pid}", err) from None
+    return list(status)
+
+
+def move_pages_to(pid: int, addresses: Sequence[int], node: int) -> list[int]:
+    """Move the pages at `addresses` of process `pid` to `node` (move_pages(2),
+    MPOL_MF_MOVE); the status of each: its node after the call, or -errno
+    (-EACCES: mapped by several processes, left in place; -ENOENT: not present).
+
+    MPOL_MF_MOVE, never MOVE_ALL: a page another process maps too stays
+    where it is, whatever our capabilities.
+    """
+    count = len(addresses)
+    pages = (ctypes.c_void_p * count)(*addresses)
+    nodes = (ctypes.c_int * count)(*([node] * count))
+    status = (ctypes.c_int * count)()
+    try:
+        _syscall(
+            "move_pages",
+            ctypes.c_int(pid),
+            ctypes.c_ulong(count),
+            pages,
+            nodes,
+            status,
+            ctypes.c_int(MPOL_MF_MOVE),
         )
     except OSError as err:
         raise translate_oserror(f"pid {pid}", err) from None

@@ -18,8 +18,9 @@ from pathlib import Path
 from supervisor.plan.keys import ThreadRole
 
 HOOK_ENV = "PLACEMENT_SUPERVISOR_HOOK"
-# Only sitecustomize.py lives here: anything else in a PYTHONPATH directory
-# would shadow the engine's own top-level modules.
+# Only sitecustomize.py and placement_supervisor_early.py (a name no engine's
+# module has) live here: anything else in a PYTHONPATH directory could shadow
+# the engine's own top-level modules.
 HOOK_DIR = str(Path(__file__).resolve().parent / "pythonpath")
 
 
@@ -48,15 +49,20 @@ def format_hook_env(supervisor_pid: int, roles: Mapping[str, Sequence[str]]) -> 
 
 
 def hook_env(
-    env: Mapping[str, str], roles: Mapping[str, Sequence[str]], supervisor_pid: int
+    env: Mapping[str, str],
+    roles: Mapping[str, Sequence[str]],
+    supervisor_pid: int,
+    *,
+    early: bool = False,
 ) -> dict[str, str]:
     """The variables to set in `env` (a child's final environment) to hook it.
 
-    Empty when no role lists executors: an engine without them runs exactly
-    as before. The hook's directory goes first on PYTHONPATH, ahead of what
-    the operator or the config put there (kept, in order).
+    Empty when no role lists executors and `early` is False (no early rank
+    rule, supervisor.trees.early): an engine without them runs exactly as
+    before. The hook's directory goes first on PYTHONPATH, ahead of what the
+    operator or the config put there (kept, in order).
     """
-    if not roles:
+    if not roles and not early:
         return {}
     path = HOOK_DIR
     # An empty entry means the working directory; an empty PYTHONPATH means none.

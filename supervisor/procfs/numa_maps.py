@@ -67,3 +67,75 @@ def read_numa_maps(fs: HostFS, pid: int) -> dict[int, int]:
     except OSError as err:
         raise translate_oserror(f"pid {pid}", err) from None
     return parse_numa_maps(text)
+
+
+def parse_private_ranges(
+    maps_text: str, numa_text: str, nodes: frozenset[int]
+) -> list[tuple[int, int]]:
+    """(start, end) of the private anonymous mappings that hold pages on `nodes` (pure).
+
+    `maps_text` is /proc/<pid>/maps (it has each mapping's end), `numa_text`
+    its numa_maps (where each mapping's pages are), joined by start address.
+    Mapped files and shared memory (`file=`, MAP_SHARED) are left out: they
+    are other processes' too, and moving them for one rank takes them from
+    another (the tug of war decide.py backs off from).
+    """
+    ends: dict[int, int] = {}
+    for line in maps_text.splitlines():
+        span, _, rest = line.partition(" ")
+        low, _, high = span.partition("-")
+        perms = rest.split(" ", 1)[0]
+        if len(perms) == 4 and perms[3] == "p" and low and high:
+            ends[int(low, 16)] = int(high, 16)
+    ranges: list[tuple[int, int]] = []
+    for line in numa_text.splitlines():
+        tokens = line.split()
+        if not tokens or any(t.startswith("file=") for t in tokens) or "anon=" not in line:
+            continue
+        start = int(tokens[0], 16)
+        end = ends.get(start)
+        if end is None:
+            continue
+        for token in tokens:
+            if token[0] == "N" and "=" in token:
+                node_text, _, pages = token[1:].partition("=")
+                if node_text.isdigit() and int(node_text) in nodes and pages != "0":
+                    ranges.append((start, end))
+                    break
+    return ranges
+
+
+# numa_maps' policy words (mm/mempolicy.c mpol_to_str) -> the step /placement shows.
+_POLICY_STEPS = {"bind": "bind", "local": "local", "default": "local", "prefer": "preferred"}
+
+
+def parse_task_policy(line: str) -> tuple[str, tuple[int, ...]] | None:
+    """(step, nodes) of a numa_maps line's policy: "bind:1" -> ("bind", (1,));
+    "default" and "local" -> ("local", ()): pages follow the CPUs (pure).
+
+    The first mapping of a process has no policy of its own, so its line
+    shows the task's policy (fs/proc/task_mmu.c show_numa_map), the one
+    set_mempolicy(2) set: what only the process itself could have set.
+    None for a line without one, or a policy we do not place by (interleave).
+    """
+    words = line.split()
+    if len(words) < 2:
+        return None
+    mode, _, nodes = words[1].partition(":")
+    step = _POLICY_STEPS.get(mode.split("=", 1)[0])
+    if step is None:
+        return None
+    ids: list[int] = []
+    for part in nodes.split(","):
+        low, _, high = part.partition("-")
+        if low.isdigit():
+            ids.extend(range(int(low), int(high or low) + 1))
+    return step, tuple(ids)
+
+
+def read_task_policy(fs: HostFS, pid: int) -> tuple[str, tuple[int, ...]] | None:
+    """The memory policy of `pid` (its first numa_maps line only), or None."""
+    head = fs.read_head(f"proc/{pid}/numa_maps", 4096, "numa_maps")
+    if not head:
+        return None
+    return parse_task_policy(head.decode("ascii", "replace").split("\n", 1)[0])

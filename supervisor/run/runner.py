@@ -468,6 +468,7 @@ class Runner:
             # KILL, not TERM: a worker that ignores TERM must not outlive a
             # SIGKILLed supervisor (its descendants are the guardian's).
             pdeathsig="KILL",
+            mempolicy=spec.mempolicy,
         )
         try:
             # On the loop's thread, never a pool thread: see procs.spawn (PDEATHSIG).
@@ -525,7 +526,7 @@ class Runner:
                 "process", reason_of_errno(report.affinity_errno), report.affinity_error
             )
         mempolicy_allowed = self.rt.store.snapshot.allows("mempolicy")
-        if report.mempolicy != "bind" and mempolicy_allowed:
+        if report.mempolicy != self.spec.mempolicy and mempolicy_allowed:
             # Where the host denies a memory policy the start said so once
             # (capability missing): not a failure of this process, not counted.
             why = report.reason or f"mempolicy {report.mempolicy}"
@@ -533,7 +534,9 @@ class Runner:
         for i, err in enumerate(report.cgroup_errors):
             number = report.cgroup_errnos[i] if i < len(report.cgroup_errnos) else None
             self.record_bind_failure("cgroup", reason_of_errno(number), err)
-        bound = bound_as_planned(report, slot, mempolicy_allowed=mempolicy_allowed)
+        bound = bound_as_planned(
+            report, slot, mempolicy_allowed=mempolicy_allowed, wanted=self.spec.mempolicy
+        )
         self.set_status(
             mempolicy=report.mempolicy,
             mempolicy_reason=report.reason,

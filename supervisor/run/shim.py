@@ -1,13 +1,13 @@
 """The exec shim: bind this process, report, then execve the worker (does I/O: syscalls).
 
-    python -m supervisor.run.shim --cpus 0-3 --mems 0 [--mempolicy bind|preferred|none]
+    python -m supervisor.run.shim --cpus 0-3 --mems 0 [--mempolicy bind|local|preferred|none]
         [--cgroup DIR ...] [--pdeathsig TERM|KILL] [--parent-pid PID]
         [--report-fd N] [--name NAME] [--uid N --gid N [--groups LIST]]
         -- COMMAND [ARG ...]
 
 In order: parent-death signal (then check the parent is still there), join
 the cgroups, CPU affinity, memory policy (bind, else preferred, else none;
-never fatal), read back, drop to --uid/--gid (binding needs the privileges
+or local, else none; never fatal), read back, drop to --uid/--gid (binding needs the privileges
 the worker should not keep), one JSON line on the report fd, execve. Affinity and
 the memory policy are inherited across execve and fork, so the worker and
 every thread its runtime starts later (CUDA, HCCL, OpenMP) begin bound: no
@@ -39,7 +39,7 @@ from supervisor.errors import KernelError
 
 PROG = "supervisor.run.shim"
 USAGE = (
-    f"usage: {PROG} [--cpus LIST] [--mems LIST] [--mempolicy bind|preferred|none]"
+    f"usage: {PROG} [--cpus LIST] [--mems LIST] [--mempolicy bind|local|preferred|none]"
     " [--cgroup DIR]... [--pdeathsig TERM|KILL|HUP|INT] [--parent-pid PID]"
     " [--report-fd N] [--name NAME] [--uid N --gid N [--groups LIST]] -- COMMAND [ARG...]"
 )
@@ -51,7 +51,7 @@ EXIT_NOT_FOUND = 127
 # spelled out so the shim does not import `signal` (and its enum) at start-up.
 SIGNALS = {"HUP": 1, "INT": 2, "KILL": 9, "TERM": 15}
 SIGPIPE, SIGXFSZ = 13, 25
-MEMPOLICIES = ("bind", "preferred", "none")
+MEMPOLICIES = ("bind", "local", "preferred", "none")
 _OPTIONS = (
     "--cpus",
     "--mems",
@@ -285,6 +285,17 @@ def apply_mempolicy(wanted: str, mems: list[int] | None) -> tuple[str, str | Non
     errno number of the first refusal)."""
     if wanted == "none":
         return "none", None, None
+    if wanted == "local":
+        # MPOL_LOCAL: pages on the node of the CPU that touches them. The
+        # engine's pages stay on its node (its CPUs are there), and a worker it
+        # spawns inherits no node: once adopted onto its rank's CPUs, it
+        # allocates there (MPOL_BIND would hold it to the engine's node for
+        # life: nothing but a cpuset can change another process's policy).
+        try:
+            syscalls.set_mempolicy(syscalls.MPOL_LOCAL)
+            return "local", None, None
+        except KernelError as err:
+            return "none", f"local failed: {err}", err.errno
     if not mems:
         return "none", "no memory nodes given", None
     reasons: list[str] = []

@@ -20,7 +20,10 @@ from supervisor.plan.in_force import PlanInForce
 from supervisor.plan.keys import ProcKey
 from supervisor.plan.placement import Placement, RankPlacement, Slot
 from supervisor.service.sdnotify import NOTIFY_VARS
+from supervisor.state import MemPolicyStep
 from supervisor.topology.accelerators import BY_NAME, DeviceKind
+from supervisor.trees.early import EARLY_ENV, early_rules
+from supervisor.trees.kind_rules import rules_for
 from supervisor.worker import SLOT_ENV, slot_env_value
 
 if TYPE_CHECKING:
@@ -36,6 +39,9 @@ class ChildSpec:
     env: Mapping[str, str]
     slot: Slot
     account: Account | None = None  # run as this user (PlanSpecs)
+    # The shim's memory policy: "local" for an engine whose children are the
+    # workers (they must not inherit a binding to the engine's node).
+    mempolicy: MemPolicyStep = "bind"
 
 
 SpecOf = Callable[[ProcKey], ChildSpec]
@@ -175,6 +181,17 @@ def rank_slots_value(placement: Placement) -> str:
     return json.dumps(docs, separators=(",", ":"))
 
 
+def engine_early_rules(config: Config, placement: Placement) -> str | None:
+    """The start-up hook's early rank rules for the engine's tree (trees.early),
+    or None: workers not spawned by the engine, or no rule can name a rank
+    before the worker's code runs."""
+    if config.engine is None or config.workers.spawned_by != "engine":
+        return None
+    engine = config.engine
+    rules = rules_for(engine.kind, engine.command, engine.env)
+    return early_rules(rules, config.workers.rank_from, placement)
+
+
 def build_specs(
     config: Config,
     placement: Placement,
@@ -200,11 +217,22 @@ def build_specs(
         # Adopted workers inherit the engine's environment: its hook carries
         # their roles too (the hook names pools; the daemon matches per process).
         kinds = ("engine", "workers") if config.workers.spawned_by == "engine" else ("engine",)
-        env.update(hook_env(env, hook_roles(config.threads, kinds), sup_pid))
+        early = engine_early_rules(config, placement)
+        roles = hook_roles(config.threads, kinds)
+        env.update(hook_env(env, roles, sup_pid, early=early is not None))
+        if early is not None:
+            # The hook binds a worker it can name to its rank's slot at start-up.
+            env[EARLY_ENV] = early
         if config.workers.spawned_by == "engine" and HOOK_ENV in env:
-            # An adopted process's pools follow its rank's slot (the hook reads its cgroup).
+            # An adopted process's pools follow its rank's slot (the hook reads
+            # its cgroup, or the rank it bound itself to at start-up).
             env[RANK_SLOTS_ENV] = rank_slots_value(placement)
-        specs.append(ChildSpec("engine", resolve_python(config.engine.command, python), env, slot))
+        # An engine that spawns the workers passes its memory policy to each
+        # of them (fork and execve keep it): MPOL_LOCAL there, so a worker's
+        # pages follow the CPUs its adoption (or the start-up hook) gives it.
+        policy: MemPolicyStep = "local" if config.workers.spawned_by == "engine" else "bind"
+        argv = resolve_python(config.engine.command, python)
+        specs.append(ChildSpec("engine", argv, env, slot, mempolicy=policy))
     world_size = len(placement.ranks)
     worker_hook = hook_roles(config.threads, ("workers",))
     for rank in placement.ranks:

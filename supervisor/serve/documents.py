@@ -156,7 +156,8 @@ def not_bound(snap: Snapshot, key: ProcKey, status: ProcessStatus) -> list[dict[
     out: list[dict[str, Any]] = []
     if not status.cpus_bound:
         out.append({"target": "cpus", "reason": "the kernel read back other CPUs", "allowed": True})
-    if status.mempolicy is not None and status.mempolicy != "bind":
+    # "local" is planned (an engine that spawns the workers), never a step down.
+    if status.mempolicy is not None and status.mempolicy not in ("bind", "local"):
         cap = snap.capabilities.get("mempolicy")
         reason = status.mempolicy_reason or f"mempolicy {status.mempolicy}"
         if cap is not None and not cap.available:
@@ -215,6 +216,8 @@ def supervisor_doc(snap: Snapshot) -> dict[str, Any]:
         "checks": snap.counters.checks,
         "cpuset_changes": snap.counters.cpuset_changes,
         "capabilities": {name: cap.to_doc() for name, cap in snap.capabilities.items()},
+        # AutoNUMA (docs/operations.md): moves the pages of unbound processes.
+        "numa_balancing": snap.topology.numa_balancing,
     }
 
 

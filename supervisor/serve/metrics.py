@@ -56,6 +56,7 @@ from supervisor.state import (
     SelfUsage,
     StateStore,
 )
+from supervisor.topology.model import Topology
 
 PROCESS_STATES: tuple[str, ...] = get_args(ProcessState)
 MEMPOLICY_STEPS: tuple[str, ...] = get_args(MemPolicyStep)
@@ -150,6 +151,17 @@ def _capability_wanted(m: GaugeMetricFamily, capabilities: Capabilities) -> None
         cap = capabilities.get(name)
         if cap is not None:
             m.add_metric([name], 1.0 if cap.wanted else 0.0)
+
+
+@FAMILIES.add(
+    "gauge",
+    "placement_numa_balancing",
+    "kernel.numa_balancing as read at start (0 off, 1 AutoNUMA, 2 tiering); absent when the "
+    "kernel has none. See docs/operations.md for what it does to bound processes.",
+)
+def _numa_balancing(m: GaugeMetricFamily, topology: Topology) -> None:
+    if topology.numa_balancing is not None:
+        m.add_metric([], float(topology.numa_balancing))
 
 
 # -- each process's state ---------------------------------------------------------------

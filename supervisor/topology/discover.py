@@ -18,6 +18,7 @@ from supervisor.topology.cgroup import read_allowed
 from supervisor.topology.cpus import read_cpu_masks, read_cpus
 from supervisor.topology.devices import cpu_standins, read_config_pci, read_kind
 from supervisor.topology.interrupts import assign_irqs, read_interrupts
+from supervisor.topology.kernel import read_numa_balancing
 from supervisor.topology.model import Device, DiscoveryOptions, Node, Topology, device_order
 from supervisor.topology.nics import read_nics
 from supervisor.topology.numa import node_of_cpus, read_nodes
@@ -125,6 +126,7 @@ def read_topology(fs: HostFS, options: DiscoveryOptions = DiscoveryOptions()) ->
         nics=nics,
         irqs=irqs,
         warnings=warnings,
+        numa_balancing=read_numa_balancing(fs),
     )
 
 

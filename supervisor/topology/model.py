@@ -147,6 +147,7 @@ class Topology:
     nics: tuple[Nic, ...] = ()
     irqs: tuple[Irq, ...] = ()
     warnings: tuple[str, ...] = field(default=())
+    numa_balancing: int | None = None  # kernel.numa_balancing (topology.kernel); None: none
 
     @property
     def online(self) -> frozenset[int]:

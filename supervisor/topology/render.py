@@ -47,6 +47,8 @@ def render_topology_text(topo: Topology) -> str:
     lines.append(
         f"allowed: cpus {format_cpulist(a.cpus)} mems {format_cpulist(a.mems)} (cgroup {cg})"
     )
+    balancing = "unknown" if topo.numa_balancing is None else str(topo.numa_balancing)
+    lines.append(f"kernel.numa_balancing: {balancing}")
     lines.append("")
     lines.append(
         f"{'device':<10} {'bdf':<14} {'node':>4}  {'locality':<13} {'visible':<7} {'irqs':>4}"
@@ -115,6 +117,7 @@ def topology_to_doc(topo: Topology) -> dict[str, Any]:
             "cgroup_path": topo.allowed.cgroup_path,
             "cgroup_version": topo.allowed.cgroup_version,
         },
+        "numa_balancing": topo.numa_balancing,
         "devices": [
             {
                 "kind": d.kind,

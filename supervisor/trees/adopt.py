@@ -37,10 +37,12 @@ from supervisor.plan.keys import ProcKey, key_label
 from supervisor.plan.placement import Placement, Slot
 from supervisor.procfs.files import list_tids, read_cmdline, read_environ
 from supervisor.procfs.identity import ProcessId, read_thread_start
+from supervisor.procfs.numa_maps import read_task_policy
 from supervisor.run.fleet import RunnerFleet, plan_keys
 from supervisor.run.procs import first_of
 from supervisor.run.runner import Runner, Runtime
 from supervisor.run.spec import SpecOf
+from supervisor.state import MemPolicyStep
 from supervisor.topology.device_minors import device_rank_by_number, read_char_devices
 from supervisor.trees.kind_rules import rules_for
 from supervisor.trees.naming import Verdict, decide_rank, waiting_warnings
@@ -273,6 +275,7 @@ class AdoptRunner(Runner):
             self.record_bind_failure(target, reason, message)
         bound = not result.errors and result.cpus == tuple(sorted(slot.cpus))
         self.set_status(
+            mempolicy=adopted_mempolicy(self.rt.fs, candidate.pid, slot),
             state="running",
             pid=candidate.pid,
             start_time=candidate.start_time,
@@ -281,7 +284,6 @@ class AdoptRunner(Runner):
             cgroup=self.cgroup_dirs[0] if self.cgroup_dirs else None,
             bound=bound,
             cpus_bound=result.cpus == tuple(sorted(slot.cpus)),
-            mempolicy=None,
         )
         self.ready.set()
         self.settled.set()
@@ -561,3 +563,21 @@ class AdoptingFleet(RunnerFleet):
 
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def adopted_mempolicy(fs: HostFS, pid: int, slot: Slot) -> MemPolicyStep | None:
+    """What an adopted worker's own memory policy is, read from its numa_maps:
+    "bind" when it holds MPOL_BIND to its slot's nodes (the start-up hook bound
+    it before its code ran), "local" when its pages follow its CPUs (the
+    engine's MPOL_LOCAL, or no policy), else None (another policy: its pages
+    are watched and moved, see watch.decide's "auto")."""
+    try:
+        found = read_task_policy(fs, pid)
+    except KernelError:
+        return None
+    if found is None:
+        return None
+    step, nodes = found
+    if step == "bind":
+        return "bind" if nodes == tuple(sorted(slot.mems)) else None
+    return "local" if step == "local" else None

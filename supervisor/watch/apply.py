@@ -185,6 +185,12 @@ class Applier:
         if not is_leader_since(self.fs, pid, start_time):
             return Outcome(gone=True)  # the pid names another process now
         try:
+            if m.max_bytes > 0:
+                # The mems of a rank are one node in every plan; the first otherwise.
+                _, left = self.binder.move_private_pages(
+                    pid, m.from_nodes, m.to_nodes[0], m.max_bytes
+                )
+                return Outcome(pages_left=left)
             return Outcome(pages_left=self.binder.migrate_pages(pid, m.from_nodes, m.to_nodes))
         except Gone:
             return Outcome(gone=True)

@@ -37,7 +37,7 @@ from supervisor.plan.keys import ProcKey, key_label
 from supervisor.plan.replan import AllowedSet, Replan, mems_changed, replan, same_processes
 from supervisor.state import ProcessStatus
 from supervisor.topology.model import Topology
-from supervisor.watch.decide import Policy
+from supervisor.watch.policy import Policy
 
 
 class Replanning:

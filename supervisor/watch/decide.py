@@ -22,25 +22,20 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from types import MappingProxyType
 from typing import Any, Literal
 
-from supervisor.config import DriftConfig, DriftPolicy
 from supervisor.cpulist import format_cpulist
 from supervisor.plan.keys import ProcKey, key_label
 from supervisor.plan.placement import Slot
 from supervisor.state import (
     DRIFT_KINDS,
-    DriftKind,
     Finding,
     Observation,
     RebindReason,
     ThreadObservation,
 )
 from supervisor.watch.drift import apply_policy, process_findings, target_id, thread_findings
-
-Cause = Literal["check", "api", "cpuset_changed"]
-"""Why a pass runs: the periodic check, POST /rebind, or a new plan after a cpuset change."""
+from supervisor.watch.policy import THREAD_KINDS, Action, Policy
 
 MIGRATE_NO_GAIN_BACKOFF_S = 60.0  # a migration that did not raise the ratio waits this long
 MIGRATE_MIN_GAIN = 0.01  # ...where "raise" means by at least this much
@@ -55,59 +50,9 @@ MIGRATE_MIN_REMOTE_BYTES = 4 << 20
 # A repair (started by a memory_locality finding) goes on to this ratio: the
 # threshold says when to act, not where to stop (numad works alike).
 REPAIR_TARGET_RATIO = 0.99
-ENFORCED_KINDS: tuple[DriftKind, ...] = (
-    "thread_affinity",
-    "memory_locality",
-    "irq_affinity",
-    "self_rebind",
-    "cgroup",
-)
-# Findings about one thread's CPUs: a thread off its role, or a process that
-# bound all of itself outside its slot (vLLM --numa-bind, SGLang's numactl).
-THREAD_KINDS: tuple[DriftKind, ...] = ("thread_affinity", "self_rebind")
 
 
 # -- inputs ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Policy:
-    """What `[drift]` says, and why this pass runs."""
-
-    actions: Mapping[str, DriftPolicy]  # [drift.policy]
-    threshold: float = 0.9
-    enforce_pinned: bool = False
-    migrate_max_bytes_per_s: int = 1 << 30
-    check_interval_s: float = 1.0
-    cause: Cause = "check"
-    # cause "cpuset_changed": the slot's nodes changed and no cgroup moves the
-    # pages, so every page off the new nodes moves (from any of `node_ids`).
-    move_memory: bool = False
-    node_ids: tuple[int, ...] = ()
-
-    @classmethod
-    def of(cls, drift: DriftConfig, cause: Cause = "check", **more: Any) -> Policy:
-        return cls(
-            MappingProxyType(dict(drift.policy)),
-            drift.local_memory_threshold,
-            drift.enforce_pinned,
-            drift.migrate_max_bytes_per_s,
-            drift.check_interval_s,
-            cause,
-            **more,
-        )
-
-    def action(self, kind: str) -> DriftPolicy:
-        """ "enforce" or "observe" for a finding of `kind` in a pass of this cause."""
-        if self.cause == "api":
-            return "enforce" if kind in ENFORCED_KINDS else "observe"
-        if self.cause == "cpuset_changed":
-            return "enforce" if kind in THREAD_KINDS else "observe"
-        return self.actions.get(kind, "observe")
-
-    @property
-    def force(self) -> bool:
-        return self.cause == "api"
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +63,9 @@ class Seen:
     pid: int
     observation: Observation
     memory_read: bool  # memory was read this pass (numa_maps or the cgroup's numa_stat)
+    # MPOL_BIND to its slot's nodes since birth (the shim, or the start-up hook
+    # before its code ran): memory_locality "auto" only observes such a process.
+    bound_from_birth: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,6 +149,9 @@ class MemoryMove:
     remote_bytes: int
     ratio: float
     reason: RebindReason
+    # > 0: move at most this many bytes of private pages this pass (move_pages,
+    # chunked; shared pages stay); 0: everything at once (migrate_pages(2)).
+    max_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,9 +216,12 @@ def decide(
     obs = seen.observation
     stale = state.memory_stale and not seen.memory_read
     check = _thread_check(slot, obs, state, pinned_ok=not policy.enforce_pinned)
+    actions: dict[str, Action] = {
+        kind: policy.action(kind, seen.bound_from_birth) for kind in DRIFT_KINDS
+    }
     findings = apply_policy(
         check.drift + process_findings(slot, obs, threshold=policy.threshold) + check.pinned,
-        {kind: policy.action(kind) for kind in DRIFT_KINDS},
+        actions,
     )
     w = _Work(seen.key, state, stale, now)
     threads = {t.tid: t for t in obs.threads} if findings else {}
@@ -340,7 +294,7 @@ def decide(
                 )
             )
     elif w.repairing and not any(f.kind == "memory_locality" for f in findings):
-        move = _continue_repair(seen, slot, w, policy, others or {})
+        move = _continue_repair(seen, slot, w, policy, actions=actions, others=others or {})
         if move is not None:
             moves.append(move)
     new_drift = tuple(f for f in findings if (f.kind, f.target) in reported - state.reported)
@@ -469,12 +423,18 @@ def _live(
 
 
 def _continue_repair(
-    seen: Seen, slot: Slot, w: _Work, policy: Policy, others: Mapping[ProcKey, MoveRecord]
+    seen: Seen,
+    slot: Slot,
+    w: _Work,
+    policy: Policy,
+    *,
+    actions: Mapping[str, Action],
+    others: Mapping[ProcKey, MoveRecord],
 ) -> MemoryMove | None:
     """Above the threshold again: move what is still remote until the repair
     target is reached (pages the process kept allocating remotely while the
     first migration ran, say). Only under the configured policy, never the API's."""
-    if policy.actions.get("memory_locality") != "enforce" or w.stale:
+    if policy.cause != "check" or actions.get("memory_locality") != "enforce" or w.stale:
         return None
     ratio = seen.observation.local_memory_ratio
     if ratio is None or ratio >= REPAIR_TARGET_RATIO:
@@ -532,13 +492,21 @@ def _plan_move(
                 )
             )
             return None
+    if force:
+        return MemoryMove(
+            seen.pid, tuple(sorted(remote)), tuple(sorted(mems)), sum(remote.values()),
+            obs.local_memory_ratio, "api",
+        )  # fmt: skip
+    # The loop's own moves: this pass's share of the rate, private pages only.
+    share = max(int(policy.migrate_max_bytes_per_s * policy.check_interval_s), 1)
     return MemoryMove(
         seen.pid,
         tuple(sorted(remote)),
         tuple(sorted(mems)),
-        sum(remote.values()),
+        min(sum(remote.values()), share),
         obs.local_memory_ratio,
-        "api" if force else "memory_locality",
+        "memory_locality",
+        max_bytes=share,
     )
 
 

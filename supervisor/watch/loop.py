@@ -44,16 +44,8 @@ from supervisor.topology.model import Topology
 from supervisor.watch.apply import Applier, CgroupsLike
 from supervisor.watch.cpuset import Replanning, moved_policies
 from supervisor.watch.cpuset_watch import AllowedTrust, WatchState, start_watch
-from supervisor.watch.decide import (
-    Cause,
-    Decision,
-    Policy,
-    Seen,
-    after_replan,
-    decide,
-    has_work,
-    without_moved,
-)
+from supervisor.watch.decide import Decision, Seen, after_replan, decide, has_work, without_moved
+from supervisor.watch.policy import Cause, Policy
 from supervisor.watch.publish import publish_down, record_settled, summary_of
 from supervisor.watch.scan import (
     NUMA_STAT_EVERY,

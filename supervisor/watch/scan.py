@@ -125,6 +125,7 @@ class ScanTarget:
     read_maps: bool  # else: numa_maps is due
     members: tuple[MemberScan, ...] = ()  # the rest of its tree: threads only
     own: ProcessCgroup | None = None  # its own cgroup: is it still as made?
+    bound_from_birth: bool = False  # MPOL_BIND to its slot since birth (decide.Seen)
 
 
 def sync_members(
@@ -183,7 +184,10 @@ def track(
         every = numa_maps_interval_s if pc is None else numa_stat_interval_s
         due = t.state.memory_stale or now - t.maps_at >= every
         stat = pc if due else None
-        targets.append(ScanTarget(key, status.pid, slot, t, stat, pc is None and due, members, own))
+        birth = status.mempolicy == "bind"
+        targets.append(
+            ScanTarget(key, status.pid, slot, t, stat, pc is None and due, members, own, birth)
+        )
     if only is None:
         for key in list(tracked):
             if key not in live:
@@ -295,7 +299,8 @@ def scan(
                 observation.observed_at,
                 own,
             )
-        seen[t.key] = Seen(t.key, t.pid, observation, t.read_maps or t.cgroup is not None)
+        read = t.read_maps or t.cgroup is not None
+        seen[t.key] = Seen(t.key, t.pid, observation, read, t.bound_from_birth)
     return ScanResult(allowed, host_error, seen, errors, irq_error, member_errors)
 
 

@@ -17,14 +17,8 @@ from types import MappingProxyType
 from supervisor.errors import KernelError
 from supervisor.plan.placement import Slot
 from supervisor.state import BindTarget, Finding, Observation, RebindReason
-from supervisor.watch.decide import (
-    Decision,
-    MemoryMove,
-    MoveRecord,
-    Policy,
-    RepairState,
-    ThreadBind,
-)
+from supervisor.watch.decide import Decision, MemoryMove, MoveRecord, RepairState, ThreadBind
+from supervisor.watch.policy import Policy
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,8 +138,9 @@ def settle(
         if m.reason == "cpuset_changed":
             continue
         rate = max(policy.migrate_max_bytes_per_s, 1)
-        # migrate_pages(2) moves everything in one call; the rate limit holds
-        # the next call off for as long as this one's bytes take at the rate.
+        # The next move waits as long as this one's bytes take at the rate: a
+        # chunked move (one pass's share) goes on at the next pass, a whole
+        # migrate_pages(2) holds the next one off longer.
         migrate_after = now + max(m.remote_bytes / rate, policy.check_interval_s)
         last_move = MoveRecord(m.from_nodes, m.to_nodes, now)
         migrated_from, stale = m.ratio, True

@@ -17,7 +17,8 @@ from typing import Any
 
 from supervisor.plan.placement import Slot
 from supervisor.state import Observation
-from supervisor.watch.decide import Decision, Policy, RepairState, has_work
+from supervisor.watch.decide import Decision, RepairState, has_work
+from supervisor.watch.policy import Policy
 from supervisor.watch.settle import Settled
 
 

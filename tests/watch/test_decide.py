@@ -26,13 +26,13 @@ from supervisor.watch.decide import (
     Decision,
     MemoryMove,
     MoveRecord,
-    Policy,
     RepairState,
     Seen,
     ThreadBind,
     after_replan,
     decide,
 )
+from supervisor.watch.policy import Policy
 from supervisor.watch.settle import Outcome, Outcomes, moved_by_plan, note_failure, settle
 
 MIB = 1 << 20

@@ -19,7 +19,8 @@ from supervisor.config import DriftConfig
 from supervisor.errors import translate_oserror
 from supervisor.plan.placement import Slot
 from supervisor.state import CgroupObservation, Observation, ThreadObservation
-from supervisor.watch.decide import CgroupRepair, Policy, RepairState, Seen, decide
+from supervisor.watch.decide import CgroupRepair, RepairState, Seen, decide
+from supervisor.watch.policy import Policy
 from supervisor.watch.settle import Outcome, Outcomes, settle
 
 SLOT = Slot((2, 3), (1,), {"main": (2, 3)})

@@ -38,6 +38,16 @@ Rules it keeps:
 - Costs almost nothing where unused: concurrent.futures is not imported here
   (about 10 ms); a meta-path finder patches it when the program imports it.
 
+Early rank binding: where the engine's tree carries `PLACEMENT_SUPERVISOR_EARLY_RANK`
+(supervisor.trees.early: an env rank such as torchrun's LOCAL_RANK, or the
+multiprocessing target vLLM and SGLang start their workers with), a process
+below the engine that one rule names puts itself on its rank's CPUs and
+MPOL_BIND to its rank's nodes at once: at start-up for an env rank, just
+before the multiprocessing target runs for a call rule. That is before CUDA
+or ACL initialise and before the worker allocates, and a memory policy is
+something only the process itself can set (set_mempolicy(2) acts on the
+calling thread); the daemon's adoption confirms the rank later.
+
 Limits: `python -I`, `-E` or `-S` ignore PYTHONPATH (or site), so such
 interpreters are not hooked; multiprocessing children repeat their parent's
 flags (subprocess._args_from_interpreter_flags). Neither vLLM (`vllm serve`,
@@ -69,6 +79,9 @@ SLOT_ENV = "PLACEMENT_SUPERVISOR_SLOT"
 # its pools by rank N's slot, not by the engine's it inherited.
 RANK_SLOTS_ENV = "PLACEMENT_SUPERVISOR_RANK_SLOTS"
 TARGET = "concurrent.futures.thread"
+EARLY_ENV = "PLACEMENT_SUPERVISOR_EARLY_RANK"
+# Beside this file; a name no engine's own module has (this directory is first on sys.path).
+EARLY_MODULE = "placement_supervisor_early"
 COMM_MAX_BYTES = 15  # TASK_COMM_LEN - 1 (prctl(2) PR_SET_NAME)
 PR_SET_NAME = 15  # <linux/prctl.h>
 MAX_ANCESTORS = 256  # a walk up the tree longer than this is a loop or a bug
@@ -224,6 +237,9 @@ def slot_doc() -> dict[str, Any] | None:
     ranks = os.environ.get(RANK_SLOTS_ENV)
     if ranks:
         rank = cgroup_rank()
+        if rank is None:
+            early = sys.modules.get(EARLY_MODULE)
+            rank = getattr(early, "bound_rank", None)
         if rank is not None:
             import json
 
@@ -435,13 +451,14 @@ class _PatchingLoader:
 
 
 class PatchOnImport:
-    """A meta-path finder that patches `TARGET` when the program first imports it."""
+    """A meta-path finder that patches `target` when the program first imports it."""
 
-    def __init__(self, on_load: Callable[[ModuleType], None]) -> None:
+    def __init__(self, on_load: Callable[[ModuleType], None], target: str = TARGET) -> None:
         self.on_load = on_load
+        self.target = target
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != TARGET:
+        if fullname != self.target:
             return None
         if self in sys.meta_path:  # once; and not asked again by find_spec below
             sys.meta_path.remove(self)
@@ -457,21 +474,37 @@ class PatchOnImport:
             return None
 
 
+def patch_on_import(name: str, on_load: Callable[[ModuleType], None]) -> None:
+    """`on_load(module)` now if `name` is imported, else when the program imports it."""
+    loaded = sys.modules.get(name)
+    if loaded is not None:
+        on_load(loaded)
+    else:
+        sys.meta_path.insert(0, PatchOnImport(on_load, name))
+
+
 def install(text: str) -> bool:
     """Hook this process when `text` (the hook variable) says so and it runs
     below that supervisor; True when hooked."""
     pid, roles = parse_hook_env(text)
-    if not roles or not below(pid):
+    early = os.environ.get(EARLY_ENV)
+    if not (roles or early) or not below(pid):
         return False
+    # The engine itself (the supervisor's child) is never a rank.
+    if early and os.getppid() != pid:
+        try:
+            import placement_supervisor_early  # type: ignore[import-not-found]
+
+            placement_supervisor_early.install_early(early, patch_on_import, warn_once)
+        except Exception as err:
+            warn_once("early bind", error=repr(err))
+    if not roles:
+        return True
 
     def on_load(module: ModuleType) -> None:
         patch_executor(module, roles)
 
-    loaded = sys.modules.get(TARGET)
-    if loaded is not None:
-        on_load(loaded)
-    else:
-        sys.meta_path.insert(0, PatchOnImport(on_load))
+    patch_on_import(TARGET, on_load)
     return True
 
 
