@@ -30,7 +30,7 @@ def test_minimal_config_gets_defaults() -> None:
     assert cfg.api.listen == Listen(host="127.0.0.1", port=9477)  # parsed at load time
     assert cfg.stop_grace_s is None  # no grace known: every wait is stop_timeout_s
     assert parse_config({**MINIMAL, "stop_grace_s": 30}, "x.toml").stop_grace_s == 30.0
-    assert cfg.drift.policy["memory_locality"] == "observe"
+    assert cfg.drift.policy["memory_locality"] == "auto"  # moves pages of unbound processes
     assert cfg.drift.policy["thread_affinity"] == "enforce"
 
 

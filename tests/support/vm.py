@@ -143,10 +143,11 @@ def run_checks_in_vm(
     *,
     vm_args: Sequence[str] = ("--nodes", "2"),
     timeout_s: float = 300.0,
+    args: Sequence[str] = (),
 ) -> subprocess.CompletedProcess[str]:
-    """Run the guest check `script` (a path from the repo root); every name in
-    `expected` must PASS, none may FAIL, and the script must exit 0."""
-    done = run_in_vm(list(vm_args), [PYTHON, "-u", script], timeout_s=timeout_s)
+    """Run the guest check `script` (a path from the repo root) with `args`; every
+    name in `expected` must PASS, none may FAIL, and the script must exit 0."""
+    done = run_in_vm(list(vm_args), [PYTHON, "-u", script, *args], timeout_s=timeout_s)
     status = parse_verdicts(done.stdout)
     for name in expected:
         assert status.get(name) == "PASS", (

@@ -53,6 +53,7 @@ from tests.vm_checks.daemon_numa import anon_pages_by_node  # noqa: E402
 CHECKS = Checklist()
 MODES = ("v2-delegated", "v2-root", "v1", "off", "seccomp")
 RUNS = ("spawned", "vllm", "late")
+ONLY = os.environ.get("MEMORY_MODES_RUNS")  # a comma list, to run a subset by hand
 WORKER_FIRST_MIB, WORKER_STEP_MIB, WORKER_STEPS = 96, 16, 12
 DELEGATED = Path("/sys/fs/cgroup/ps-delegated")
 
@@ -91,12 +92,12 @@ VLLM_ENGINE = """
 import multiprocessing, sys, time
 sys.path.insert(0, sys.argv[1])
 from vllm_worker import WorkerProc
-ctx = multiprocessing.get_context("spawn")
-procs = [ctx.Process(target=WorkerProc.worker_main, kwargs={"local_rank": r, "out": sys.argv[2]})
-         for r in range(2)]
-for p in procs:
-    p.start()
-time.sleep(3600)
+if __name__ == "__main__":  # spawn children import this file again as __mp_main__
+    ctx = multiprocessing.get_context("spawn")
+    kwargs = [{"local_rank": r, "out": sys.argv[2]} for r in range(2)]
+    for kw in kwargs:
+        ctx.Process(target=WorkerProc.worker_main, kwargs=kw).start()
+    time.sleep(3600)
 """
 VLLM_WORKER = (
     ALLOCATE
@@ -253,7 +254,7 @@ def main() -> int:
     (tmp / "vllm_engine.py").write_text(VLLM_ENGINE)
     (tmp / "vllm_worker.py").write_text(VLLM_WORKER)
     enter_mode(mode)
-    for run in RUNS:
+    for run in ONLY.split(",") if ONLY else RUNS:
         try:
             run_one(run, mode, tmp)
         except AssertionError as err:

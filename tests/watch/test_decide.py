@@ -469,3 +469,29 @@ def test_the_same_threads_reuse_the_last_thread_findings_until_an_input_changes(
     assert theirs.findings == ()  # the workload's pin inside its role's CPUs
     ours = run(observation(narrowed), replace(theirs.state, bound={100: (0,)}), policy())
     assert [f.target for f in ours.findings] == ["tid 100"]
+
+
+def test_memory_locality_auto_moves_only_for_a_process_not_bound_from_birth() -> None:
+    """The default: an adopted worker's (or the engine's) remote pages are moved;
+    a spawned worker under MPOL_BIND to its nodes is only observed."""
+    auto = policy({"memory_locality": "auto"})
+    obs = observation(memory=memory(50, 50))
+    adopted = decide(SLOT, Seen(0, 4242, obs, True, False), RepairState(), auto, NOW)
+    assert [(m.from_nodes, m.to_nodes, m.reason) for m in adopted.moves] == [
+        ((1,), (0,), "memory_locality")
+    ]
+    assert [(f.kind, f.action) for f in adopted.findings] == [("memory_locality", "enforce")]
+    spawned = decide(SLOT, Seen(0, 4242, obs, True, True), RepairState(), auto, NOW)
+    assert spawned.moves == ()
+    assert [(f.kind, f.action) for f in spawned.findings] == [("memory_locality", "observe")]
+
+
+def test_the_loops_moves_take_one_passs_share_of_the_rate_and_the_api_everything() -> None:
+    """100 MiB/s x 1 s checks: 300 MiB remote moves 100 MiB a pass, private
+    pages only (max_bytes), so the next pass goes on at the rate."""
+    d = run(observation(memory=memory(100, 300)))
+    (move,) = d.moves
+    assert (move.remote_bytes, move.max_bytes) == (100 * MIB, 100 * MIB)
+    api = run(observation(memory=memory(100, 300)), pol=policy(OBSERVE_ALL, "api"))
+    (whole,) = api.moves
+    assert (whole.remote_bytes, whole.max_bytes) == (300 * MIB, 0)  # migrate_pages(2), all

@@ -15,6 +15,7 @@ from supervisor.plan.placement import Slot
 from supervisor.state import Finding, IrqObservation, Observation, ThreadObservation
 from supervisor.watch.drift import apply_policy, diff, irq_drifted, target_id
 from supervisor.watch.observe import ThreadScanner, observe_process
+from supervisor.watch.policy import Policy
 from tests.support.children import ThreadedChild
 
 SLOT = Slot(
@@ -105,8 +106,13 @@ def test_apply_policy() -> None:
         Finding("irq_affinity", "irq 4", "0", "3"),
         Finding("process_gone", "process", "running", "exited"),
     )
-    applied = apply_policy(findings, DriftConfig().policy)
+    policy = Policy.of(DriftConfig())
+    kinds = [f.kind for f in findings]
+    # memory_locality "auto": observed for a process bound from birth, enforced otherwise.
+    applied = apply_policy(findings, {k: policy.action(k, bound_from_birth=True) for k in kinds})
     assert [f.action for f in applied] == ["enforce", "observe", "enforce", "observe"]
+    adopted = apply_policy(findings, {k: policy.action(k, bound_from_birth=False) for k in kinds})
+    assert [f.action for f in adopted] == ["enforce", "enforce", "enforce", "observe"]
     assert [f.action for f in apply_policy(findings, {})] == ["observe"] * 4
     assert apply_policy(applied, {"memory_locality": "enforce"})[1].action == "enforce"
 
