@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from supervisor.bind import syscalls
 from supervisor.errors import Gone, KernelError, translate_oserror
 from supervisor.hostfs import HostFS
-from supervisor.procfs.numa_maps import PAGE_BYTES, parse_private_ranges
+from supervisor.procfs.numa_maps import parse_own_ranges
 
 CAP_SYS_NICE = 23  # include/uapi/linux/capability.h
 
@@ -135,14 +135,15 @@ class Binder:
         """
         return syscalls.migrate_pages(pid, from_nodes, to_nodes)
 
-    def move_private_pages(
+    def move_own_pages(
         self, pid: int, from_nodes: Iterable[int], to_node: int, max_bytes: int
     ) -> tuple[int, int]:
-        """Move up to `max_bytes` of `pid`'s private anonymous pages on `from_nodes`
-        to `to_node`; (pages moved, remote pages seen and not moved: refused, or
-        past the budget, where the walk stops and the next pass goes on).
-        Shared pages (file mappings, shared memory, pages another process
-        maps) stay: move_pages(2) with MPOL_MF_MOVE.
+        """Move up to `max_bytes` of the memory `pid` allocated (anonymous, its
+        shared memory and huge pages: what its local ratio counts) from
+        `from_nodes` to `to_node`; (pages moved, remote pages seen and not
+        moved: refused, or past the budget, where the walk stops and the next
+        pass goes on). Mapped files and any page another process maps too
+        stay where they are: move_pages(2) with MPOL_MF_MOVE.
 
         Chunked: PAGES_PER_CALL addresses a call, each chunk first asked where
         its pages are (nodes=NULL), then only the remote ones moved, so one call
@@ -157,21 +158,23 @@ class Binder:
             numa = self.fs.read_text(f"proc/{pid}/numa_maps")
         except OSError as err:
             raise translate_oserror(f"pid {pid}", err) from None
-        budget = max(max_bytes // PAGE_BYTES, 1)
-        moved = left = 0
-        for start, end in parse_private_ranges(maps, numa, remote):
-            for at in range(start, end, PAGES_PER_CALL * PAGE_BYTES):
-                chunk = range(at, min(end, at + PAGES_PER_CALL * PAGE_BYTES), PAGE_BYTES)
+        budget = max(max_bytes, 1)
+        moved = left = moved_bytes = 0
+        for start, end, page in parse_own_ranges(maps, numa, remote):
+            for at in range(start, end, PAGES_PER_CALL * page):
+                chunk = range(at, min(end, at + PAGES_PER_CALL * page), page)
                 where = syscalls.move_pages_query(pid, chunk)
                 todo = [a for a, node in zip(chunk, where, strict=True) if node in remote]
                 if not todo:
                     continue
-                todo, rest = todo[: budget - moved], todo[budget - moved :]
+                room = -(-(budget - moved_bytes) // page)  # pages, rounded up
+                todo, rest = todo[:room], todo[room:]
                 status = syscalls.move_pages_to(pid, todo, to_node)
                 done = sum(1 for s in status if s == to_node)
                 moved += done
+                moved_bytes += done * page
                 left += len(todo) - done + len(rest)
-                if moved >= budget:
+                if moved_bytes >= budget:
                     return moved, left
         return moved, left
 

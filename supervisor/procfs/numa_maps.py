@@ -69,39 +69,49 @@ def read_numa_maps(fs: HostFS, pid: int) -> dict[int, int]:
     return parse_numa_maps(text)
 
 
-def parse_private_ranges(
+def parse_own_ranges(
     maps_text: str, numa_text: str, nodes: frozenset[int]
-) -> list[tuple[int, int]]:
-    """(start, end) of the private anonymous mappings that hold pages on `nodes` (pure).
+) -> list[tuple[int, int, int]]:
+    """(start, end, page bytes) of the mappings whose memory the process allocated
+    (the ones `parse_numa_maps` counts) that hold pages on `nodes` (pure).
 
     `maps_text` is /proc/<pid>/maps (it has each mapping's end), `numa_text`
     its numa_maps (where each mapping's pages are), joined by start address.
-    Mapped files and shared memory (`file=`, MAP_SHARED) are left out: they
-    are other processes' too, and moving them for one rank takes them from
-    another (the tug of war decide.py backs off from).
+    Mapped files are left out: their pages are page cache other processes
+    map too, and moving them for one rank takes them from another (the tug of
+    war decide.py backs off from). Pages of what is left that another
+    process also maps (after a fork, shared memory) are left by the move
+    itself (move_pages(2) without MPOL_MF_MOVE_ALL).
     """
     ends: dict[int, int] = {}
     for line in maps_text.splitlines():
-        span, _, rest = line.partition(" ")
-        low, _, high = span.partition("-")
-        perms = rest.split(" ", 1)[0]
-        if len(perms) == 4 and perms[3] == "p" and low and high:
+        low, _, rest = line.partition("-")
+        high = rest.split(" ", 1)[0]
+        if low and high:
             ends[int(low, 16)] = int(high, 16)
-    ranges: list[tuple[int, int]] = []
+    ranges: list[tuple[int, int, int]] = []
     for line in numa_text.splitlines():
         tokens = line.split()
-        if not tokens or any(t.startswith("file=") for t in tokens) or "anon=" not in line:
+        if not tokens:
             continue
-        start = int(tokens[0], 16)
-        end = ends.get(start)
-        if end is None:
-            continue
-        for token in tokens:
-            if token[0] == "N" and "=" in token:
+        page_bytes = PAGE_BYTES
+        remote = False
+        for token in tokens[1:]:
+            if token.startswith("file=") and not _own_shared_memory(token, line):
+                remote = False
+                break
+            if token.startswith("kernelpagesize_kB="):
+                size_text = token[18:]
+                if size_text.isdigit():
+                    page_bytes = int(size_text) * 1024
+            elif token[0] == "N" and "=" in token:
                 node_text, _, pages = token[1:].partition("=")
                 if node_text.isdigit() and int(node_text) in nodes and pages != "0":
-                    ranges.append((start, end))
-                    break
+                    remote = True
+        start = int(tokens[0], 16)
+        end = ends.get(start)
+        if remote and end is not None:
+            ranges.append((start, end, page_bytes))
     return ranges
 
 

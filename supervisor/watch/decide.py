@@ -293,7 +293,9 @@ def decide(
                     "cpuset_changed",
                 )
             )
-    elif w.repairing and not any(f.kind == "memory_locality" for f in findings):
+    elif (w.repairing or _follows(policy, actions)) and not any(
+        f.kind == "memory_locality" for f in findings
+    ):
         move = _continue_repair(seen, slot, w, policy, actions=actions, others=others or {})
         if move is not None:
             moves.append(move)
@@ -422,6 +424,17 @@ def _live(
     return {tid: cpus for tid, cpus in bound.items() if tid in live}
 
 
+def _follows(policy: Policy, actions: Mapping[str, Action]) -> bool:
+    """memory_locality "auto" enforced: a process whose policy is not ours to set
+    (adopted, the engine) keeps taking pages off its nodes, and a repair waiting
+    for the ratio to fall below the threshold would leave up to a tenth of them
+    there for good; its remote pages are moved whenever it is below the repair
+    target, as long as they are worth a walk."""
+    return (
+        policy.actions.get("memory_locality") == "auto" and actions["memory_locality"] == "enforce"
+    )
+
+
 def _continue_repair(
     seen: Seen,
     slot: Slot,
@@ -440,7 +453,10 @@ def _continue_repair(
     if ratio is None or ratio >= REPAIR_TARGET_RATIO:
         w.repairing = False  # repaired
         return None
-    return _plan_move(seen, slot, w, policy, others, force=False, floor_bytes=0)
+    # A repair goes on whatever the floor; following (no repair) only moves
+    # what is worth a walk of the page tables.
+    floor = 0 if w.repairing else MIGRATE_MIN_REMOTE_BYTES
+    return _plan_move(seen, slot, w, policy, others, force=False, floor_bytes=floor)
 
 
 def _plan_move(

@@ -8,7 +8,7 @@ touches `--mib` of private anonymous memory on node 0. Each round moves all
 of it to node 1, then back to node 0 by the other method, alternating which
 goes first:
 
-- ours: `Binder.move_private_pages` as the check loop runs it, in an executor
+- ours: `Binder.move_own_pages` as the check loop runs it, in an executor
   thread, one pass's share at a time (`--share-mib`, what migrate_max_bytes_per_s
   x check_interval_s gives a pass: 1 GiB/s x 1 s by default), until none is
   remote; shared pages are left where they are (move_pages(2), MPOL_MF_MOVE);
@@ -54,7 +54,7 @@ def pages_on(pid: int, node: int) -> int:
 
 def ours(binder: Binder, pid: int, src: int, dst: int, share: int) -> None:
     while True:
-        moved, left = binder.move_private_pages(pid, (src,), dst, share)
+        moved, left = binder.move_own_pages(pid, (src,), dst, share)
         if moved == 0 and left == 0:
             return
         if moved == 0:

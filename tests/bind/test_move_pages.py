@@ -19,7 +19,7 @@ import pytest
 from supervisor.bind.binder import PAGES_PER_CALL, Binder
 from supervisor.errors import Gone
 from supervisor.hostfs import HostFS
-from supervisor.procfs.numa_maps import PAGE_BYTES, parse_private_ranges, parse_task_policy
+from supervisor.procfs.numa_maps import PAGE_BYTES, parse_own_ranges, parse_task_policy
 
 MIB = 1 << 20
 
@@ -46,28 +46,36 @@ def child() -> object:
     proc.wait()
 
 
-def test_only_private_anonymous_mappings_with_pages_on_the_nodes_are_walked(child: object) -> None:
+def test_only_the_memory_the_process_allocated_is_walked(child: object) -> None:
+    """Its anonymous memory and shared memory (what its local ratio counts);
+    never a mapped file (page cache: other processes' too)."""
     pid = child.pid  # type: ignore[attr-defined]
     maps = Path(f"/proc/{pid}/maps").read_text()
     numa = Path(f"/proc/{pid}/numa_maps").read_text()
-    ranges = parse_private_ranges(maps, numa, frozenset({0}))
-    sizes = [end - start for start, end in ranges]
+    ranges = parse_own_ranges(maps, numa, frozenset({0}))
+    sizes = [end - start for start, end, _ in ranges]
     assert 96 * MIB in sizes  # the private buffer
-    assert 8 * MIB not in sizes  # MAP_SHARED (file=/dev/zero): another process's too
-    assert all(start % PAGE_BYTES == 0 and end > start for start, end in ranges)
-    assert parse_private_ranges(maps, numa, frozenset({1})) == []  # nothing on node 1
+    assert 8 * MIB in sizes  # MAP_SHARED|MAP_ANONYMOUS (file=/dev/zero), this process's alone
+    files = {
+        int(line.split("-", 1)[0], 16)
+        for line in maps.splitlines()
+        if len(line.split()) >= 6 and line.split()[5].startswith("/") and "/dev/zero" not in line
+    }
+    assert files and not files & {start for start, _, _ in ranges}
+    assert all(page == PAGE_BYTES and end > start for start, end, page in ranges)
+    assert parse_own_ranges(maps, numa, frozenset({1})) == []  # nothing on node 1
 
 
 def test_a_move_stops_at_its_budget_and_goes_on_next_time(child: object) -> None:
     pid = child.pid  # type: ignore[attr-defined]
     binder = Binder(HostFS("/"))
-    moved, left = binder.move_private_pages(pid, (0,), 0, 8 * MIB)
+    moved, left = binder.move_own_pages(pid, (0,), 0, 8 * MIB)
     assert moved == 8 * MIB // PAGE_BYTES
     assert left > 0  # the rest of the chunk, and the walk stopped there
     # A budget past what it holds: every present private page, in calls of
     # PAGES_PER_CALL at most (the 96 MiB buffer alone is 1.5 of them); nothing left.
     assert 96 * MIB > PAGES_PER_CALL * PAGE_BYTES
-    moved, left = binder.move_private_pages(pid, (0,), 0, 256 * MIB)
+    moved, left = binder.move_own_pages(pid, (0,), 0, 256 * MIB)
     assert moved >= 96 * MIB // PAGE_BYTES and left == 0
 
 
@@ -75,7 +83,7 @@ def test_a_gone_process_is_gone() -> None:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
     with pytest.raises(Gone):
-        Binder(HostFS("/")).move_private_pages(proc.pid, (0,), 0, MIB)
+        Binder(HostFS("/")).move_own_pages(proc.pid, (0,), 0, MIB)
 
 
 @pytest.mark.parametrize(

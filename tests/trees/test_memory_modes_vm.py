@@ -27,12 +27,12 @@ MODES = {
 def expected(mode: str) -> list[str]:
     names: list[str] = []
     for run in RUNS:
-        names += [f"{run}: running", f"{run}: workers allocated", f"{run}: mempolicy capability"]
+        names += [f"{run} running", f"{run} workers allocated", f"{run} mempolicy capability"]
         for rank, node in ((0, 0), (1, 1)):
-            name = f"{run}: rank {rank} on node {node}"
-            local = f"{name}: pages local" if mode != "seccomp" else f"{name}: pages measured"
-            names += [local, f"{name}: cpus", f"{name}: metric matches numa_maps"]
-        names.append(f"{run}: clean stop")
+            name = f"{run} rank {rank} on node {node}"
+            local = f"{name} pages local" if mode != "seccomp" else f"{name} pages measured"
+            names += [local, f"{name} cpus", f"{name} metric matches numa_maps"]
+        names.append(f"{run} clean stop")
     return names
 
 

@@ -30,7 +30,7 @@ node (>= 0.99, numa_maps) where the kernel allows a memory policy; under
 seccomp what that mode gets instead (the capability reported, the CPUs
 bound, pages allocated after adoption local) and, in every mode, the
 `local_memory_ratio` /placement reports within 0.01 of numa_maps.
-Prints "PASS name: detail" / "FAIL name: detail" per check.
+Prints "PASS name: detail" / "FAIL name: detail" per check (names hold no ": ").
 """
 
 from __future__ import annotations
@@ -165,19 +165,19 @@ def run_one(run: str, mode: str, tmp: Path) -> None:
     try:
         doc = wait_until(daemon.running, timeout_s=240, interval_s=0.5)
         detail = "every process running" if doc is not None else daemon.tail(1500)
-        if not CHECKS.check(f"{run}: running", doc is not None, detail):
+        if not CHECKS.check(f"{run} running", doc is not None, detail):
             return
         done = wait_until(
             lambda: all((tmp / f"done{r}").exists() for r in (0, 1)), timeout_s=240, interval_s=0.5
         )
-        CHECKS.check(f"{run}: workers allocated", bool(done), f"after {WORKER_STEPS} s of steps")
+        CHECKS.check(f"{run} workers allocated", bool(done), f"after {WORKER_STEPS} s of steps")
         time.sleep(4)  # a few checks: migrations, then a fresh numa_maps reading
         doc = daemon.running() or doc
         check_ranks(run, mode, doc, daemon)
     finally:
         code = daemon.stop(timeout_s=60)
         CHECKS.check(
-            f"{run}: clean stop", code == 0, f"exit {code}; {daemon.tail(800) if code else ''}"
+            f"{run} clean stop", code == 0, f"exit {code}; {daemon.tail(800) if code else ''}"
         )
 
 
@@ -185,7 +185,7 @@ def check_ranks(run: str, mode: str, doc: dict[str, Any], daemon: DaemonProcess)
     caps = doc["supervisor"]["capabilities"]
     memory_allowed = mode != "seccomp"
     CHECKS.check(
-        f"{run}: mempolicy capability",
+        f"{run} mempolicy capability",
         caps["mempolicy"]["available"] == memory_allowed,
         f"mempolicy {caps['mempolicy']}",
     )
@@ -193,22 +193,20 @@ def check_ranks(run: str, mode: str, doc: dict[str, Any], daemon: DaemonProcess)
         node = rank["mems"][0]
         pid = rank["pid"]
         ratio, by_node = ratio_on(pid, node)
-        name = f"{run}: rank {rank['rank']} on node {node}"
+        name = f"{run} rank {rank['rank']} on node {node}"
         if memory_allowed:
-            CHECKS.check(
-                f"{name}: pages local", ratio >= 0.99, f"ratio {ratio:.4f} pages {by_node}"
-            )
+            CHECKS.check(f"{name} pages local", ratio >= 0.99, f"ratio {ratio:.4f} pages {by_node}")
         else:
             # No policy, no page moves: the CPUs place what is allocated after
             # adoption (first touch); what came before stays where it landed.
             CHECKS.check(
-                f"{name}: pages measured",
+                f"{name} pages measured",
                 sum(by_node.values()) > 0,
                 f"ratio {ratio:.4f} pages {by_node}",
             )
         cpus = status_field(pid, "Cpus_allowed_list")
         CHECKS.check(
-            f"{name}: cpus", set(_cpus(cpus)) == set(rank["cpus"]), f"{cpus} planned {rank['cpus']}"
+            f"{name} cpus", set(_cpus(cpus)) == set(rank["cpus"]), f"{cpus} planned {rank['cpus']}"
         )
 
         ok = wait_until(
@@ -217,7 +215,7 @@ def check_ranks(run: str, mode: str, doc: dict[str, Any], daemon: DaemonProcess)
             interval_s=0.5,
         )
         CHECKS.check(
-            f"{name}: metric matches numa_maps",
+            f"{name} metric matches numa_maps",
             bool(ok),
             f"numa_maps ratio {ratio_on(pid, node)[0]:.4f}",
         )
@@ -258,7 +256,7 @@ def main() -> int:
         try:
             run_one(run, mode, tmp)
         except AssertionError as err:
-            CHECKS.check(f"{run}: daemon up", False, str(err).replace("\n", " | ")[-1500:])
+            CHECKS.check(f"{run} daemon up", False, str(err).replace("\n", " | ")[-1500:])
     return CHECKS.exit_code()
 
 

@@ -495,3 +495,18 @@ def test_the_loops_moves_take_one_passs_share_of_the_rate_and_the_api_everything
     api = run(observation(memory=memory(100, 300)), pol=policy(OBSERVE_ALL, "api"))
     (whole,) = api.moves
     assert (whole.remote_bytes, whole.max_bytes) == (300 * MIB, 0)  # migrate_pages(2), all
+
+
+def test_auto_follows_an_unbound_process_above_the_threshold_too() -> None:
+    """An adopted worker keeps taking pages off its node (a policy not ours):
+    "auto" moves them whenever it is below the repair target and they are
+    worth a walk, not only once the ratio falls below the threshold."""
+    auto = policy({"memory_locality": "auto"})
+    above = observation(memory=memory(190, 10))  # 0.95: above the 0.9 threshold
+    adopted = decide(SLOT, Seen(0, 4242, above, True, False), RepairState(), auto, NOW)
+    assert [(m.from_nodes, m.remote_bytes) for m in adopted.moves] == [((1,), 10 * MIB)]
+    assert adopted.findings == ()  # not a finding: above the threshold
+    small = observation(memory=memory(300, 2))  # 2 MiB remote: below the floor
+    assert decide(SLOT, Seen(0, 4242, small, True, False), RepairState(), auto, NOW).moves == ()
+    spawned = decide(SLOT, Seen(0, 4242, above, True, True), RepairState(), auto, NOW)
+    assert spawned.moves == ()
