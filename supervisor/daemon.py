@@ -544,28 +544,33 @@ def run_command(args: argparse.Namespace) -> int:
     topology, placement = prepare(config, env, fs)
     refuse(check_spawns(config, placement, env, sys.executable))  # argv + env over E2BIG
     cgroups, cgroup_cap = cgroups_and_capability(config, fs, env)
-    # Once, before any spawn: what this host (a container's runtime) lets us bind.
-    capabilities = probe_capabilities(
-        fs, topology.allowed.mems, cgroup=cgroup_cap, irq_wanted=config.irq.enabled
-    )
-    has_engine = config.engine is not None  # a grace too short for the stop: said once
-    log_stop_budget(
-        config.stop_timeout_s, config.stop_grace_s, has_engine=has_engine, pid=os.getpid()
-    )
-    daemon = Daemon(
-        config,
-        topology,
-        placement,
-        listen=listen,
-        env=env,
-        fs=fs,
-        cgroups=cgroups,
-        check_loop=True,
-        subreaper=True,
-        irq_checkpoint=checkpoint,
-        capabilities=capabilities,
-        config_hash=digest,
-    )
+    try:  # a start that fails before run() (whose stop removes them) leaves no cgroup dir
+        # Once, before any spawn: what this host (a container's runtime) lets us bind.
+        capabilities = probe_capabilities(
+            fs, topology.allowed.mems, cgroup=cgroup_cap, irq_wanted=config.irq.enabled
+        )
+        has_engine = config.engine is not None  # a grace too short for the stop: said once
+        log_stop_budget(
+            config.stop_timeout_s, config.stop_grace_s, has_engine=has_engine, pid=os.getpid()
+        )
+        daemon = Daemon(
+            config,
+            topology,
+            placement,
+            listen=listen,
+            env=env,
+            fs=fs,
+            cgroups=cgroups,
+            check_loop=True,
+            subreaper=True,
+            irq_checkpoint=checkpoint,
+            capabilities=capabilities,
+            config_hash=digest,
+        )
+    except BaseException:
+        if cgroups is not None:
+            remove_cgroups(cgroups, [])
+        raise
     daemon.early_hups = early_hups
     log.info(
         "starting %s",
