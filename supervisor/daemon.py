@@ -62,6 +62,7 @@ from supervisor.service.cgroups import (
     instance_suffix,
     remove_cgroups,
 )
+from supervisor.service.hangup import Hangups
 from supervisor.service.instance_lock import hold_instance_lock
 from supervisor.service.preflight import check_processes, check_spawns, refuse
 from supervisor.service.reload import Reloader
@@ -187,7 +188,7 @@ class Daemon:
             lambda: self.rt is not None and self.rt.stopping.is_set(),
         )
         self.reloader = Reloader(self)  # SIGHUP
-        self.early_hups: list[int] = []  # HUPs before run() took the signal over
+        self.hangups: Hangups | None = None  # run_command's, installed before the config read
         self.started = asyncio.Event()  # READY=1 sent: a reload may run
 
     @property
@@ -230,9 +231,9 @@ class Daemon:
             installed.append(signum)
         # A HUP (systemctl reload, kill -HUP, a closed terminal's to our group) is a
         # reload, never a death; the children, in their own sessions, never see it.
-        loop.add_signal_handler(signal.SIGHUP, self.reloader.request, signal.SIGHUP)
-        installed.append(signal.SIGHUP)
-        if self.early_hups:  # the config may have changed since it was read: once more
+        hangups = self.hangups if self.hangups is not None else Hangups().install()
+        hangups.attach(loop, self.reloader.request)
+        if hangups.early:  # the config may have changed since it was read: once more
             self.reloader.request(signal.SIGHUP)
         reload_task = asyncio.create_task(self.reloader.run(self.started), name="reload")
         watchdog: asyncio.Task[None] | None = None
@@ -276,6 +277,7 @@ class Daemon:
                     await task
             for signum in installed:
                 loop.remove_signal_handler(signum)
+            hangups.detach()  # still the handler: a HUP now is noted, never a death
             executor.shutdown(wait=False, cancel_futures=True)
             if self.fleet is not None:
                 self.fleet.close()
@@ -520,10 +522,9 @@ def run_command(args: argparse.Namespace) -> int:
     """
     env = dict(os.environ)
     setup_logging(env)
-    # Until the event loop takes SIGHUP over, a HUP is noted, not a death (a
-    # Python handler: unlike SIG_IGN, exec(2) does not pass it on to children).
-    early_hups: list[int] = []
-    signal.signal(signal.SIGHUP, lambda signum, _frame: early_hups.append(signum))
+    # From here to the exit a HUP is noted or reloads, never a death (a Python
+    # handler: unlike SIG_IGN, exec(2) does not pass it on to children).
+    hangups = Hangups().install()
     if not getattr(args, "config", None):
         raise ConfigError("run: --config FILE is required")
     config, digest = load_config_digest(args.config)
@@ -571,15 +572,18 @@ def run_command(args: argparse.Namespace) -> int:
         if cgroups is not None:
             remove_cgroups(cgroups, [])
         raise
-    daemon.early_hups = early_hups
+    daemon.hangups = hangups
     log.info(
         "starting %s",
         format_fields(
             config=config.path, pid=os.getpid(), processes=len(daemon.keys), action="spawn"
         ),
     )
-    with lock:
-        return run_loop(daemon.run())
+    try:
+        with lock:
+            return run_loop(daemon.run())
+    finally:
+        hangups.close()  # the interpreter's exit would reset a Python handler to SIG_DFL
 
 
 def run_loop(main: Awaitable[int]) -> int:
