@@ -218,7 +218,7 @@ class Daemon:
         loop = asyncio.get_running_loop()
         executor = ThreadPoolExecutor(EXECUTOR_THREADS, thread_name_prefix="ps-proc")
         self.rt = Runtime(
-            self.config,
+            self.plan,
             self.store,
             self.fs,
             executor,
@@ -238,8 +238,8 @@ class Daemon:
         reload_task = asyncio.create_task(self.reloader.run(self.started), name="reload")
         watchdog: asyncio.Task[None] | None = None
         try:
-            self.checker = self._check_loop(self.rt)
-            await self._start_api(self.checker.stale_after_s)
+            self.checker = checker = self._check_loop(self.rt)
+            await self._start_api(lambda: checker.stale_after_s)  # of the config in force
             self.fleet = fleet = self._make_fleet(self.rt)
             self._start_trees(fleet)
             self.irq_task = asyncio.create_task(self._apply_irqs(), name="irq_apply")
@@ -302,7 +302,7 @@ class Daemon:
         self.trees = TreeKeeper(
             self.fs,
             self.store,
-            interval_s=self.config.drift.check_interval_s,
+            interval_s=lambda: self.config.drift.check_interval_s,  # the config in force
             cgroup_dir=self._cgroup_dir,
             direct_children=self._direct_children,
             guardian=self.guardian,
@@ -319,7 +319,7 @@ class Daemon:
             # cgroup.procs every few checks only, and the keeper's quiet pass
             # takes a reading that old (issue 17, item 6; bind.cgroup).
             self.cgroups.manager.membership_every = MEMBERSHIP_READ_EVERY
-            self.trees.quiet_age_s = (MEMBERSHIP_READ_EVERY + 1) * self.trees.interval_s
+            self.trees.quiet_intervals = MEMBERSHIP_READ_EVERY + 1
 
     def _make_fleet(self, rt: Runtime) -> Fleet:
         """The spawned fleet; with `[workers] spawned_by = "engine"`, the adopting one."""
@@ -339,7 +339,7 @@ class Daemon:
             pids.append(self.guardian.pid)
         return pids
 
-    async def _start_api(self, stale_after_s: float) -> None:
+    async def _start_api(self, stale_after_s: Callable[[], float]) -> None:
         if not self.want_api:
             return
         actions: Actions = self.actions
@@ -386,8 +386,6 @@ class Daemon:
             plan=self.plan,
             fs=fs,
             executor=rt.executor,
-            drift=self.config.drift,
-            roles=self.config.threads,
             supervised=lambda: [] if self.fleet is None else self.fleet.supervised(),
             stopping=rt.stopping,
             irqs=self.irq_keeper,

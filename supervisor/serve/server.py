@@ -18,6 +18,7 @@ import os
 import socket
 import stat
 import time
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -184,7 +185,7 @@ class ApiServer:
         config: ApiConfig,
         listen: str | None = None,
         *,
-        stale_after_s: float = DEFAULT_STALE_AFTER_S,
+        stale_after_s: float | Callable[[], float] = DEFAULT_STALE_AFTER_S,
         self_usage_interval_s: float | None = SELF_USAGE_INTERVAL_S,
     ) -> None:
         self._listen = config.listen if listen is None else parse_listen(listen, "--listen")

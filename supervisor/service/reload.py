@@ -211,10 +211,11 @@ class Reloader:
         adopted = config.workers.spawned_by == "engine"
         respawn = respawn_keys(d.specs.by_key(), new_specs.by_key(), adopted=adopted)
         moved = changed_keys(d.plan.placement, placement)
-        # Read at each use (restart policy, stop timeout, ready probe; accounts at the
-        # next spawn, the specs being rebuilt once the plan's generation moves).
+        # The runners, the tree keeper, the check loop and the API read the config at
+        # each use from the plan holder, which `install` below replaces (restart
+        # policy, stop timeout, ready probe, intervals; accounts at the next spawn,
+        # the specs being rebuilt once the plan's generation moves).
         d.specs.accounts = dict(accounts)
-        d.runtime.config = config  # the daemon's own is the plan's
         assert d.checker is not None
         await d.checker.install(placement, topology, config=config)
         d.store.update(

@@ -1,0 +1,81 @@
+"""Keys a reload changes live take effect: the check loop, the tree keeper and the
+API read the config in force (the plan holder's) when they use it, never a copy
+made at start (issue 28 item 3). Real daemons, real SIGHUPs, real processes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from tests.support.daemon_support import DaemonProcess, daemon_env, poll, to_toml
+
+WORKER = r"""
+import os, subprocess, sys, time
+trigger, marker = sys.argv[1:3]
+while not os.path.exists(trigger):
+    time.sleep(0.02)
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)", marker])
+time.sleep(3600)
+"""
+
+
+def _doc(worker: Path, trigger: Path, marker: str, drift: dict[str, float]) -> dict[str, Any]:
+    return {
+        "cpu_ranks": 1,
+        "cgroup": "off",
+        "stop_timeout_s": 2,
+        "workers": {"command": ["python", str(worker), str(trigger), marker]},
+        "placement": {"rank_roles": {}, "on_shortage": "share", "engine": {"enabled": False}},
+        "drift": drift,
+    }
+
+
+def _reloaded(d: DaemonProcess, count: int) -> bool:
+    doc = d.placement() or {}
+    return doc.get("supervisor", {}).get("config_reloads", {}).get("ok", 0) >= count
+
+
+def test_check_interval_and_what_derives_from_it_change_by_sighup(tmp_path: Path) -> None:
+    worker = tmp_path / "worker.py"
+    worker.write_text(WORKER)
+    trigger = tmp_path / "spawn-now"
+    marker = f"live-{uuid.uuid4().hex}"
+    config = tmp_path / "live.toml"
+    slow = {"check_interval_s": 5.0, "numa_maps_interval_s": 10.0}
+    config.write_text(to_toml(_doc(worker, trigger, marker, slow)))
+    # Checks only (no proc connector): a new process is seen at a tree pass, whose
+    # interval is the check interval in force.
+    env = daemon_env(PLACEMENT_SUPERVISOR_PROC_EVENTS="0")
+    with DaemonProcess(config, tmp_path / "d.log", env=env) as d:
+        poll(d.running, timeout_s=60, what="the worker running")
+        assert d.get("/healthz")["stale_after_s"] == 30.0  # max(30, 5 x 5, 2 x 10)
+        fast = {"check_interval_s": 0.2, "numa_maps_interval_s": 40.0}
+        config.write_text(to_toml(_doc(worker, trigger, marker, fast)))
+        os.kill(d.pid, signal.SIGHUP)
+        poll(lambda: _reloaded(d, 1), timeout_s=30, what="the reload counted ok")
+        # The check loop: more than 10 passes in the next 6 s (at 5 s: 1 or 2).
+        before = d.get("/healthz")["checks"]
+        time.sleep(6.0)  # a measuring window, not a wait for an event
+        passes = d.get("/healthz")["checks"] - before
+        assert passes > 10, f"{passes} passes in 6 s after the reload:\n{d.tail()}"
+        # The API's staleness threshold: max(30, 5 x 0.2, 2 x 40).
+        assert d.get("/healthz")["stale_after_s"] == 80.0
+        # The tree keeper: a process the worker starts now is listed within a few
+        # passes of 0.2 s, not at the next of 5 s.
+        trigger.touch()
+        started = time.monotonic()
+
+        def listed() -> bool:
+            rank = (d.placement() or {"ranks": [{}]})["ranks"][0]
+            return any(marker in c.get("cmdline", "") for c in rank.get("children", []))
+
+        poll(listed, timeout_s=30, what="the worker's new child listed")
+        seen_s = time.monotonic() - started
+        assert seen_s < 2.0, f"the new child was listed after {seen_s:.1f} s:\n{d.tail()}"
+        code = d.stop(timeout_s=30)
+    assert code == 0, d.log.read_text(errors="replace")[-4000:]
