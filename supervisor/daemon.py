@@ -102,6 +102,8 @@ class Server(Protocol):
 
     async def stop(self) -> None: ...
 
+    def use_token(self, token: bytes) -> None: ...
+
 
 # -- the daemon -------------------------------------------------------------------
 

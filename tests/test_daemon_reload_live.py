@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 import signal
 import time
+import urllib.error
+import urllib.request
 import uuid
 from pathlib import Path
 from typing import Any
@@ -77,5 +79,65 @@ def test_check_interval_and_what_derives_from_it_change_by_sighup(tmp_path: Path
         poll(listed, timeout_s=30, what="the worker's new child listed")
         seen_s = time.monotonic() - started
         assert seen_s < 2.0, f"the new child was listed after {seen_s:.1f} s:\n{d.tail()}"
+        code = d.stop(timeout_s=30)
+    assert code == 0, d.log.read_text(errors="replace")[-4000:]
+
+
+def _post(port: int, path: str, token: str) -> int:
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}",
+        method="POST",
+        data=b"",
+        headers={"Authorization": f"Bearer {token}"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            status: int = resp.status
+            return status
+    except urllib.error.HTTPError as err:
+        return err.code
+
+
+def test_a_token_is_rotated_by_rewriting_its_file_and_sighup(tmp_path: Path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text("first-token\n")
+    token_file.chmod(0o600)
+    doc: dict[str, Any] = {
+        "cpu_ranks": 1,
+        "cgroup": "off",
+        "stop_timeout_s": 2,
+        "workers": {"command": ["python", "-c", "import time; time.sleep(3600)", "{rank}"]},
+        "placement": {"rank_roles": {}, "on_shortage": "share", "engine": {"enabled": False}},
+        "api": {"token_file": str(token_file)},
+    }
+    config = tmp_path / "token.toml"
+    config.write_text(to_toml(doc))
+    with DaemonProcess(config, tmp_path / "d.log", env=daemon_env()) as d:
+        poll(d.running, timeout_s=60, what="the worker running")
+        assert _post(d.port, "/rebind", "first-token") == 200
+        assert _post(d.port, "/rebind", "second-token") == 401
+        token_file.write_text("second-token\n")  # the rotation: the file, then a reload
+        os.kill(d.pid, signal.SIGHUP)
+        poll(lambda: _reloaded(d, 1), timeout_s=30, what="the reload counted ok")
+        assert _post(d.port, "/rebind", "second-token") == 200, d.tail()
+        assert _post(d.port, "/rebind", "first-token") == 401  # the leaked one is dead
+        # A token file that cannot be used (open to others) is an invalid reload:
+        # the token in force stays.
+        token_file.write_text("third-token\n")
+        token_file.chmod(0o644)
+        os.kill(d.pid, signal.SIGHUP)
+        poll(
+            lambda: (
+                (d.placement() or {})
+                .get("supervisor", {})
+                .get("config_reloads", {})
+                .get("invalid", 0)
+                >= 1
+            ),
+            timeout_s=30,
+            what="the reload counted invalid",
+        )
+        assert _post(d.port, "/rebind", "second-token") == 200
+        assert _post(d.port, "/rebind", "third-token") == 401
         code = d.stop(timeout_s=30)
     assert code == 0, d.log.read_text(errors="replace")[-4000:]

@@ -1,7 +1,7 @@
 """The API server: the aiohttp app over the route table, sockets, who may change things (does I/O).
 
 I/O: the listening TCP and unix sockets (the socket file is made mode 0600
-before listen(2)), the token file read once in `start()`, and the
+before listen(2)), the token file read in `start()` (and at each reload), and the
 self-usage sampler task (supervisor.serve.usage). aiohttp runs under
 `AppRunner(handle_signals=False)`: the daemon owns the signals. A changing
 route is reached only over the unix socket or with the bearer token.
@@ -280,6 +280,12 @@ class ApiServer:
             limits.body_timeout_s,
             limits.idle_timeout_s,
         )
+
+    def use_token(self, token: bytes) -> None:
+        """The bearer token from now on (a reload re-read api.token_file: a rotation)."""
+        changed = not hmac.compare_digest(token, self._token or b"")
+        self._token = token
+        log.info("api token %s", "replaced" if changed else "unchanged")
 
     async def _add_site(self, runner: web.AppRunner, where: Listen) -> None:
         site: web.BaseSite
