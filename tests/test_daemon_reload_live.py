@@ -141,3 +141,41 @@ def test_a_token_is_rotated_by_rewriting_its_file_and_sighup(tmp_path: Path) -> 
         assert _post(d.port, "/rebind", "third-token") == 401
         code = d.stop(timeout_s=30)
     assert code == 0, d.log.read_text(errors="replace")[-4000:]
+
+
+def test_stop_timeout_and_restart_settings_change_by_sighup(tmp_path: Path) -> None:
+    # A worker that ignores TERM: the stop waits stop_timeout_s, then KILLs.
+    stubborn = ["python", "-c", "import signal, time; signal.signal(15, 1); time.sleep(3600)"]
+    doc: dict[str, Any] = {
+        "cpu_ranks": 1,
+        "cgroup": "off",
+        "stop_timeout_s": 60,
+        "workers": {"command": [*stubborn, "{rank}"]},
+        "placement": {"rank_roles": {}, "on_shortage": "share", "engine": {"enabled": False}},
+        "restart": {"backoff_initial_s": 30.0, "backoff_max_s": 60.0},
+    }
+    config = tmp_path / "stop.toml"
+    config.write_text(to_toml(doc))
+    with DaemonProcess(config, tmp_path / "d.log", env=daemon_env()) as d:
+        first = poll(d.running, timeout_s=60, what="the worker running")["ranks"][0]["pid"]
+        doc["stop_timeout_s"] = 1
+        doc["restart"] = {"backoff_initial_s": 0.2, "backoff_max_s": 1.0}
+        config.write_text(to_toml(doc))
+        os.kill(d.pid, signal.SIGHUP)
+        poll(lambda: _reloaded(d, 1), timeout_s=30, what="the reload counted ok")
+        # [restart]: a crash is restarted after the new backoff (0.2 s), not 30 s.
+        os.kill(first, signal.SIGKILL)
+        crashed = time.monotonic()
+
+        def respawned() -> bool:
+            rank = (d.running() or {"ranks": [{}]})["ranks"][0]
+            return rank.get("pid") not in (None, first)
+
+        poll(respawned, timeout_s=60, what="the worker restarted")
+        assert time.monotonic() - crashed < 10, d.tail()
+        # stop_timeout_s: the stop KILLs the TERM-proof worker after 1 s, not 60 s.
+        started = time.monotonic()
+        code = d.stop(timeout_s=120)
+        took = time.monotonic() - started
+    assert code == 0, d.log.read_text(errors="replace")[-4000:]
+    assert took < 15, f"the stop took {took:.1f} s"
