@@ -15,10 +15,12 @@ import os
 import platform
 import subprocess
 import sys
+from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tests.support.daemon_support import REPO
+from tests.support.daemon_support import REPO, DaemonProcess, daemon_env, free_port, poll, to_toml
 
 # (socket, recvfrom) syscall numbers (asm/unistd_64.h; asm-generic/unistd.h).
 SYSCALLS = {"x86_64": (41, 45), "aarch64": (198, 207)}
@@ -129,3 +131,44 @@ def test_an_allowed_sock_diag_says_so_once() -> None:
     assert json.loads(done.stdout.splitlines()[-1]) == [[None, None], None]
     lines = [line for line in done.stderr.splitlines() if "listener source" in line]
     assert len(lines) == 1 and "path=sock_diag" in lines[0], done.stderr[-3000:]
+
+
+ENGINE = r"""
+import socket, sys, time
+srv = socket.socket()
+srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+srv.bind(("127.0.0.1", int(sys.argv[1])))
+srv.listen()
+time.sleep(3600)
+"""
+
+
+@pytest.mark.parametrize("code", [errno.EPERM, errno.EACCES])
+def test_a_daemon_whose_sock_diag_is_refused_gets_its_engine_ready(
+    tmp_path: Path, code: int
+) -> None:
+    if platform.machine() not in SYSCALLS:
+        pytest.skip(f"no syscall numbers for {platform.machine()}")
+    engine = tmp_path / "engine.py"
+    engine.write_text(ENGINE)
+    port = free_port()
+    doc: dict[str, Any] = {
+        "cpu_ranks": 1,
+        "cgroup": "off",
+        "stop_timeout_s": 2,
+        "engine": {"command": ["python", str(engine), str(port)]},
+        "ready": {"tcp": f"127.0.0.1:{port}", "timeout_s": 20},
+        "workers": {"command": ["python", "-c", "import time; time.sleep(3600)", "{rank}"]},
+        "placement": {"rank_roles": {}, "on_shortage": "share"},
+    }
+    config = tmp_path / "diag.toml"
+    config.write_text(to_toml(doc))
+    prefix = [sys.executable, str(REPO / "tests/support/seccomp_exec.py"), str(code), "--"]
+    with DaemonProcess(config, tmp_path / "d.log", env=daemon_env(), prefix=prefix) as d:
+        poll(d.running, timeout_s=30, what="the engine ready through the /proc tables")
+        code_ = d.stop(timeout_s=30)
+    log = d.log.read_text(errors="replace")
+    assert code_ == 0, log[-4000:]
+    lines = [line for line in log.splitlines() if "listener source" in line]
+    assert len(lines) == 1 and errno.errorcode[code] in lines[0], log[-4000:]
+    assert "ready probe error" not in log, log[-4000:]
