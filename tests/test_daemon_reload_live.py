@@ -14,6 +14,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from supervisor.cpulist import format_cpulist
 from tests.support.daemon_support import DaemonProcess, daemon_env, poll, to_toml
 
 WORKER = r"""
@@ -179,3 +182,48 @@ def test_stop_timeout_and_restart_settings_change_by_sighup(tmp_path: Path) -> N
         took = time.monotonic() - started
     assert code == 0, d.log.read_text(errors="replace")[-4000:]
     assert took < 15, f"the stop took {took:.1f} s"
+
+
+def _cpus_allowed(pid: int) -> str:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Cpus_allowed_list:"):
+            return line.split(":", 1)[1].strip()
+    raise AssertionError(f"no Cpus_allowed_list for pid {pid}")
+
+
+def test_the_drift_policy_changes_by_sighup(tmp_path: Path) -> None:
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two CPUs to drift from")
+    # The worker narrows its own affinity to one CPU: drift from its slot.
+    narrow = (
+        "import os, time; os.sched_setaffinity(0, [min(os.sched_getaffinity(0))]); time.sleep(3600)"
+    )
+    doc: dict[str, Any] = {
+        "cpu_ranks": 1,
+        "cgroup": "off",
+        "stop_timeout_s": 2,
+        "workers": {"command": ["python", "-c", narrow, "{rank}"]},
+        "placement": {"rank_roles": {}, "on_shortage": "share", "engine": {"enabled": False}},
+        "drift": {
+            "check_interval_s": 0.2,
+            "enforce_pinned": True,  # a thread narrowed inside its slot is drift too
+            "policy": {"thread_affinity": "observe"},
+        },
+    }
+    config = tmp_path / "policy.toml"
+    config.write_text(to_toml(doc))
+    with DaemonProcess(config, tmp_path / "d.log", env=daemon_env()) as d:
+        placed = poll(d.running, timeout_s=60, what="the worker running")["ranks"][0]
+        pid, planned = placed["pid"], format_cpulist(placed["cpus"])
+        poll(lambda: _cpus_allowed(pid) != planned, timeout_s=30, what="the worker narrowed")
+        narrowed = _cpus_allowed(pid)
+        # observe: left as it is, over several checks.
+        time.sleep(1.0)  # five checks at 0.2 s under observe (a window, not a wait)
+        assert _cpus_allowed(pid) == narrowed
+        doc["drift"]["policy"]["thread_affinity"] = "enforce"
+        config.write_text(to_toml(doc))
+        os.kill(d.pid, signal.SIGHUP)
+        poll(lambda: _reloaded(d, 1), timeout_s=30, what="the reload counted ok")
+        poll(lambda: _cpus_allowed(pid) == planned, timeout_s=10, what="re-bound under enforce")
+        code = d.stop(timeout_s=30)
+    assert code == 0, d.log.read_text(errors="replace")[-4000:]
