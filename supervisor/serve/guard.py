@@ -118,6 +118,8 @@ class ConnectionGuard:
                 oldest.shed()
                 self.shed += 1
                 self._shed_pending += 1
+                c = self.store.snapshot.counters
+                self.store.update(counters=replace(c, http_connections_shed=self.shed))
         if len(self.open) < cap:
             return "any"
         return "health" if len(self.open) < cap + HEALTH_RESERVE else None

@@ -166,6 +166,9 @@ def test_idle_connections_at_the_cap_give_way_to_a_new_probe() -> None:
             closed, _, _ = select.select(held, [], [], 5.0)
             assert len(closed) == 1 and closed[0].recv(1) == b""
             assert srv.server.guard.shed == 1
+            assert (
+                srv.server.registry.get_sample_value("placement_http_connections_shed_total") == 1
+            )
             assert srv.store.snapshot.counters.http_connections_refused == 0
         finally:
             for sock in held:
