@@ -23,4 +23,10 @@ def main() -> int:
     words = [word for word in sys.argv[1:] if not word.startswith("-")]
     if words[:1] != ["run"]:
         signal.signal(signal.SIGHUP, signal.SIG_DFL)  # only the daemon outlives a terminal
-    return cli_main()
+        return cli_main()
+    try:
+        return cli_main()
+    finally:
+        # However `run` ended (an error exit 2 or 3 too): the interpreter's exit
+        # resets a Python handler to SIG_DFL, SIG_IGN it keeps.
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
