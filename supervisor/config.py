@@ -132,6 +132,9 @@ class ApiConfig:
     listen: Listen = field(default_factory=lambda: parse_listen(DEFAULT_LISTEN))
     unix_socket: str | None = None  # an extra socket (mode 0600): changing calls need no token
     token_file: str | None = None
+    # Besides root and the supervisor's user, this group's members may make changing
+    # calls over unix_socket (checked by the peer's credentials, whatever the mode).
+    unix_socket_group: str | None = None
     # Open API connections at most (TCP and unix together); one more is
     # answered 503 and closed. Lowered at start so that the file descriptors
     # spawning and watching need stay free (supervisor.serve.guard).
@@ -291,6 +294,7 @@ def _api(t: Table, listen: Listen) -> ApiConfig:
         listen,
         t.text("unix_socket", None),
         t.text("token_file", None),
+        unix_socket_group=t.text("unix_socket_group", None),
         max_connections=t.integer("max_connections", d.max_connections, 1, MAX_API_CONNECTIONS),
         header_timeout_s=t.number("header_timeout_s", d.header_timeout_s, 0.0, strict=True),
         body_timeout_s=t.number("body_timeout_s", d.body_timeout_s, 0.0, strict=True),

@@ -62,6 +62,7 @@ from supervisor.service.cgroups import (
     instance_suffix,
     remove_cgroups,
 )
+from supervisor.service.hangup import Hangups
 from supervisor.service.instance_lock import hold_instance_lock
 from supervisor.service.preflight import check_processes, check_spawns, refuse
 from supervisor.service.reload import Reloader
@@ -100,6 +101,8 @@ class Server(Protocol):
     async def start(self) -> None: ...
 
     async def stop(self) -> None: ...
+
+    def use_token(self, token: bytes) -> None: ...
 
 
 # -- the daemon -------------------------------------------------------------------
@@ -187,7 +190,7 @@ class Daemon:
             lambda: self.rt is not None and self.rt.stopping.is_set(),
         )
         self.reloader = Reloader(self)  # SIGHUP
-        self.early_hups: list[int] = []  # HUPs before run() took the signal over
+        self.hangups: Hangups | None = None  # run_command's, installed before the config read
         self.started = asyncio.Event()  # READY=1 sent: a reload may run
 
     @property
@@ -217,7 +220,7 @@ class Daemon:
         loop = asyncio.get_running_loop()
         executor = ThreadPoolExecutor(EXECUTOR_THREADS, thread_name_prefix="ps-proc")
         self.rt = Runtime(
-            self.config,
+            self.plan,
             self.store,
             self.fs,
             executor,
@@ -230,15 +233,15 @@ class Daemon:
             installed.append(signum)
         # A HUP (systemctl reload, kill -HUP, a closed terminal's to our group) is a
         # reload, never a death; the children, in their own sessions, never see it.
-        loop.add_signal_handler(signal.SIGHUP, self.reloader.request, signal.SIGHUP)
-        installed.append(signal.SIGHUP)
-        if self.early_hups:  # the config may have changed since it was read: once more
+        hangups = self.hangups if self.hangups is not None else Hangups().install()
+        hangups.attach(loop, self.reloader.request)
+        if hangups.early:  # the config may have changed since it was read: once more
             self.reloader.request(signal.SIGHUP)
         reload_task = asyncio.create_task(self.reloader.run(self.started), name="reload")
         watchdog: asyncio.Task[None] | None = None
         try:
-            self.checker = self._check_loop(self.rt)
-            await self._start_api(self.checker.stale_after_s)
+            self.checker = checker = self._check_loop(self.rt)
+            await self._start_api(lambda: checker.stale_after_s)  # of the config in force
             self.fleet = fleet = self._make_fleet(self.rt)
             self._start_trees(fleet)
             self.irq_task = asyncio.create_task(self._apply_irqs(), name="irq_apply")
@@ -276,6 +279,7 @@ class Daemon:
                     await task
             for signum in installed:
                 loop.remove_signal_handler(signum)
+            hangups.detach()  # still the handler: a HUP now is noted, never a death
             executor.shutdown(wait=False, cancel_futures=True)
             if self.fleet is not None:
                 self.fleet.close()
@@ -300,7 +304,7 @@ class Daemon:
         self.trees = TreeKeeper(
             self.fs,
             self.store,
-            interval_s=self.config.drift.check_interval_s,
+            interval_s=lambda: self.config.drift.check_interval_s,  # the config in force
             cgroup_dir=self._cgroup_dir,
             direct_children=self._direct_children,
             guardian=self.guardian,
@@ -317,7 +321,7 @@ class Daemon:
             # cgroup.procs every few checks only, and the keeper's quiet pass
             # takes a reading that old (issue 17, item 6; bind.cgroup).
             self.cgroups.manager.membership_every = MEMBERSHIP_READ_EVERY
-            self.trees.quiet_age_s = (MEMBERSHIP_READ_EVERY + 1) * self.trees.interval_s
+            self.trees.quiet_intervals = MEMBERSHIP_READ_EVERY + 1
 
     def _make_fleet(self, rt: Runtime) -> Fleet:
         """The spawned fleet; with `[workers] spawned_by = "engine"`, the adopting one."""
@@ -337,7 +341,7 @@ class Daemon:
             pids.append(self.guardian.pid)
         return pids
 
-    async def _start_api(self, stale_after_s: float) -> None:
+    async def _start_api(self, stale_after_s: Callable[[], float]) -> None:
         if not self.want_api:
             return
         actions: Actions = self.actions
@@ -384,8 +388,6 @@ class Daemon:
             plan=self.plan,
             fs=fs,
             executor=rt.executor,
-            drift=self.config.drift,
-            roles=self.config.threads,
             supervised=lambda: [] if self.fleet is None else self.fleet.supervised(),
             stopping=rt.stopping,
             irqs=self.irq_keeper,
@@ -520,10 +522,9 @@ def run_command(args: argparse.Namespace) -> int:
     """
     env = dict(os.environ)
     setup_logging(env)
-    # Until the event loop takes SIGHUP over, a HUP is noted, not a death (a
-    # Python handler: unlike SIG_IGN, exec(2) does not pass it on to children).
-    early_hups: list[int] = []
-    signal.signal(signal.SIGHUP, lambda signum, _frame: early_hups.append(signum))
+    # From here to the exit a HUP is noted or reloads, never a death (a Python
+    # handler: unlike SIG_IGN, exec(2) does not pass it on to children).
+    hangups = Hangups().install()
     if not getattr(args, "config", None):
         raise ConfigError("run: --config FILE is required")
     config, digest = load_config_digest(args.config)
@@ -544,37 +545,45 @@ def run_command(args: argparse.Namespace) -> int:
     topology, placement = prepare(config, env, fs)
     refuse(check_spawns(config, placement, env, sys.executable))  # argv + env over E2BIG
     cgroups, cgroup_cap = cgroups_and_capability(config, fs, env)
-    # Once, before any spawn: what this host (a container's runtime) lets us bind.
-    capabilities = probe_capabilities(
-        fs, topology.allowed.mems, cgroup=cgroup_cap, irq_wanted=config.irq.enabled
-    )
-    has_engine = config.engine is not None  # a grace too short for the stop: said once
-    log_stop_budget(
-        config.stop_timeout_s, config.stop_grace_s, has_engine=has_engine, pid=os.getpid()
-    )
-    daemon = Daemon(
-        config,
-        topology,
-        placement,
-        listen=listen,
-        env=env,
-        fs=fs,
-        cgroups=cgroups,
-        check_loop=True,
-        subreaper=True,
-        irq_checkpoint=checkpoint,
-        capabilities=capabilities,
-        config_hash=digest,
-    )
-    daemon.early_hups = early_hups
+    try:  # a start that fails before run() (whose stop removes them) leaves no cgroup dir
+        # Once, before any spawn: what this host (a container's runtime) lets us bind.
+        capabilities = probe_capabilities(
+            fs, topology.allowed.mems, cgroup=cgroup_cap, irq_wanted=config.irq.enabled
+        )
+        has_engine = config.engine is not None  # a grace too short for the stop: said once
+        log_stop_budget(
+            config.stop_timeout_s, config.stop_grace_s, has_engine=has_engine, pid=os.getpid()
+        )
+        daemon = Daemon(
+            config,
+            topology,
+            placement,
+            listen=listen,
+            env=env,
+            fs=fs,
+            cgroups=cgroups,
+            check_loop=True,
+            subreaper=True,
+            irq_checkpoint=checkpoint,
+            capabilities=capabilities,
+            config_hash=digest,
+        )
+    except BaseException:
+        if cgroups is not None:
+            remove_cgroups(cgroups, [])
+        raise
+    daemon.hangups = hangups
     log.info(
         "starting %s",
         format_fields(
             config=config.path, pid=os.getpid(), processes=len(daemon.keys), action="spawn"
         ),
     )
-    with lock:
-        return run_loop(daemon.run())
+    try:
+        with lock:
+            return run_loop(daemon.run())
+    finally:
+        hangups.close()  # the interpreter's exit would reset a Python handler to SIG_DFL
 
 
 def run_loop(main: Awaitable[int]) -> int:

@@ -24,12 +24,32 @@ _CHUNK = 1 << 16
 # tree, not a reason to allocate without bound.
 MAX_FILE_BYTES = 1 << 20
 MAX_LARGE_FILE_BYTES = 256 << 20
-_LARGE_FILES = ("proc/interrupts", "/numa_maps", "/smaps", "/maps")
+# cgroupfs's lists of members grow with the cgroup: 8 bytes a pid, up to pid_max
+# (4M): 32 MiB.
+_LARGE_FILES = (
+    "proc/interrupts",
+    "/numa_maps",
+    "/smaps",
+    "/maps",
+    "/cgroup.procs",
+    "/cgroup.threads",
+    "/tasks",
+)
+# Under sys/ but no sysfs: cgroupfs files are seq_files (a page or so a read, until
+# EOF), as are procfs's. Only a sysfs attribute comes whole in its first read.
+_SEQ_FILE_DIRS = ("sys/fs/cgroup/", "sys/kernel/debug/", "sys/kernel/tracing/")
 
 
 def max_bytes_for(rel: str) -> int:
     """The read cap for `rel` (pure)."""
     return MAX_LARGE_FILE_BYTES if rel.endswith(_LARGE_FILES) else MAX_FILE_BYTES
+
+
+def is_sysfs_attribute(rel: str) -> bool:
+    """True when `rel` (relative to the root) is a sysfs attribute, whole in one read
+    (pure). Everything else, cgroupfs under sys/fs/cgroup included, is read to EOF:
+    a cgroup.procs of 5,000 pids is 30 KB, and its first read(2) returns one page."""
+    return rel.startswith("sys/") and not rel.startswith(_SEQ_FILE_DIRS)
 
 
 class SpecialFileError(TopologyError):
@@ -149,9 +169,10 @@ class HostFS:
 
         Raw os.open/os.read rather than open(): discovery reads thousands of
         tiny sysfs files and the text-layer setup is half the cost of each.
-        Reads until EOF because procfs seq_files return a page at a time.
+        Reads until EOF because procfs and cgroupfs seq_files return a page at a
+        time; only a sysfs attribute (`is_sysfs_attribute`) is taken from one read.
         """
-        data = read_regular_file(self.path(rel), max_bytes_for(rel), sysfs=rel.startswith("sys/"))
+        data = read_regular_file(self.path(rel), max_bytes_for(rel), sysfs=is_sysfs_attribute(rel))
         if self.log is not None:
             self.log.files.add(rel)
         return data.decode("utf-8", errors="replace")

@@ -251,6 +251,7 @@ class Counters:
     # The API's malformed or too slow requests (supervisor.serve.guard), by reason.
     http_bad_requests: Mapping[str, int] = field(default_factory=dict)
     http_connections_refused: int = 0  # over api.max_connections: answered 503, closed
+    http_connections_shed: int = 0  # closed at the cap, no request in progress, for a new one
     config_reloads: Mapping[str, int] = field(default_factory=dict)  # result
     checks: int = 0
     check_seconds_sum: float = 0.0

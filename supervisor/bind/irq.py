@@ -21,6 +21,7 @@ from typing import Protocol
 from supervisor.cpulist import format_cpulist, parse_cpulist
 from supervisor.errors import KernelError, ManagedIrq, translate_oserror
 from supervisor.hostfs import HostFS
+from supervisor.procfs.walk import walk_host
 
 IRQBALANCE_SOCKET_DIR = "run/irqbalance"  # irqbalance's SOCKET_TMPFS
 IRQBALANCE_COMM = "irqbalance"
@@ -196,16 +197,17 @@ def detect_irqbalance(fs: HostFS) -> IrqbalanceInfo | None:
     `/run/irqbalance/irqbalance<pid>.sock`, or, when it cannot create that file,
     on the abstract address made of zero bytes (irqbalance.c init_socket()).
     """
-    for name in fs.listdir("proc"):
-        if not name.isdigit():
+    for pid, comm in walk_host(fs, "irqbalance search", lambda pid: _comm(fs, pid)):
+        if comm != IRQBALANCE_COMM:
             continue
-        comm = fs.read_optional(f"proc/{name}/comm")
-        if comm is None or comm.strip() != IRQBALANCE_COMM:
-            continue
-        pid = int(name)
         rel = f"{IRQBALANCE_SOCKET_DIR}/irqbalance{pid}.sock"
         return IrqbalanceInfo(pid, fs.path(rel) if fs.exists(rel) else "")
     return None
+
+
+def _comm(fs: HostFS, pid: int) -> str | None:
+    raw = fs.read_live(f"proc/{pid}/comm", 64, f"pid {pid}")  # TASK_COMM_LEN is 16
+    return None if raw is None else raw.decode("utf-8", "replace").strip()
 
 
 def _irqbalance_request(info: IrqbalanceInfo, request: str, timeout_s: float) -> bytes:

@@ -43,8 +43,23 @@ RECV_TIMEOUT_S = 2.0
 
 
 class SockDiagUnavailable(OSError):
-    """This kernel answers no inet_diag dump (no CONFIG_INET_DIAG, or the family's
-    module cannot load): the caller reads /proc/net/tcp instead."""
+    """No inet_diag dump for this process: the kernel has none (no
+    CONFIG_INET_DIAG, the family's module cannot load), refuses it (a seccomp
+    filter such as the unit's `SystemCallErrorNumber=EPERM`, an AppArmor or
+    SELinux deny: EPERM, EACCES), or failed it part way. The caller reads
+    /proc/<pid>/net/tcp instead. `where` says which step failed."""
+
+    def __init__(self, code: int, where: str) -> None:
+        super().__init__(code, f"{where}: {errno.errorcode.get(code, code)} ({os.strerror(code)})")
+        self.where = where
+
+
+# socket(2) refused or unknown: by the kernel (no netlink, no sock_diag) or by a
+# filter or LSM of this process (EPERM, EACCES). EMFILE, ENFILE and ENOMEM are a
+# shortage, not a refusal: raised, and the probe retries.
+_REFUSED = frozenset(
+    (errno.EPERM, errno.EACCES, errno.EAFNOSUPPORT, errno.EPROTONOSUPPORT, errno.EINVAL)
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,30 +137,35 @@ def _diag_socket(data: bytes, at: int) -> DiagSocket:
 def dump_tcp(family: int, states: int) -> list[DiagSocket]:
     """The TCP sockets of `family` in `states`, in this thread's network namespace.
 
-    Raises SockDiagUnavailable when the kernel has no handler for the dump,
-    and any other OSError (EMFILE, ENOBUFS, a timeout) as the kernel gave it.
+    Raises SockDiagUnavailable when the socket is refused (`_REFUSED`) or the
+    kernel has no handler for the dump, and for any error once the dump was
+    asked for (bind, send, a recv error or timeout, an NLMSG_ERROR): a dump cut
+    short is no list of listeners. Other OSErrors of socket(2) (EMFILE) as given.
     """
     try:
         sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_SOCK_DIAG)
     except OSError as err:
-        if err.errno in (errno.EPROTONOSUPPORT, errno.EAFNOSUPPORT):
-            raise SockDiagUnavailable(err.errno, os.strerror(err.errno)) from None
+        if err.errno in _REFUSED:
+            raise SockDiagUnavailable(err.errno, "socket(AF_NETLINK, NETLINK_SOCK_DIAG)") from None
         raise
     with sock:
         sock.settimeout(RECV_TIMEOUT_S)  # a kernel that never answers is an error, not a hang
-        sock.bind((0, 0))
-        sock.send(build_dump_request(family, states, 1))
-        out: list[DiagSocket] = []
-        while True:
-            reply = parse_sock_diag(sock.recv(_RECV_BYTES))
-            out.extend(reply.sockets)
-            if reply.error in (errno.ENOENT, errno.EOPNOTSUPP, errno.EINVAL):
-                # inet_diag answers ENOENT when no handler for the protocol loads.
-                raise SockDiagUnavailable(reply.error, os.strerror(reply.error))
-            if reply.error:
-                raise OSError(reply.error, os.strerror(reply.error))
-            if reply.done:
-                return out
+        try:
+            sock.bind((0, 0))
+            sock.send(build_dump_request(family, states, 1))
+            out: list[DiagSocket] = []
+            while True:
+                reply = parse_sock_diag(sock.recv(_RECV_BYTES))
+                out.extend(reply.sockets)
+                if reply.error:
+                    # ENOENT: no handler for the protocol loads; any other: the dump failed.
+                    raise OSError(reply.error, os.strerror(reply.error))
+                if reply.done:
+                    return out
+        except TimeoutError:
+            raise SockDiagUnavailable(errno.ETIMEDOUT, "sock_diag dump") from None
+        except OSError as err:
+            raise SockDiagUnavailable(err.errno or errno.EIO, "sock_diag dump") from None
 
 
 def dump_tcp_listeners() -> list[DiagSocket]:

@@ -10,9 +10,10 @@ processes' slots changed and which ranks' IRQ plans did.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Any, TypeVar
 
 from supervisor.config import Config
 from supervisor.errors import KernelError, PlanError
@@ -20,6 +21,8 @@ from supervisor.plan.keys import ProcKey, key_label
 from supervisor.plan.placement import Placement, Slot
 from supervisor.plan.replan import changed_keys, same_processes, slots_by_key
 from supervisor.topology.model import Topology
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +58,7 @@ class PlanInForce:
         self._placement = placement
         self._slots = slots_by_key(placement)
         self.generation = 0  # +1 per install: what a cache of derived specs keys on
+        self._derived: dict[Callable[[Config], Any], tuple[Config, Any]] = {}
 
     def __repr__(self) -> str:
         return f"PlanInForce(generation={self.generation}, processes={len(self._slots)})"
@@ -70,6 +74,16 @@ class PlanInForce:
     @property
     def placement(self) -> Placement:
         return self._placement
+
+    def derived(self, make: Callable[[Config], T]) -> T:
+        """`make(config in force)`, made again only once another config is in force:
+        what a reader builds from the config (a drift policy, role matchers) is read
+        at each use, never kept from an older config (one cache entry per `make`)."""
+        held = self._derived.get(make)
+        if held is None or held[0] is not self._config:
+            held = self._derived[make] = (self._config, make(self._config))
+        value: T = held[1]
+        return value
 
     def slot(self, key: ProcKey) -> Slot:
         """The slot of `key` in the plan in force (KeyError when it is not planned)."""

@@ -14,8 +14,10 @@ bounding set).
 from __future__ import annotations
 
 import ipaddress
+import logging
 import socket
 import sys
+import threading
 from dataclasses import dataclass
 
 from supervisor.bind.sock_diag import (
@@ -24,7 +26,10 @@ from supervisor.bind.sock_diag import (
     dump_tcp_listeners_in,
 )
 from supervisor.hostfs import HostFS
+from supervisor.logs import format_fields
 from supervisor.procfs.stat import children_map, scan_procs
+
+log = logging.getLogger("placement_supervisor.probe")
 
 TCP_LISTEN = "0A"  # include/net/tcp_states.h: TCP_LISTEN = 10
 
@@ -111,29 +116,70 @@ def stream_listeners(fs: HostFS, pid: int) -> list[Listener]:
     return out
 
 
-def read_listeners(fs: HostFS, pid: int) -> list[Listener]:
-    """LISTEN sockets in `pid`'s network namespace ([] once it is gone).
+class ListenerSource:
+    """Where this process gets listeners from: sock_diag until the kernel refuses
+    or fails it once, then the /proc tables for the rest of the process's life.
 
-    The kernel is asked for the listeners alone over sock_diag, whatever the
-    number of other sockets: in the supervisor's own namespace (the usual
-    case), or from a thread that joins the engine's. Where neither can be (a
-    fixture tree, no CAP_SYS_ADMIN, no inet_diag), the /proc tables are streamed.
-    Raises OSError for a failure that is not the process being gone (EMFILE).
-    """
-    if same_netns(fs, pid):
-        try:
-            return [Listener(s.address, s.port, s.inode) for s in dump_tcp_listeners()]
-        except SockDiagUnavailable:
+    A refusal is a property of the process (its seccomp filter, its LSM label),
+    so asking again at every probe would only fail again: one per process
+    (`LISTENERS`), and one log line each time the path in use changes."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.refused: str | None = None  # why sock_diag is not used, once refused
+        self._said: str | None = None  # the path last logged
+
+    def read(self, fs: HostFS, pid: int) -> list[Listener]:
+        """LISTEN sockets in `pid`'s network namespace ([] once it is gone).
+
+        The kernel is asked for the listeners alone over sock_diag, whatever the
+        number of other sockets: in the supervisor's own namespace (the usual
+        case), or from a thread that joins the engine's. Where neither can be (a
+        fixture tree, no CAP_SYS_ADMIN, sock_diag refused or failed), the /proc
+        tables are streamed. Raises OSError for a shortage (EMFILE), not a refusal.
+        """
+        if not fs.is_live or self.refused is not None:
             return stream_listeners(fs, pid)
-    if fs.is_live:
         try:
-            found = dump_tcp_listeners_in(fs.path(f"proc/{pid}/ns/net"))
-        except OSError:
-            # No CAP_SYS_ADMIN for setns(2), a link we may not open (another
-            # user's process), no inet_diag: the table itself, streamed.
+            if same_netns(fs, pid):
+                found = dump_tcp_listeners()
+            else:
+                try:
+                    found = dump_tcp_listeners_in(fs.path(f"proc/{pid}/ns/net"))
+                except SockDiagUnavailable:
+                    raise
+                except OSError:
+                    # No CAP_SYS_ADMIN for setns(2), a link we may not open (another
+                    # user's process): that engine's table, streamed; sock_diag stays.
+                    return stream_listeners(fs, pid)
+        except SockDiagUnavailable as err:
+            with self._lock:
+                self.refused = str(err)
+            self._say("/proc/<pid>/net/tcp{,6}", str(err))
             return stream_listeners(fs, pid)
+        self._say("sock_diag", None)
         return [Listener(s.address, s.port, s.inode) for s in found]
-    return stream_listeners(fs, pid)
+
+    def _say(self, path: str, reason: str | None) -> None:
+        with self._lock:
+            if self._said == path:
+                return
+            self._said = path
+        action = "stream the table from now on" if reason else "ask the kernel for listeners"
+        log.log(
+            logging.WARNING if reason else logging.INFO,
+            "listener source %s",
+            format_fields(path=path, reason=reason or "-", action=action),
+        )
+
+
+# One per process: see ListenerSource.
+LISTENERS = ListenerSource()
+
+
+def read_listeners(fs: HostFS, pid: int) -> list[Listener]:
+    """`LISTENERS.read`: LISTEN sockets in `pid`'s network namespace."""
+    return LISTENERS.read(fs, pid)
 
 
 def tree_pids(fs: HostFS, root: int) -> list[int]:

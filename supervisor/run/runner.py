@@ -35,6 +35,7 @@ from supervisor.errors import KernelError, reason_of_errno
 from supervisor.events import Recorder
 from supervisor.hostfs import HostFS
 from supervisor.logs import format_fields
+from supervisor.plan.in_force import PlanInForce
 from supervisor.plan.keys import ProcKey, key_label
 from supervisor.plan.placement import Slot
 from supervisor.procfs.stat import read_proc_stat
@@ -86,9 +87,9 @@ class ProcessTrees(Protocol):
 
 @dataclass(slots=True)
 class Runtime:
-    """What the daemon's parts share: the store, the executor, the stop flag."""
+    """What the daemon's parts share: the plan in force, the store, the executor, the stop flag."""
 
-    config: Config
+    plan: PlanInForce  # the one holder of the config: read at each use (a reload replaces it)
     store: StateStore
     fs: HostFS
     executor: ThreadPoolExecutor
@@ -98,6 +99,11 @@ class Runtime:
     on_state_change: Callable[[], None] | None = None  # e.g. a new systemd STATUS=
     trees: ProcessTrees | None = None  # every process below each supervised one
     stop_started_at: float | None = None  # monotonic, once the daemon's stop began
+
+    @property
+    def config(self) -> Config:
+        """The config in force: restart policy, stop timeouts, the ready probe."""
+        return self.plan.config
 
     def stop_wait_s(self, key: ProcKey) -> float:
         """TERM to KILL for `key`: stop_timeout_s, cut to fit stop_grace_s in a stop."""

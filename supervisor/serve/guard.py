@@ -6,9 +6,13 @@ refuses with a plain-text 400 and a traceback on `aiohttp.server`
 `ApiProtocol` answers JSON instead (431 for a header over its limit), counts
 it, and logs no line per request: `ConnectionGuard` writes the first of a
 quiet spell at once and then one summary per interval. `GuardedSite` serves
-a socket with `ApiProtocol`s, which refuse a connection over the cap with a
-503 before reading from it, so the API never takes the descriptors that
-spawning and watching need (supervisor.bind.fdlimit).
+a socket with `ApiProtocol`s, which keep the open connections under the cap
+(the API never takes the descriptors that spawning and watching need,
+supervisor.bind.fdlimit): at the cap a new connection takes the place of the
+oldest one with no request in progress (idle between requests, or still
+sending its headers), so idle connections never keep a liveness probe from
+/healthz; while every one is in a request (a slow body), a reserve of
+HEALTH_RESERVE more serves /healthz and /readyz only; past that, a 503.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import logging
 import socket
 from collections import Counter
 from dataclasses import dataclass, replace
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
@@ -30,12 +34,18 @@ from supervisor.state import HttpBadReason, StateStore
 
 log = logging.getLogger(__name__)
 
+Admission = Literal["any", "health"] | None
+
 # aiohttp's own defaults (web_protocol.RequestHandler), named here because the
 # 431 message quotes them: a header line, and how many header lines.
 MAX_HEADER_LINE_BYTES = 8190
 MAX_HEADERS = 128
 LINGER_MAX_S = 10.0  # aiohttp's default lingering_time
 BAD_REQUEST_LOG_INTERVAL_S = 60.0  # one summary line a minute, at most, however many
+# Connections past the cap, for the probes alone: their requests are answered in
+# microseconds, so they are shed like idle ones and a new probe always gets in.
+HEALTH_RESERVE = 16
+HEALTH_PATHS = frozenset(("/healthz", "/readyz"))
 
 # Written before reading a byte of the request, then closed: the client learns
 # why (RFC 9110 15.6.4) instead of seeing a bare reset.
@@ -85,10 +95,34 @@ class ConnectionGuard:
     def __init__(self, store: StateStore, limits: Limits) -> None:
         self.store = store
         self.limits = limits
-        self.open_connections = 0
+        # Open connections, oldest first (a dict keeps insertion order).
+        self.open: dict[ApiProtocol, None] = {}
+        self.shed = 0  # connections closed to make room for a new one, in all
+        self._shed_pending = 0  # since the last summary
         self._pending: Counter[str] = Counter()  # bad requests since the last summary
         self._refused_pending = 0
         self._announced = False
+
+    @property
+    def open_connections(self) -> int:
+        return len(self.open)
+
+    def admit(self) -> Admission:
+        """Room for a new connection: under the cap ("any"), else made by closing the
+        oldest connection with no request in progress; else in the probes' reserve
+        ("health"); else None (every connection, the reserve's too, is in a request)."""
+        cap = self.limits.max_connections
+        if len(self.open) >= cap:
+            oldest = next((p for p in self.open if not p.in_request), None)
+            if oldest is not None:
+                oldest.shed()
+                self.shed += 1
+                self._shed_pending += 1
+                c = self.store.snapshot.counters
+                self.store.update(counters=replace(c, http_connections_shed=self.shed))
+        if len(self.open) < cap:
+            return "any"
+        return "health" if len(self.open) < cap + HEALTH_RESERVE else None
 
     def bad_request(self, reason: HttpBadReason, status: int, peer: str) -> None:
         """Count one; log it only when it is the first since the last summary."""
@@ -122,14 +156,15 @@ class ConnectionGuard:
 
     def flush(self) -> None:
         """The summary line of what came since the last one (nothing when nothing came)."""
-        if self._pending or self._refused_pending:
+        if self._pending or self._refused_pending or self._shed_pending:
             reasons = ",".join(f"{r}:{n}" for r, n in sorted(self._pending.items())) or "-"
             log.warning(
                 "api bad requests count=%d reasons=%s connections_refused=%d "
-                "open=%d max_connections=%d interval_s=%g action=respond",
+                "connections_shed=%d open=%d max_connections=%d interval_s=%g action=respond",
                 sum(self._pending.values()),
                 reasons,
                 self._refused_pending,
+                self._shed_pending,
                 self.open_connections,
                 self.limits.max_connections,
                 BAD_REQUEST_LOG_INTERVAL_S,
@@ -137,7 +172,7 @@ class ConnectionGuard:
         else:
             self._announced = False  # a quiet interval: the next one is logged at once
         self._pending.clear()
-        self._refused_pending = 0
+        self._refused_pending = self._shed_pending = 0
 
     async def summary_loop(self, interval_s: float = BAD_REQUEST_LOG_INTERVAL_S) -> None:
         while True:
@@ -146,10 +181,20 @@ class ConnectionGuard:
 
     @web.middleware
     async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        """Headers are in: stop the header clock; read any body within body_timeout_s."""
+        """Headers are in: stop the header clock; a connection of the probes' reserve
+        asks for /healthz or /readyz or gets a 503; read any body within body_timeout_s."""
         protocol = request.protocol
         if isinstance(protocol, ApiProtocol):
             protocol.headers_received()
+            if protocol.health_only and request.path not in HEALTH_PATHS:
+                self.refused()
+                response = error_response(
+                    503,
+                    "too many connections to the API: only /healthz and /readyz now; retry later",
+                    {"Connection": "close", "Retry-After": "1"},
+                )
+                response.force_close()
+                return response
         if request.body_exists:
             try:
                 # read() keeps the body: the route's request.json() reads it again.
@@ -169,7 +214,7 @@ class ConnectionGuard:
 class ApiProtocol(web.RequestHandler):
     """aiohttp's connection handler, capped, with a header clock and JSON errors."""
 
-    __slots__ = ("_counted", "_guard", "_header_clock", "_in_request")
+    __slots__ = ("_counted", "_guard", "_header_clock", "_in_request", "health_only")
 
     def __init__(self, manager: web.Server, guard: ConnectionGuard, **kwargs: Any) -> None:
         limits = guard.limits
@@ -192,24 +237,38 @@ class ApiProtocol(web.RequestHandler):
         self._header_clock: asyncio.TimerHandle | None = None
         self._in_request = False
         self._counted = False  # holds one of the open_connections
+        self.health_only = False  # admitted in the probes' reserve
+
+    @property
+    def in_request(self) -> bool:
+        """A request's headers are in and its answer is not finished."""
+        return self._in_request
+
+    def shed(self) -> None:
+        """Closed to make room for a new connection (ConnectionGuard.make_room)."""
+        self._guard.open.pop(self, None)
+        self._stop_header_clock()
+        self.force_close()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         guard = self._guard
-        if guard.open_connections >= guard.limits.max_connections:
+        admission = guard.admit()
+        if admission is None:
             guard.refused()
             stream = cast(asyncio.Transport, transport)  # uvloop's are no subclass of it
             stream.write(OVER_CAP_RESPONSE)
             stream.close()  # after the write is flushed (asyncio Transport.close)
             return
-        guard.open_connections += 1
+        guard.open[self] = None
         self._counted = True
+        self.health_only = admission == "health"
         super().connection_made(transport)
 
     def connection_lost(self, exc: BaseException | None) -> None:
         if not self._counted:
             return  # refused: aiohttp never saw it
         self._counted = False
-        self._guard.open_connections -= 1
+        self._guard.open.pop(self, None)
         self._stop_header_clock()
         super().connection_lost(exc)
 

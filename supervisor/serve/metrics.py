@@ -501,6 +501,15 @@ def _http_refused(m: CounterMetricFamily, http_connections_refused: int) -> None
     m.add_metric([], http_connections_refused)
 
 
+@FAMILIES.add(
+    "counter",
+    "placement_http_connections_shed",
+    "API connections with no request in progress closed at api.max_connections for a new one.",
+)
+def _http_shed(m: CounterMetricFamily, http_connections_shed: int) -> None:
+    m.add_metric([], http_connections_shed)
+
+
 # -- the checks ---------------------------------------------------------------------------
 
 

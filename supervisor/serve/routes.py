@@ -103,12 +103,15 @@ class Handlers:
         actions: Actions,
         collector: SnapshotCollector,
         *,
-        stale_after_s: float = DEFAULT_STALE_AFTER_S,
+        stale_after_s: float | Callable[[], float] = DEFAULT_STALE_AFTER_S,
     ) -> None:
         self._store = store
         self._actions = actions
         self._collector = collector
-        self._stale_after_s = stale_after_s
+        # A callable reads the threshold of the config in force (a reload changes it).
+        self._stale_after_s = (
+            stale_after_s if callable(stale_after_s) else (lambda: float(stale_after_s))
+        )
         self.up_since = time.time()  # the server sets it when it starts listening
         self._placement = PlacementRenderer()
         self._topology: tuple[Topology, bytes] | None = None
@@ -128,7 +131,7 @@ class Handlers:
         return web.Response(body=self._topology[1], content_type="application/json")
 
     async def get_healthz(self, request: web.Request) -> web.Response:
-        doc = healthz_doc(self._store.snapshot, time.time(), self._stale_after_s, self.up_since)
+        doc = healthz_doc(self._store.snapshot, time.time(), self._stale_after_s(), self.up_since)
         return json_response(doc, doc["status"])
 
     async def get_readyz(self, request: web.Request) -> web.Response:

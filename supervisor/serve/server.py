@@ -1,7 +1,7 @@
 """The API server: the aiohttp app over the route table, sockets, who may change things (does I/O).
 
 I/O: the listening TCP and unix sockets (the socket file is made mode 0600
-before listen(2)), the token file read once in `start()`, and the
+before listen(2)), the token file read in `start()` (and at each reload), and the
 self-usage sampler task (supervisor.serve.usage). aiohttp runs under
 `AppRunner(handle_signals=False)`: the daemon owns the signals. A changing
 route is reached only over the unix socket or with the bearer token.
@@ -18,6 +18,7 @@ import os
 import socket
 import stat
 import time
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -30,6 +31,7 @@ from supervisor.serve.guard import ConnectionGuard, GuardedSite, Limits
 from supervisor.serve.listen import Listen, parse_listen
 from supervisor.serve.metrics import build_collector, build_registry
 from supervisor.serve.openapi import MAX_BODY_BYTES, Handler, Route
+from supervisor.serve.peer import UnixPolicy, peer_of
 from supervisor.serve.routes import (
     DEFAULT_STALE_AFTER_S,
     Actions,
@@ -42,7 +44,7 @@ from supervisor.state import StateStore
 
 log = logging.getLogger(__name__)
 
-SOCKET_MODE = 0o600  # only the owner (root) may connect: such requests skip the token
+SOCKET_MODE = 0o600  # only the owner may connect; changing calls check the peer too (serve/peer.py)
 
 
 class ListenError(SupervisorError):
@@ -93,16 +95,27 @@ def _read_token(path: str) -> bytes:
     return read_token_file(path)  # regular, capped, private (supervisor.config)
 
 
-def _via_unix(request: web.Request) -> bool:
+def _unix_socket(request: web.Request) -> socket.socket | None:
     transport = request.transport
     sock = None if transport is None else transport.get_extra_info("socket")
-    return sock is not None and sock.family == socket.AF_UNIX
+    return sock if sock is not None and sock.family == socket.AF_UNIX else None
 
 
-def authorize(request: web.Request, token: bytes | None) -> str:
-    """How the caller is trusted ("unix" or "token"); raises 401/403 otherwise."""
-    if _via_unix(request):
-        return "unix"  # the socket is mode 0600: the filesystem already checked
+def authorize(request: web.Request, token: bytes | None, unix: UnixPolicy | None = None) -> str:
+    """How the caller is trusted ("unix" or "token"); raises 401/403 otherwise.
+
+    Over the unix socket, the peer's credentials as the kernel recorded them
+    (SO_PEERCRED), not the socket file's mode, which a chmod undoes."""
+    sock = _unix_socket(request)
+    if sock is not None:
+        policy = unix if unix is not None else UnixPolicy.of(None)
+        try:
+            why = policy.refusal(peer_of(sock))
+        except OSError as err:
+            why = f"the unix socket's peer cannot be known: {err.strerror or err}"
+        if why is not None:
+            raise ApiError(403, why)
+        return "unix"
     if token is None:
         raise ApiError(
             403,
@@ -184,7 +197,7 @@ class ApiServer:
         config: ApiConfig,
         listen: str | None = None,
         *,
-        stale_after_s: float = DEFAULT_STALE_AFTER_S,
+        stale_after_s: float | Callable[[], float] = DEFAULT_STALE_AFTER_S,
         self_usage_interval_s: float | None = SELF_USAGE_INTERVAL_S,
     ) -> None:
         self._listen = config.listen if listen is None else parse_listen(listen, "--listen")
@@ -196,6 +209,7 @@ class ApiServer:
         self.handlers = Handlers(store, actions, self.collector, stale_after_s=stale_after_s)
         self.routes: tuple[Route, ...] = self.handlers.routes
         self._token: bytes | None = None
+        self._unix_policy: UnixPolicy | None = None
         self._runner: web.AppRunner | None = None
         self._sampler: asyncio.Task[None] | None = None
         self._summary: asyncio.Task[None] | None = None
@@ -220,7 +234,7 @@ class ApiServer:
 
         @functools.wraps(route.handler)
         async def guarded(request: web.Request) -> web.StreamResponse:
-            via = authorize(request, self._token)
+            via = authorize(request, self._token, self._unix_policy)
             response = await route.handler(request)
             log.info(
                 "api call path=%s via=%s status=%d action=%s",
@@ -237,6 +251,7 @@ class ApiServer:
         """Listen; raises ListenError (port taken...) or ConfigError (token file)."""
         if self._config.token_file is not None:
             self._token = _read_token(self._config.token_file)
+        self._unix_policy = UnixPolicy.of(self._config.unix_socket_group)
         budget = plan_fd_budget(self._config.max_connections, current_soft_limit())
         self.guard.limits = Limits.of(self._config, budget.max_connections)
         if budget.lowered:
@@ -279,6 +294,12 @@ class ApiServer:
             limits.body_timeout_s,
             limits.idle_timeout_s,
         )
+
+    def use_token(self, token: bytes) -> None:
+        """The bearer token from now on (a reload re-read api.token_file: a rotation)."""
+        changed = not hmac.compare_digest(token, self._token or b"")
+        self._token = token
+        log.info("api token %s", "replaced" if changed else "unchanged")
 
     async def _add_site(self, runner: web.AppRunner, where: Listen) -> None:
         site: web.BaseSite

@@ -134,7 +134,11 @@ def _prepared(manager: CgroupManager, version: int) -> tuple[ManagedCgroups | No
         )
         return None, f"cannot make child cgroups: {err}"
     # What an earlier instance of this config left (it died with its guardian) ends first.
-    sweep_leftovers(manager)
+    try:
+        sweep_leftovers(manager)
+    except BaseException:
+        manager.close()  # a start that fails here leaves no instance dir behind
+        raise
     log.info(
         "cgroups %s",
         format_fields(

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from supervisor.config import Config, discovery_options, load_config_digest
+from supervisor.config import Config, discovery_options, load_config_digest, read_token_file
 from supervisor.errors import SupervisorError
 from supervisor.events import Recorder
 from supervisor.hostfs import HostFS
@@ -118,6 +118,10 @@ class Reloaded:
 # -- the reload task ------------------------------------------------------------------------
 
 
+class TokenUser(Protocol):
+    def use_token(self, token: bytes) -> None: ...
+
+
 class Reloadable(Protocol):
     """What a reload reads and replaces of the daemon (supervisor.daemon.Daemon is one)."""
 
@@ -141,6 +145,8 @@ class Reloadable(Protocol):
     def checker(self) -> CheckLoop | None: ...
     @property
     def fleet(self) -> Fleet | None: ...
+    @property
+    def server(self) -> TokenUser | None: ...
 
 
 class Reloader:
@@ -196,6 +202,11 @@ class Reloader:
             if change is not None:
                 return self._refused(path, digest, [change])
             accounts = users.resolve_accounts(config)
+            # The token file again (same path: [api] itself needs a restart): how a
+            # token is rotated. Unreadable, empty or open to others: invalid, old kept.
+            token = None
+            if config.api.token_file is not None:
+                token = await loop.run_in_executor(executor, read_token_file, config.api.token_file)
         except SupervisorError as err:  # the file, its keys, or no plan for it on this host
             d.recorder.note(
                 "reload", None, f"reload failed: {err}", log_message="reload failed",
@@ -211,10 +222,13 @@ class Reloader:
         adopted = config.workers.spawned_by == "engine"
         respawn = respawn_keys(d.specs.by_key(), new_specs.by_key(), adopted=adopted)
         moved = changed_keys(d.plan.placement, placement)
-        # Read at each use (restart policy, stop timeout, ready probe; accounts at the
-        # next spawn, the specs being rebuilt once the plan's generation moves).
+        # The runners, the tree keeper, the check loop and the API read the config at
+        # each use from the plan holder, which `install` below replaces (restart
+        # policy, stop timeout, ready probe, intervals; accounts at the next spawn,
+        # the specs being rebuilt once the plan's generation moves).
         d.specs.accounts = dict(accounts)
-        d.runtime.config = config  # the daemon's own is the plan's
+        if d.server is not None and token is not None:
+            d.server.use_token(token)
         assert d.checker is not None
         await d.checker.install(placement, topology, config=config)
         d.store.update(

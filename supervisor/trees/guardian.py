@@ -41,10 +41,13 @@ import time
 
 from supervisor.bind.cgroup import SUPERVISOR_LEAF, CgroupManager
 from supervisor.bind.irq_checkpoint import restore_checkpoint
+from supervisor.errors import KernelError
 from supervisor.hostfs import HostFS
 from supervisor.logs import format_fields, setup_logging
+from supervisor.procfs.files import CMDLINE_HEAD_BYTES
 from supervisor.procfs.identity import ProcessId
 from supervisor.procfs.stat import read_proc_stat
+from supervisor.procfs.walk import walk_host
 from supervisor.trees.tree import read_cgroup_procs
 
 log = logging.getLogger("placement_supervisor.guardian")
@@ -262,19 +265,28 @@ def live_guardian(fs: HostFS, instance: str) -> tuple[int, int] | None:
 
     A guardian whose daemon died is reparented (to init or a subreaper): then
     its parent no longer runs the supervisor, and what it guards is leftover.
+    Every process of the host is looked at by the head of its command line (a
+    guardian's is short; anyone's may be megabytes), and one that cannot be read
+    is skipped and counted (`walk_host`): no process of another user stops a start.
     """
-    for name in fs.listdir("proc"):
-        if not name.isdigit():
-            continue
-        words = (fs.read_optional(f"proc/{name}/cmdline") or "").split("\0")
+    for pid, words in walk_host(fs, "guardian search", lambda pid: _cmdline_words(fs, pid)):
         if GUARDIAN_TAG not in words or instance not in words:
             continue
-        stat = read_proc_stat(fs, int(name))
+        stat = read_proc_stat(fs, pid)
         ppid = stat.ppid if stat is not None else 0
-        parent = (fs.read_optional(f"proc/{ppid}/cmdline") or "").split("\0")
-        if ppid > 1 and "supervisor" in " ".join(parent) and "run" in parent:
-            return int(name), ppid
+        parent: list[str] = []
+        if ppid > 1:
+            with contextlib.suppress(KernelError):  # its parent unreadable: not our daemon
+                parent = _cmdline_words(fs, ppid) or []
+        if "supervisor" in " ".join(parent) and "run" in parent:
+            return pid, ppid
     return None
+
+
+def _cmdline_words(fs: HostFS, pid: int) -> list[str] | None:
+    """The NUL-separated words of the head of `pid`'s command line; None when gone."""
+    raw = fs.read_head(f"proc/{pid}/cmdline", CMDLINE_HEAD_BYTES, f"pid {pid}")
+    return None if raw is None else raw.decode("utf-8", "replace").split("\0")
 
 
 def sweep_leftovers(manager: CgroupManager, timeout_s: float = 5.0) -> list[str]:

@@ -13,10 +13,9 @@ the guardian what to end if the daemon dies, hands engine-owned processes
 to the adopter, and ends a tree on request: TERM, then KILL after a
 timeout (`cgroup.kill` where cgroup v2 has it).
 
-Over 500 lines: the pass, the connector's watch list, the early forks waiting
-for their root and the ending of trees share the roots and members; split, each
-piece would reach into the others (pure parts and reaping: tree.py, quiet.py,
-strays.py).
+Over 500 lines: the pass, the connector's watch list, early forks waiting for their root
+and the ending of trees share the roots and members; split, each piece would reach into
+the others (pure parts and reaping: tree.py, quiet.py, strays.py).
 """
 
 from __future__ import annotations
@@ -105,7 +104,7 @@ class TreeKeeper:
         store: StateStore,
         executor: Executor | None = None,
         *,
-        interval_s: float,
+        interval_s: float | Callable[[], float],
         cgroup_dir: Callable[[ProcKey], str | None],
         direct_children: Callable[[], Iterable[int]],
         guardian: Guardian | None = None,
@@ -122,7 +121,7 @@ class TreeKeeper:
         if executor is None:
             executor = self._own_executor = ThreadPoolExecutor(1, thread_name_prefix="ps-tree")
         self.executor = executor
-        self.interval_s = interval_s
+        self.interval_of = interval_s if callable(interval_s) else lambda: float(interval_s)
         self.cgroup_dir = cgroup_dir
         self.direct_children = direct_children
         self.guardian = guardian
@@ -148,7 +147,7 @@ class TreeKeeper:
         self.full_passes = 0  # those that walked all of /proc
         self.in_cgroups = False  # at the last pass, every root was in its cgroup
         self.recent_procs = recent_procs  # the check loop's cgroup.procs reads (quiet.py)
-        self.quiet_age_s = interval_s  # the oldest of them a quiet pass takes (daemon.py)
+        self.quiet_intervals = 1  # a quiet pass takes readings this many intervals old (daemon)
         self._last: LastPass | None = None
         self._overruns = 0  # the connector's, at the last full pass
 
@@ -228,7 +227,7 @@ class TreeKeeper:
                 format_fields(
                     source=how if self.events else "checks only",
                     reason=None if self.events else how,
-                    interval_s=f"{self.interval_s:g}",
+                    interval_s=f"{self.interval_of():g}",
                 ),
             )
         self.task = asyncio.create_task(self._loop(), name="tree_keeper")
@@ -258,7 +257,7 @@ class TreeKeeper:
             except Exception as err:  # a bad pass must not end tracking
                 log.exception("tree pass failed %s", format_fields(error=err, action="retry"))
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.interval_s)
+                await asyncio.wait_for(self._wake.wait(), self.interval_of())
             self._wake.clear()
 
     async def refresh(self) -> RefreshResult:
@@ -266,7 +265,8 @@ class TreeKeeper:
         roots = tuple(self.roots.values())
         known = dict(self.members)
         last = None if self._full_due() else self._last  # its result, read nowhere, if it holds
-        result = unchanged(last, roots, known, self.recent_procs, self.quiet_age_s)
+        age_s = self.quiet_intervals * self.interval_of()  # of the config in force
+        result = unchanged(last, roots, known, self.recent_procs, age_s)
         if result is not None:
             self.passes += 1
         else:
@@ -320,7 +320,7 @@ class TreeKeeper:
 
     def _scan(self, roots: Sequence[Root], known: Mapping[int, Member]) -> RefreshResult:
         cgroup_members = cgroup_readings(
-            self.fs, roots, self.recent_procs, self.interval_s, read_cgroup_procs
+            self.fs, roots, self.recent_procs, self.interval_of(), read_cgroup_procs
         )
         # Scoped when every root is in its cgroup: then every descendant is in
         # one of them too (fork(2) puts a child in its parent's cgroup,

@@ -62,8 +62,19 @@ from supervisor.watch.settle import Outcome, Outcomes, moved_by_plan, note_failu
 from supervisor.watch.steady import mark_of
 
 Results = dict[ProcKey, tuple[Observation, tuple[Finding, ...]]]
+Matchers = dict[tuple[ProcessKind, ...], RoleMatcher]
 
 log = logging.getLogger("placement_supervisor.checker")
+
+
+def _policy_of(config: Config) -> Policy:
+    return Policy.of(config.drift)
+
+
+def _roles_of(config: Config) -> tuple[tuple[ThreadRole, ...], Matchers]:
+    all_roles = (*config.threads, *DEFAULT_THREAD_ROLES)
+    kinds = (role_kinds("engine", False), role_kinds(0, False), role_kinds(0, True))
+    return all_roles, {k: RoleMatcher(k, all_roles) for k in kinds}
 
 
 class CheckLoop:
@@ -80,8 +91,6 @@ class CheckLoop:
         plan: PlanInForce,
         fs: HostFS,
         executor: Executor,
-        drift: DriftConfig,
-        roles: Sequence[ThreadRole],
         supervised: Callable[[], Iterable[Supervised]],
         stopping: asyncio.Event,
         irqs: IrqKeeperLike | None = None,
@@ -93,8 +102,6 @@ class CheckLoop:
         self.plan = plan
         self.fs = fs
         self.executor = executor
-        self.drift = drift
-        self.policy = Policy.of(drift)
         self.supervised = supervised
         self.stopping = stopping
         self.irqs = irqs
@@ -108,9 +115,6 @@ class CheckLoop:
             if read_topology is None
             else Replanning(read_topology, plan=plan, executor=executor, record=self.record)
         )
-        self.roles: tuple[ThreadRole, ...] = ()
-        self.matchers: dict[tuple[ProcessKind, ...], RoleMatcher] = {}
-        self._set_roles(roles)
         self.tracked: dict[ProcKey, Tracked] = {}
         self.down_reported: set[ProcKey] = set()
         self.allowed: AllowedSet = allowed_of(plan.topology)
@@ -123,19 +127,14 @@ class CheckLoop:
         self._errors: dict[str, str | None] = {}  # what -> the last error said
         self.cpuset_cache = CpusetCache()  # the passes' (under the lock) only
 
-    def _set_roles(self, roles: Sequence[ThreadRole]) -> None:
-        self.roles = all_roles = (*roles, *DEFAULT_THREAD_ROLES)
-        self.matchers = {
-            kinds: RoleMatcher(kinds, all_roles)
-            for kinds in (role_kinds("engine", False), role_kinds(0, False), role_kinds(0, True))
-        }
+    # Drift policy, interval, roles: the plan holder's config in force, read at each use.
+    @property
+    def drift(self) -> DriftConfig:
+        return self.plan.config.drift
 
-    def _configure(self, config: Config) -> None:
-        """A reloaded config's drift policy and thread roles, from the next pass on
-        (the one `install` runs). An interval of the fast watch that was 0 stays off."""
-        self.drift = config.drift
-        self.policy = Policy.of(config.drift)
-        self._set_roles(config.threads)
+    @property
+    def policy(self) -> Policy:
+        return self.plan.derived(_policy_of)
 
     @property
     def stale_after_s(self) -> float:
@@ -146,8 +145,7 @@ class CheckLoop:
     # -- the loop -------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Check every `check_interval_s` until stopped (cancelled at shutdown)."""
-        interval = self.policy.check_interval_s
+        """Check every `check_interval_s` (of the config in force at each pass) until stopped."""
         if not self.can_migrate_other:
             log.info(
                 "no CAP_SYS_NICE %s",
@@ -179,7 +177,9 @@ class CheckLoop:
                         self.record.error(
                             f"check failed: {text}", text, what="check", action="retry", exc=err
                         )
-                next_at = max(next_at + interval, time.monotonic())  # no burst after a slow pass
+                next_at = max(
+                    next_at + self.policy.check_interval_s, time.monotonic()
+                )  # no burst after a slow pass
                 try:
                     await asyncio.wait_for(self.wake.wait(), next_at - time.monotonic())
                     next_at = time.monotonic()
@@ -250,14 +250,12 @@ class CheckLoop:
     async def install(
         self, placement: Placement, topology: Topology, *, config: Config | None = None
     ) -> dict[str, Any]:
-        """Put a plan made elsewhere in force (a config reload's, with its `config`'s
-        drift policy and thread roles) and run one pass that moves the processes it
-        moved. Raises PlanError, changing nothing, when it plans other processes than
-        the running ones."""
+        """Put a plan made elsewhere in force (a reload's, with its `config`), run one pass
+        that moves what it moved, and wake the loop: its wait is of the new interval then.
+        Raises PlanError, changing nothing, when it plans other processes than run now."""
         async with self.lock:
-            if config is not None:
-                self._configure(config)
             moved = await self._install(placement, topology, config=config)
+            self.wake.set()
             return await self._timed_pass("check", None, moved)
 
     async def _timed_pass(
@@ -450,7 +448,7 @@ class CheckLoop:
         targets = track(
             self.fs,
             self.tracked,
-            self.matchers,
+            self.plan.derived(_roles_of)[1],
             [(k, st, self._tree_slot(k, st, slot)) for k, st, slot in self.supervised()],
             made,
             only=only,
@@ -474,7 +472,9 @@ class CheckLoop:
         # Its cpuset is its rank's only where it has one (v2); on v1 the supervisor's.
         rank_cpuset = self.cgroups is not None and self.cgroups.manager.setup.rank_cpusets
         cpuset = slot.cpus if status.cgroup is not None and rank_cpuset else self.allowed.cpus
-        return with_engine_roles(slot, self.plan.placement.engine, self.roles, cpuset)
+        return with_engine_roles(
+            slot, self.plan.placement.engine, self.plan.derived(_roles_of)[0], cpuset
+        )
 
     # -- publication (on the loop) ----------------------------------------------------
 

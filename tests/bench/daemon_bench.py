@@ -32,6 +32,7 @@ import uvloop
 
 from supervisor.config import parse_config
 from supervisor.hostfs import HostFS
+from supervisor.plan.in_force import PlanInForce
 from supervisor.plan.placement import Placement, Slot
 from supervisor.procfs.stat import read_proc_stat
 from supervisor.run.procs import ChildProcess, spawn
@@ -80,7 +81,9 @@ async def spawn_rounds(rounds: int) -> dict[str, Any]:
         )
     )
     executor = ThreadPoolExecutor(2)
-    rt = Runtime(config, store, FS, executor)
+    rt = Runtime(
+        PlanInForce(config, topology, Placement("numa-affine", None, ())), store, FS, executor
+    )
     spec = ChildSpec(0, argv, dict(os.environ), slot)
     runner = Runner(rt, 0, lambda _key: spec)
     direct_s: list[float] = []

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import select
 import socket
 import time
 from collections.abc import Iterator
@@ -19,8 +20,9 @@ import pytest
 
 from supervisor.bind.fdlimit import MIN_FD_RESERVE, plan_fd_budget
 from supervisor.config import ApiConfig
-from supervisor.serve.guard import MAX_HEADER_LINE_BYTES
+from supervisor.serve.guard import HEALTH_RESERVE, MAX_HEADER_LINE_BYTES, ConnectionGuard, Limits
 from supervisor.serve.listen import Listen, parse_listen
+from supervisor.state import StateStore
 from tests.support.api_fixture import ServerThread, realistic_snapshot
 from tests.support.daemon_support import poll
 
@@ -129,30 +131,97 @@ def test_a_malformed_request_line_is_a_json_400_without_a_traceback(records: Rec
     assert not [r for r in records.records if r.exc_info or r.name.startswith("aiohttp")]
 
 
-def test_connections_over_the_cap_get_a_503_until_one_closes() -> None:
-    with serve(max_connections=3) as srv:
-        held = [socket.create_connection(addr(srv), timeout=10) for _ in range(3)]
+SLOW_BODY = b"POST /rebind HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"
+
+
+def in_requests(srv: ServerThread, n: int) -> list[socket.socket]:
+    """`n` connections each in a request (headers in, its body still coming)."""
+    held = []
+    for _ in range(n):
+        sock = socket.create_connection(addr(srv), timeout=10)
+        sock.sendall(SLOW_BODY)
+        held.append(sock)
+    poll(
+        lambda: sum(p.in_request for p in srv.server.guard.open) == n,
+        what=f"{n} connections in a request",
+    )
+    return held
+
+
+def test_idle_connections_at_the_cap_give_way_to_a_new_probe() -> None:
+    # 256 idle connections (the default cap) took /healthz away until their idle
+    # timeout (issue 30); now the oldest idle one is closed for the new one.
+    with serve() as srv:
+        cap = srv.server.guard.limits.max_connections
+        held = [socket.create_connection(addr(srv), timeout=10) for _ in range(cap)]
         try:
-            poll(lambda: srv.server.guard.open_connections == 3, what="3 connections open")
-            # Answered before a byte is read: a client that sent its request
-            # already may see a reset instead (unread data at close(2)).
-            with socket.create_connection(addr(srv), timeout=10) as sock:
-                status, headers, body = parse(read_all(sock))
-            doc = json.loads(body)
-            assert headers["content-type"] == "application/json"
-            assert status == 503 and doc["status"] == 503 and headers["retry-after"] == "1"
-            assert srv.store.snapshot.counters.http_connections_refused == 1
-            # A held connection still works (keep-alive).
-            held[0].sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
-            assert held[0].recv(65536).startswith(b"HTTP/1.1 200")
+            poll(lambda: srv.server.guard.open_connections == cap, what=f"{cap} idle connections")
+            for path in ("/healthz", "/readyz"):
+                request = f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+                status, _, doc = exchange(addr(srv), request.encode())
+                assert status in (200, 503) and "too many connections" not in str(doc), doc
+            # One of them was shed for the first probe (the oldest accepted: past the
+            # listen backlog the kernel's accept order need not be the connect order);
+            # the second probe took the place the first one left.
+            closed, _, _ = select.select(held, [], [], 5.0)
+            assert len(closed) == 1 and closed[0].recv(1) == b""
+            assert srv.server.guard.shed == 1
+            assert (
+                srv.server.registry.get_sample_value("placement_http_connections_shed_total") == 1
+            )
+            assert srv.store.snapshot.counters.http_connections_refused == 0
         finally:
-            held.pop().close()
-        poll(lambda: srv.server.guard.open_connections == 2, what="the closed one counted off")
-        status, _, _ = exchange(addr(srv), GOOD)
+            for sock in held:
+                sock.close()
+
+
+def test_with_every_connection_in_a_request_the_reserve_serves_the_probes_only() -> None:
+    with serve(max_connections=3) as srv:
+        held = in_requests(srv, 3)
+        try:
+            status, _, doc = exchange(addr(srv), GOOD)
+            assert status == 200, doc
+            status, headers, doc = exchange(
+                addr(srv), b"GET /placement HTTP/1.1\r\nHost: x\r\n\r\n"
+            )
+            assert status == 503 and doc["status"] == 503 and headers["retry-after"] == "1"
+            assert "only /healthz and /readyz" in doc["error"]
+            assert srv.store.snapshot.counters.http_connections_refused == 1
+            assert (
+                srv.server.registry.get_sample_value("placement_http_connections_refused_total")
+                == 1
+            )
+        finally:
+            for sock in held:
+                sock.close()
+        poll(lambda: srv.server.guard.open_connections == 0, what="all closed")
+        status, _, _ = exchange(
+            addr(srv), b"GET /placement HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        )
         assert status == 200
-        for sock in held:
-            sock.close()
-        assert srv.server.registry.get_sample_value("placement_http_connections_refused_total") == 1
+
+
+class Held:
+    """What `ConnectionGuard.admit` looks at in an open connection."""
+
+    def __init__(self, guard: ConnectionGuard, in_request: bool) -> None:
+        self.guard, self.in_request, self.was_shed = guard, in_request, False
+        guard.open[self] = None  # type: ignore[index]
+
+    def shed(self) -> None:
+        self.was_shed = True
+        del self.guard.open[self]  # type: ignore[arg-type]
+
+
+def test_admission_past_the_cap_and_the_reserve_is_refused() -> None:
+    guard = ConnectionGuard(StateStore(realistic_snapshot()), Limits(2, 10.0, 30.0, 60.0))
+    busy = [Held(guard, True) for _ in range(2)]
+    assert guard.admit() == "health"
+    busy += [Held(guard, True) for _ in range(HEALTH_RESERVE - 1)]
+    idle = Held(guard, False)  # the cap and the reserve are full
+    assert guard.admit() == "health" and idle.was_shed and not any(b.was_shed for b in busy)
+    busy.append(Held(guard, True))
+    assert guard.admit() is None  # every one in a request: the 503 before a byte is read
 
 
 def test_headers_slower_than_the_header_timeout_are_cut_off() -> None:

@@ -241,7 +241,7 @@ def test_a_quiet_pass_takes_a_reading_as_old_as_quiet_age_s_and_a_scan_a_fresh_o
 
     async def body() -> None:
         trees = keeper(tmp_path, recent)
-        trees.quiet_age_s = 6.0
+        trees.quiet_intervals = 6  # of 1 s
         trees.set_root("engine", 10, 100)
         await trees.refresh()  # full (the first)
         scoped = await trees.refresh()  # scoped: the keeper reads the file itself
@@ -249,7 +249,7 @@ def test_a_quiet_pass_takes_a_reading_as_old_as_quiet_age_s_and_a_scan_a_fresh_o
         asked.clear()
         assert await trees.refresh() is scoped  # quiet, on the 3 s old reading
         assert asked == [6.0] and trees.full_passes == 1
-        trees.quiet_age_s = 1.0  # the default: that reading is too old
+        trees.quiet_intervals = 1  # the default: that reading is too old
         assert await trees.refresh() is not scoped
         assert asked[1:] == [1.0, 1.0]
         await trees.stop()

@@ -159,7 +159,9 @@ def run_one(run: str, mode: str, tmp: Path) -> None:
     config = tmp / f"{run}.toml"
     config.write_text(to_toml(config_doc(run, mode, tmp)))
     prefix = (
-        [sys.executable, f"{REPO}/tests/support/seccomp_exec.py", "--"] if mode == "seccomp" else []
+        [sys.executable, f"{REPO}/tests/support/seccomp_exec.py", "memory", "--"]
+        if mode == "seccomp"
+        else []
     )
     daemon = DaemonProcess(config, f"/tmp/memory-{run}.log", prefix=prefix)
     try:

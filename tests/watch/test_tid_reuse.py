@@ -93,11 +93,13 @@ def check_loop(pid: int, start_time: int | None, slot: Slot) -> tuple[CheckLoop,
     store = StateStore(Snapshot(placement, topology, MappingProxyType({0: status})))
     loop = CheckLoop(
         store=store,
-        plan=PlanInForce(Config(None, None, ProcessConfig(())), topology, placement),
+        plan=PlanInForce(
+            Config(None, None, ProcessConfig(()), drift=DriftConfig(check_interval_s=0.05)),
+            topology,
+            placement,
+        ),
         fs=FS,
         executor=ThreadPoolExecutor(1),
-        drift=DriftConfig(check_interval_s=0.05),
-        roles=(),
         supervised=lambda: [(0, store.snapshot.processes[0], slot)],
         stopping=asyncio.Event(),
     )
