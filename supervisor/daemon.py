@@ -163,7 +163,11 @@ class Daemon:
         if capabilities is None:  # embedded (tests, benchmarks): probed here, as run_command does
             cgroup_cap = Capability("cgroup", cgroups is not None, config.cgroup == "auto")
             caps = probe_capabilities(
-                self.fs, topology.allowed.mems, cgroup=cgroup_cap, irq_wanted=config.irq.enabled
+                self.fs,
+                topology.allowed.mems,
+                cgroup=cgroup_cap,
+                irq_wanted=config.irq.enabled,
+                irqs_planned=placement.has_irqs,
             )
             self.store.update(capabilities=MappingProxyType(caps))
         self.cgroups = cgroups
@@ -546,7 +550,11 @@ def run_command(args: argparse.Namespace) -> int:
     cgroups, cgroup_cap = cgroups_and_capability(config, fs, env)
     # Once, before any spawn: what this host (a container's runtime) lets us bind.
     capabilities = probe_capabilities(
-        fs, topology.allowed.mems, cgroup=cgroup_cap, irq_wanted=config.irq.enabled
+        fs,
+        topology.allowed.mems,
+        cgroup=cgroup_cap,
+        irq_wanted=config.irq.enabled,
+        irqs_planned=placement.has_irqs,
     )
     has_engine = config.engine is not None  # a grace too short for the stop: said once
     log_stop_budget(

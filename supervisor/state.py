@@ -81,9 +81,10 @@ class Capability:
     """One kind of binding and whether this host allows it (probed once at start).
 
     `wanted`: the config asks for it (cgroup = "auto", irq.enabled); what is
-    not wanted is never missing. Readiness is "bound as far as allowed": a
-    capability the host denies shows here, in /placement and in the metric
-    `placement_capability`, never in /readyz.
+    not wanted is never missing. `Snapshot.capabilities_in_force` narrows irq's
+    to the plan in force: wanted only while the plan has IRQs to bind.
+    Readiness is "bound as far as allowed": a capability the host denies shows
+    here, in /placement and in the metric `placement_capability`, never in /readyz.
     """
 
     name: CapabilityName
@@ -97,6 +98,17 @@ class Capability:
 
     def to_doc(self) -> dict[str, Any]:
         return {"available": self.available, "wanted": self.wanted, "reason": self.reason}
+
+
+def capabilities_in_force(
+    capabilities: Mapping[CapabilityName, Capability], placement: Placement
+) -> Mapping[CapabilityName, Capability]:
+    """`capabilities` as `placement` wants them (pure): IRQ binding is wanted only
+    while the plan has IRQs to bind, whatever [irq] enabled says."""
+    irq = capabilities.get("irq")
+    if irq is None or not irq.wanted or placement.has_irqs:
+        return capabilities
+    return {**capabilities, "irq": replace(irq, wanted=False)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,6 +252,9 @@ class Counters:
     drift_events: Mapping[tuple[str, str], int] = field(default_factory=dict)  # rank, kind
     rebinds: Mapping[tuple[str, str], int] = field(default_factory=dict)  # rank, reason
     restarts: Mapping[str, int] = field(default_factory=dict)  # rank
+    # Of those, the restarts someone asked for (POST /ranks/N/restart, a reload
+    # that changed the process's command or environment): not a crash loop.
+    restarts_requested: Mapping[str, int] = field(default_factory=dict)  # rank
     adoptions: Mapping[str, int] = field(default_factory=dict)  # rank
     # Ranks still waiting long after the engine started with nothing matched (a WARNING each).
     waiting_warnings: Mapping[str, int] = field(default_factory=dict)  # rank
@@ -292,6 +307,14 @@ class Snapshot:
     # What the host allows binding (supervisor.bind.capability), by name; empty
     # where nothing was probed (tests, a Daemon embedded without run_command).
     capabilities: Mapping[CapabilityName, Capability] = field(default_factory=dict)
+
+    @property
+    def capabilities_in_force(self) -> Mapping[CapabilityName, Capability]:
+        """`capabilities` as the plan in force wants them (what /placement and the
+        metrics show): IRQ binding is wanted only while the plan has IRQs to bind,
+        so a host that denies it (a container's read-only /proc/irq) misses
+        nothing when no device of the plan has an IRQ."""
+        return capabilities_in_force(self.capabilities, self.placement)
 
     def allows(self, name: CapabilityName) -> bool:
         """False only when the probe found the host denies `name`."""
@@ -392,6 +415,7 @@ class StateStore:
             "drift_events",
             "rebinds",
             "restarts",
+            "restarts_requested",
             "adoptions",
             "http_bad_requests",
             "config_reloads",

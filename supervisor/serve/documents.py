@@ -214,7 +214,7 @@ def supervisor_doc(snap: Snapshot) -> dict[str, Any]:
         "last_check_at": snap.counters.last_check_at or None,
         "checks": snap.counters.checks,
         "cpuset_changes": snap.counters.cpuset_changes,
-        "capabilities": {name: cap.to_doc() for name, cap in snap.capabilities.items()},
+        "capabilities": {name: cap.to_doc() for name, cap in snap.capabilities_in_force.items()},
     }
 
 

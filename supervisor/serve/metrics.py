@@ -55,6 +55,7 @@ from supervisor.state import (
     ProcessStatus,
     SelfUsage,
     StateStore,
+    capabilities_in_force,
 )
 
 PROCESS_STATES: tuple[str, ...] = get_args(ProcessState)
@@ -142,12 +143,16 @@ def _capability(m: GaugeMetricFamily, capabilities: Capabilities) -> None:
 @FAMILIES.add(
     "gauge",
     "placement_capability_wanted",
-    "1 when the config asks for this kind of binding (cgroup = auto, irq.enabled), else 0.",
+    "1 when this kind of binding is wanted (mempolicy; cgroup = auto; irq: irq.enabled "
+    "and the plan in force has IRQs to bind), else 0.",
     ("name",),
 )
-def _capability_wanted(m: GaugeMetricFamily, capabilities: Capabilities) -> None:
+def _capability_wanted(
+    m: GaugeMetricFamily, capabilities: Capabilities, placement: Placement
+) -> None:
+    in_force = capabilities_in_force(capabilities, placement)
     for name in CAPABILITY_NAMES:
-        cap = capabilities.get(name)
+        cap = in_force.get(name)
         if cap is not None:
             m.add_metric([name], 1.0 if cap.wanted else 0.0)
 
@@ -248,6 +253,23 @@ def _restarts(
 ) -> None:
     for rank, status in _statuses(placement, processes):
         m.add_metric([rank], restarts.get(rank, status.restarts))
+
+
+@FAMILIES.add(
+    "counter",
+    "placement_restarts_requested",
+    "Of placement_restarts_total, the restarts someone asked for (POST /ranks/N/restart, "
+    "a reload that changed the process): the rest followed an exit nobody asked for.",
+    ("rank",),
+)
+def _restarts_requested(
+    m: CounterMetricFamily,
+    placement: Placement,
+    processes: Processes,
+    restarts_requested: Mapping[str, int],
+) -> None:
+    for rank, _ in _statuses(placement, processes):
+        m.add_metric([rank], restarts_requested.get(rank, 0))
 
 
 # -- what the checks observed -------------------------------------------------------------
