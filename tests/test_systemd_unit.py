@@ -172,3 +172,46 @@ def test_the_readme_installs_the_real_vllm_config_where_the_unit_reads_it() -> N
     assert f"> {config.api.token_file})" in block
     assert config.api.unix_socket == f"/run/{d['RuntimeDirectory'][0]}/api.sock"
     assert 2 * config.stop_timeout_s < float(d["TimeoutStopSec"][0])
+
+
+def _sh_block(doc: str, heading: str) -> str:
+    return doc.split(heading, 1)[1].split("```sh", 1)[1].split("```", 1)[0]
+
+
+def test_uninstall_removes_what_install_creates() -> None:
+    """Every path the install step creates (venv, link, config dir, unit file, the
+    unit's StateDirectory) is removed by the uninstall step, after the service stops."""
+    doc = (REPO / "docs/operations.md").read_text()
+    install = _sh_block(doc, "## Privileges and installing under systemd")
+    uninstall = _sh_block(doc, "### Uninstall")
+    d = directives(UNIT.read_text())
+    venv = re.findall(r"python3 -m venv (\S+) ", install)[0]
+    link = re.findall(r"ln -s \S+/bin/(\S+) (\S+)/$", install, re.M)[0]
+    created = {
+        venv,
+        f"{link[1]}/{link[0]}",
+        "/etc/placement-supervisor",  # the config and token dir
+        "/etc/systemd/system/" + UNIT.name,
+        f"/var/lib/{d['StateDirectory'][0]}",
+    }
+    assert "/etc/placement-supervisor/config.toml" in install
+    assert f"cp systemd/{UNIT.name} /etc/systemd/system/" in install
+    removed = set(re.findall(r"^rm (?:-rf )?(\S+)", uninstall, re.M))
+    removed |= set(re.findall(r"&& rm (?:-rf )?(\S+)", uninstall))
+    assert created <= removed, sorted(created - removed)
+    lines = uninstall.strip().splitlines()
+    assert lines[0] == "systemctl disable --now placement-supervisor"  # a clean stop first
+    assert d["ExecStart"][0].split()[0] == "/usr/local/bin/placement-supervisor"
+
+
+def test_upgrade_checks_the_config_before_the_restart() -> None:
+    doc = (REPO / "docs/operations.md").read_text()
+    steps = _sh_block(doc, "### Upgrade").strip().splitlines()
+
+    def first(prefix: str) -> int:
+        return next(i for i, step in enumerate(steps) if step.startswith(prefix))
+
+    plan, restart = first("placement-supervisor plan --config"), first("systemctl restart")
+    reload = next(i for i, step in enumerate(steps) if "systemctl daemon-reload" in step)
+    assert plan < reload < restart
+    assert directives(UNIT.read_text())["ExecStart"][0].split()[-1] in steps[plan]
