@@ -20,7 +20,11 @@ from supervisor.plan.placement import Placement
 from supervisor.topology.accelerators import CPU
 from supervisor.topology.model import Topology
 
-ProcessState = Literal["starting", "running", "backoff", "failed", "stopped", "waiting"]
+ProcessState = Literal[
+    "starting", "running", "backoff", "failed", "stopped", "waiting", "stopping"
+]  # fmt: skip
+"""`stopping`: sent TERM (a restart, a reload that changed the process, the
+daemon's stop), not exited yet: not ready, whatever it still answers."""
 MemPolicyStep = Literal["bind", "preferred", "none"]
 
 # -- the vocabulary: every event kind and metric label value, in one place -----------

@@ -180,7 +180,8 @@ def _bound(m: GaugeMetricFamily, placement: Placement, processes: Processes) -> 
 @FAMILIES.add(
     "gauge",
     "placement_process_state",
-    "1 for the process's current state (starting, running, backoff, failed, stopped).",
+    "1 for the process's current state (starting, running, backoff, failed, stopped, "
+    "waiting, stopping).",
     ("rank", "state"),
 )
 def _state(m: GaugeMetricFamily, placement: Placement, processes: Processes) -> None:
