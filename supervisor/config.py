@@ -443,6 +443,13 @@ def load_config_digest(path: str) -> tuple[Config, str]:
     return _parse_bytes(data, path), hashlib.sha256(data).hexdigest()
 
 
+def read_config_digest(path: str) -> str:
+    """The sha256 (hex) of the config file as it is on disk now, whatever it holds
+    (no parse); ConfigError when it cannot be read."""
+    data, _ = _read_operator_file(path, "cannot read config", MAX_CONFIG_BYTES)
+    return hashlib.sha256(data).hexdigest()
+
+
 def _parse_bytes(data: bytes, path: str) -> Config:
     try:
         doc = tomllib.loads(data.decode("utf-8"))

@@ -154,6 +154,7 @@ class Daemon:
             accelerator_kind=kind,
             config_path=config.path,
             config_hash=config_hash,
+            config_on_disk_hash=config_hash,  # the bytes just read; then CONFIG_WATCH_S
             local_memory_threshold=config.drift.local_memory_threshold,
             ready_timeout_s=None if config.ready is None else config.ready.timeout_s,
             capabilities=MappingProxyType(dict(capabilities or {})),
@@ -239,6 +240,8 @@ class Daemon:
         if self.early_hups:  # the config may have changed since it was read: once more
             self.reloader.request(signal.SIGHUP)
         reload_task = asyncio.create_task(self.reloader.run(self.started), name="reload")
+        # The file's hash on disk beside the one in force (PlacementConfigNotApplied).
+        config_watch = asyncio.create_task(self.reloader.watch_file(), name="config_watch")
         watchdog: asyncio.Task[None] | None = None
         try:
             self.checker = self._check_loop(self.rt)
@@ -270,9 +273,10 @@ class Daemon:
                 gc.freeze()
             await self._wait_stop()
         finally:
-            reload_task.cancel()  # a reload in flight ends here: the stop goes first
-            with contextlib.suppress(asyncio.CancelledError):
-                await reload_task
+            for task in (reload_task, config_watch):
+                task.cancel()  # a reload in flight ends here: the stop goes first
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             await self._shutdown()
             for task in (watchdog,) if watchdog is not None else ():
                 task.cancel()

@@ -116,6 +116,25 @@ def capabilities_in_force(
 
 
 @dataclass(frozen=True, slots=True)
+class ReloadVerdict:
+    """How the last config reload ended (supervisor.service.reload): what STATUS=,
+    /placement's `config.last_reload` and the reload metrics keep until the next."""
+
+    at: float  # unix time it ended
+    result: ReloadResult
+    error: str | None = None  # why it was refused or invalid ("file: key: why")
+
+    def to_doc(self) -> dict[str, Any]:
+        return {"at": self.at, "result": self.result, "error": self.error}
+
+    def summary(self) -> str:
+        """ "reload applied", "reload refused: why", "reload invalid: file: key: why"."""
+        if self.result == "ok":
+            return "reload applied"
+        return f"reload {self.result}: {self.error}"
+
+
+@dataclass(frozen=True, slots=True)
 class ProcessStatus:
     """One supervised process (the engine or a rank's worker)."""
 
@@ -301,6 +320,10 @@ class Snapshot:
     accelerator_kind: str = CPU.name
     config_path: str | None = None
     config_hash: str | None = None  # sha256 of the config file in force (hex)
+    # sha256 of the config file as it is on disk now (read at each reload and every
+    # CONFIG_WATCH_S, supervisor.service.reload); None while it cannot be read.
+    config_on_disk_hash: str | None = None
+    last_reload: ReloadVerdict | None = None  # None until the first reload
     # drift.local_memory_threshold, exported for the alert that compares the
     # ratio with it; None where no config made the snapshot (tests).
     local_memory_threshold: float | None = None

@@ -218,6 +218,18 @@ def supervisor_doc(snap: Snapshot) -> dict[str, Any]:
     }
 
 
+def config_doc(snap: Snapshot) -> dict[str, Any]:
+    """The `config` object of /placement: the file's hash in force and on disk now,
+    and how the last reload ended (kept until the next)."""
+    last = snap.last_reload
+    return {
+        "path": snap.config_path,
+        "in_force": snap.config_hash,
+        "on_disk": snap.config_on_disk_hash,
+        "last_reload": None if last is None else last.to_doc(),
+    }
+
+
 def placement_doc(snap: Snapshot) -> dict[str, Any]:
     """GET /placement: the plan document (docs/contracts.md §3) with live state per process."""
     doc = snap.placement.to_doc()
@@ -226,6 +238,7 @@ def placement_doc(snap: Snapshot) -> dict[str, Any]:
     for entry in doc["ranks"]:
         entry.update(process_doc(snap, entry["rank"]))
     doc["supervisor"] = supervisor_doc(snap)
+    doc["config"] = config_doc(snap)
     return doc
 
 
@@ -297,6 +310,8 @@ class PlacementRenderer:
                 tail,
                 b',"supervisor":',
                 dumps(supervisor_doc(snap)),
+                b',"config":',
+                dumps(config_doc(snap)),
                 b"}",
             )
         )

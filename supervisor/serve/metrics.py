@@ -53,6 +53,7 @@ from supervisor.state import (
     Observation,
     ProcessState,
     ProcessStatus,
+    ReloadVerdict,
     SelfUsage,
     StateStore,
     capabilities_in_force,
@@ -445,6 +446,36 @@ def _config_reloads(m: CounterMetricFamily, config_reloads: Mapping[str, int]) -
 )
 def _config_info(m: InfoMetricFamily, config_path: str | None, config_hash: str | None) -> None:
     m.add_metric([], {"path": config_path or "", "sha256": config_hash or ""})
+
+
+@FAMILIES.add(
+    "info",
+    "placement_config_on_disk",
+    "The config file as it is on disk now (read at each reload and every 10 s): its "
+    'sha256, "" when it cannot be read (value 1). Differs from placement_config_info\'s '
+    "while an edit is not in force.",
+)
+def _config_on_disk(m: InfoMetricFamily, config_on_disk_hash: str | None) -> None:
+    m.add_metric([], {"sha256": config_on_disk_hash or ""})
+
+
+@FAMILIES.add(
+    "gauge",
+    "placement_config_last_reload_successful",
+    "1 when the last config reload was applied (or none was asked for yet), 0 when it "
+    "was refused or invalid and the config before it stays in force.",
+)
+def _last_reload_ok(m: GaugeMetricFamily, last_reload: ReloadVerdict | None) -> None:
+    m.add_metric([], 0.0 if last_reload is not None and last_reload.result != "ok" else 1.0)
+
+
+@FAMILIES.add(
+    "gauge",
+    "placement_config_last_reload_timestamp_seconds",
+    "Unix time the last config reload ended (0 before the first).",
+)
+def _last_reload_at(m: GaugeMetricFamily, last_reload: ReloadVerdict | None) -> None:
+    m.add_metric([], 0.0 if last_reload is None else last_reload.at)
 
 
 # -- adoption (contracts §6) ----------------------------------------------------------------

@@ -70,6 +70,8 @@ class ServiceStatus:
             if down:
                 parts.append(f"{state}: {', '.join(down)}")
         parts.append("ready" if snap.ready else "not ready")
+        if snap.last_reload is not None:  # kept until the next reload
+            parts.append(snap.last_reload.summary())
         return "; ".join(parts)
 
     def publish(self) -> None:
