@@ -240,8 +240,6 @@ class Daemon:
         if self.early_hups:  # the config may have changed since it was read: once more
             self.reloader.request(signal.SIGHUP)
         reload_task = asyncio.create_task(self.reloader.run(self.started), name="reload")
-        # The file's hash on disk beside the one in force (PlacementConfigNotApplied).
-        config_watch = asyncio.create_task(self.reloader.watch_file(), name="config_watch")
         watchdog: asyncio.Task[None] | None = None
         try:
             self.checker = self._check_loop(self.rt)
@@ -273,10 +271,9 @@ class Daemon:
                 gc.freeze()
             await self._wait_stop()
         finally:
-            for task in (reload_task, config_watch):
-                task.cancel()  # a reload in flight ends here: the stop goes first
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            reload_task.cancel()  # a reload in flight ends here: the stop goes first
+            with contextlib.suppress(asyncio.CancelledError):
+                await reload_task
             await self._shutdown()
             for task in (watchdog,) if watchdog is not None else ():
                 task.cancel()

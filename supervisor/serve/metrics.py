@@ -36,6 +36,7 @@ from prometheus_client.core import (
 from supervisor import __version__
 from supervisor.plan.keys import ProcKey, key_label
 from supervisor.plan.placement import Placement
+from supervisor.serve.config_metrics import register_config_families
 from supervisor.serve.documents import process_keys, readiness
 from supervisor.serve.exposition import FamilyTable, SnapshotCollector
 from supervisor.state import BIND_REASONS as ALL_BIND_REASONS
@@ -43,7 +44,6 @@ from supervisor.state import (
     CAPABILITY_NAMES,
     HOST_LABEL,
     HTTP_BAD_REASONS,
-    RELOAD_RESULTS,
     BindTarget,
     Capability,
     CapabilityName,
@@ -53,7 +53,6 @@ from supervisor.state import (
     Observation,
     ProcessState,
     ProcessStatus,
-    ReloadVerdict,
     SelfUsage,
     StateStore,
     capabilities_in_force,
@@ -429,53 +428,8 @@ def _cpuset_changes(m: CounterMetricFamily, cpuset_changes: int) -> None:
     m.add_metric([], cpuset_changes)
 
 
-@FAMILIES.add(
-    "counter",
-    "placement_config_reloads",
-    "Config reloads (SIGHUP), by result: ok, invalid (old config kept), refused (needs a restart).",
-    ("result",),
-)
-def _config_reloads(m: CounterMetricFamily, config_reloads: Mapping[str, int]) -> None:
-    table = dict.fromkeys(RELOAD_RESULTS, 0) | dict(config_reloads)
-    for result, n in sorted(table.items()):
-        m.add_metric([result], n)
-
-
-@FAMILIES.add(
-    "info", "placement_config", "The config file in force: its path and sha256 (value 1)."
-)
-def _config_info(m: InfoMetricFamily, config_path: str | None, config_hash: str | None) -> None:
-    m.add_metric([], {"path": config_path or "", "sha256": config_hash or ""})
-
-
-@FAMILIES.add(
-    "info",
-    "placement_config_on_disk",
-    "The config file as it is on disk now (read at each reload and every 10 s): its "
-    'sha256, "" when it cannot be read (value 1). Differs from placement_config_info\'s '
-    "while an edit is not in force.",
-)
-def _config_on_disk(m: InfoMetricFamily, config_on_disk_hash: str | None) -> None:
-    m.add_metric([], {"sha256": config_on_disk_hash or ""})
-
-
-@FAMILIES.add(
-    "gauge",
-    "placement_config_last_reload_successful",
-    "1 when the last config reload was applied (or none was asked for yet), 0 when it "
-    "was refused or invalid and the config before it stays in force.",
-)
-def _last_reload_ok(m: GaugeMetricFamily, last_reload: ReloadVerdict | None) -> None:
-    m.add_metric([], 0.0 if last_reload is not None and last_reload.result != "ok" else 1.0)
-
-
-@FAMILIES.add(
-    "gauge",
-    "placement_config_last_reload_timestamp_seconds",
-    "Unix time the last config reload ended (0 before the first).",
-)
-def _last_reload_at(m: GaugeMetricFamily, last_reload: ReloadVerdict | None) -> None:
-    m.add_metric([], 0.0 if last_reload is None else last_reload.at)
+# The config in force, the file on disk and the last reload (supervisor.serve.config_metrics).
+register_config_families(FAMILIES)
 
 
 # -- adoption (contracts §6) ----------------------------------------------------------------
