@@ -209,6 +209,12 @@ def _status(args: argparse.Namespace) -> int:
     return status_command(args)
 
 
+def _reload(args: argparse.Namespace) -> int:
+    from supervisor.serve.status import reload_command  # noqa: PLC0415
+
+    return reload_command(args)
+
+
 def _listen(value: str) -> str:
     try:
         return check_listen("--listen", value)
@@ -276,6 +282,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="print the placement document")
     p.set_defaults(func=_status)
+
+    p = sub.add_parser(
+        "reload",
+        help="reload a running daemon's config and say what came of it",
+        description="SIGHUP the daemon, wait for its verdict and print it: applied, "
+        "refused: why (needs a restart), invalid: file: key: why.",
+        epilog="exit codes: 0 applied, 1 no daemon answers or no verdict in time, "
+        "2 invalid (the old config stays), 5 refused (needs a restart)",
+    )
+    p.add_argument("--listen", type=_listen, help="the daemon's HOST:PORT or unix:PATH")
+    p.add_argument(
+        "--config", metavar="FILE", help="find the daemon where this config's [api] listens"
+    )
+    p.add_argument("--pid", type=int, help="the daemon's pid (systemd's $MAINPID), checked")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait (60)")
+    p.set_defaults(func=_reload)
     return parser
 
 

@@ -151,6 +151,7 @@ class Daemon:
             topology=topology,
             processes=MappingProxyType({k: ProcessStatus(k) for k in self.keys}),
             started_at=time.time(),
+            pid=os.getpid(),
             accelerator_kind=kind,
             config_path=config.path,
             config_hash=config_hash,

@@ -316,6 +316,7 @@ class Snapshot:
     counters: Counters = field(default_factory=Counters)
     events: tuple[Event, ...] = ()
     started_at: float = 0.0
+    pid: int | None = None  # the daemon's own (what `placement-supervisor reload` signals)
     stopping: bool = False
     accelerator_kind: str = CPU.name
     config_path: str | None = None

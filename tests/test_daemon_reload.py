@@ -9,6 +9,7 @@ import hashlib
 import os
 import signal
 import socket
+import subprocess
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -21,11 +22,13 @@ from supervisor.procfs.stat import read_proc_stat
 from supervisor.service.reload import CONFIG_WATCH_S
 from tests.support.children import report_of, thread_cpus, write_child
 from tests.support.daemon_support import (
+    REPO,
     DaemonProcess,
     child_config,
     daemon_env,
     entries,
     poll,
+    run_supervisor,
     to_toml,
 )
 
@@ -365,3 +368,48 @@ def test_a_reload_verdict_stays_until_the_next_and_the_file_on_disk_shows_beside
         assert _metric_line(metrics(daemon), "placement_config_last_reload_successful").endswith(
             " 1.0"
         )
+
+
+def _reload_cli(daemon: DaemonProcess, *extra: str) -> subprocess.CompletedProcess[str]:
+    listen = f"127.0.0.1:{daemon.port}"
+    return run_supervisor("reload", "--listen", listen, "--timeout", "30", *extra)
+
+
+def test_the_reload_command_waits_for_the_verdict_and_says_it(tmp_path: Path) -> None:
+    script, out = write_child(tmp_path)
+    config = tmp_path / "c.toml"
+    doc = child_config(script, out)
+    write(config, doc)
+    with DaemonProcess(config, tmp_path / "d.log", env=daemon_env()) as daemon:
+        poll(daemon.running, timeout_s=60)
+        config.write_text(to_toml(doc).replace("backoff_max_s = 1.0", 'backoff_max_s = "soon"'))
+        done = _reload_cli(daemon)
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert done.stdout.startswith(f"invalid: {config}: restart.backoff_max_s: "), done.stdout
+
+        write(config, {**doc, "cpu_ranks": 1})  # valid, but one process fewer
+        done = _reload_cli(daemon, "--pid", str(daemon.pid))
+        assert done.returncode == 5, done.stdout + done.stderr
+        assert done.stdout == "refused: needs a restart: the new plan has 1 processes, 2 run now\n"
+
+        doc["workers"]["env"] = {"DEMO_DEFAULT": "4"}
+        digest = write(config, doc)
+        done = _reload_cli(daemon)
+        assert (done.returncode, done.stdout) == (0, "applied\n"), done.stderr
+        assert (daemon.placement() or {})["config"]["in_force"] == digest
+
+        # The pid systemd gives ($MAINPID) must be the daemon the API speaks for.
+        done = _reload_cli(daemon, "--pid", str(os.getpid()))
+        assert done.returncode == 1 and f"not {os.getpid()}" in done.stderr, done.stderr
+        assert reloads(daemon) == {"invalid": 1, "refused": 1, "ok": 1}
+
+
+def test_the_unit_reloads_through_the_reload_command() -> None:
+    """ExecReload runs `reload` with ExecStart's binary and config, and systemd's
+    $MAINPID: `systemctl reload` then fails when the config was not applied."""
+    unit = (REPO / "systemd/placement-supervisor.service").read_text()
+    lines = unit.splitlines()
+    start = next(line for line in lines if line.startswith("ExecStart=")).split("=", 1)[1]
+    reload = next(line for line in lines if line.startswith("ExecReload=")).split("=", 1)[1]
+    binary, config = start.split()[0], start.split()[-1]
+    assert reload == f"{binary} reload --config {config} --pid $MAINPID"

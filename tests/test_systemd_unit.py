@@ -32,17 +32,14 @@ def directives(text: str) -> dict[str, list[str]]:
 
 
 def verify(unit_text: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
-    """Verify a copy whose ExecStart is this checkout's console script (which exists)."""
+    """Verify a copy whose ExecStart and ExecReload run this checkout's console script
+    (which exists)."""
     if not Path(ANALYZE).exists():
         pytest.skip("systemd-analyze is not installed (run .ci/setup)")
     if not VENV_COMMAND.exists():
         pytest.skip(f"{VENV_COMMAND} is missing (pip install -e .)")
     copy = tmp_path / "placement-supervisor.service"
-    copy.write_text(
-        unit_text.replace(
-            "ExecStart=/usr/local/bin/placement-supervisor", f"ExecStart={VENV_COMMAND}"
-        )
-    )
+    copy.write_text(unit_text.replace("=/usr/local/bin/placement-supervisor ", f"={VENV_COMMAND} "))
     return subprocess.run(
         [ANALYZE, "verify", str(copy)], capture_output=True, text=True, timeout=60, check=False
     )

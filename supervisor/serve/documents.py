@@ -208,6 +208,7 @@ def supervisor_doc(snap: Snapshot) -> dict[str, Any]:
         "config_hash": snap.config_hash,
         "config_reloads": dict(snap.counters.config_reloads),
         "started_at": snap.started_at,
+        "pid": snap.pid,
         "stopping": snap.stopping,
         "ready": not reasons,
         "not_ready": reasons,
