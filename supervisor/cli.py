@@ -29,6 +29,7 @@ from supervisor.errors import (
     EXIT_CONFIG,
     EXIT_NOT_READY,
     EXIT_OK,
+    EXIT_RELOAD_REFUSED,
     EXIT_UNREACHABLE,
     ConfigError,
     SupervisorError,
@@ -53,8 +54,16 @@ exit codes:
   {EXIT_OK}  the daemon answered and is ready (every process running and bound)
   {EXIT_UNREACHABLE}  no daemon answers at the address, or it answered with an error
   {EXIT_CONFIG}  bad --listen, or --config unreadable or invalid
-  {EXIT_NOT_READY}  the daemon answered but is not ready (starting or loading, backoff,
-     failed, stopped, or not bound as planned); the placement is printed anyway
+  {EXIT_NOT_READY}  the daemon answered but is not ready (starting or loading, stopping,
+     backoff, failed, stopped, or not bound as planned); the placement is printed anyway
+"""
+# `reload --help`'s epilog; README "Exit codes" says the same.
+RELOAD_EXIT_CODES = f"""\
+exit codes:
+  {EXIT_OK}  the daemon applied the config file
+  {EXIT_UNREACHABLE}  no daemon answers, it cannot be signalled, or no verdict within --timeout
+  {EXIT_CONFIG}  invalid: the file has an error (the old config stays in force)
+  {EXIT_RELOAD_REFUSED}  refused: the file is valid but needs a restart
 """
 
 
@@ -288,8 +297,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="reload a running daemon's config and say what came of it",
         description="SIGHUP the daemon, wait for its verdict and print it: applied, "
         "refused: why (needs a restart), invalid: file: key: why.",
-        epilog="exit codes: 0 applied, 1 no daemon answers or no verdict in time, "
-        "2 invalid (the old config stays), 5 refused (needs a restart)",
+        epilog=RELOAD_EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--listen", type=_listen, help="the daemon's HOST:PORT or unix:PATH")
     p.add_argument(

@@ -184,6 +184,7 @@ def render_status(doc: Mapping[str, Any], where: str = "") -> str:
     out = [head, line(HEADER), *(line(r) for r in rows)]
     for reason in sup.get("not_ready") or ():
         out.append(f"not ready: {reason}")
+    out += _config_lines(doc.get("config") or {})
     for label, entry in labelled:
         for f in entry.get("drift") or ():
             out.append(
@@ -193,6 +194,21 @@ def render_status(doc: Mapping[str, Any], where: str = "") -> str:
     for warning in doc.get("warnings") or ():
         out.append(f"warning: {warning}")
     return "\n".join(out) + "\n"
+
+
+def _config_lines(config: Mapping[str, Any]) -> list[str]:
+    """What the table says of the config file: a reload that did not apply, and a
+    file on disk that is not the one in force (pure)."""
+    out: list[str] = []
+    last = config.get("last_reload") or {}
+    if last.get("result") not in (None, "ok"):
+        out.append(f"config: last reload {last['result']}: {last.get('error')}")
+    if config.get("in_force") and config.get("on_disk") != config.get("in_force"):
+        out.append(
+            "config: the file on disk is not the one in force"
+            + (" (unreadable)" if config.get("on_disk") is None else " (reload it)")
+        )
+    return out
 
 
 def status_command(args: Any) -> int:
