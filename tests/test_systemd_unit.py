@@ -154,7 +154,7 @@ def test_the_readme_installs_the_real_vllm_config_where_the_unit_reads_it() -> N
     readme = (REPO / "docs/operations.md").read_text()
     block = readme.split("## Privileges and installing under systemd")[1].split("```sh")[1]
     block = block.split("```")[0]
-    installs = re.findall(r"^install -D -m 0644 (\S+) (\S+)$", block, re.M)
+    installs = re.findall(r"^install -D -m 0644 (configs/\S+) (\S+)$", block, re.M)
     assert installs == [("configs/engines/vllm.toml", "/etc/placement-supervisor/config.toml")]
     source, target = installs[0]
     d = directives(UNIT.read_text())
@@ -191,6 +191,10 @@ def test_uninstall_removes_what_install_creates() -> None:
         "/etc/systemd/system/" + UNIT.name,
         f"/var/lib/{d['StateDirectory'][0]}",
     }
+    # Every file installed outside the config dir (the man page, the completion).
+    installed = re.findall(r"^install -D -m 0644 \S+ (\S+)$", install, re.M)
+    created |= {t for t in installed if not t.startswith("/etc/placement-supervisor/")}
+    assert len(created) >= 7
     assert "/etc/placement-supervisor/config.toml" in install
     assert f"cp systemd/{UNIT.name} /etc/systemd/system/" in install
     removed = set(re.findall(r"^rm (?:-rf )?(\S+)", uninstall, re.M))
