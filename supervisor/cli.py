@@ -29,6 +29,7 @@ from supervisor.errors import (
     EXIT_CONFIG,
     EXIT_NOT_READY,
     EXIT_OK,
+    EXIT_RELOAD_REFUSED,
     EXIT_UNREACHABLE,
     ConfigError,
     SupervisorError,
@@ -53,8 +54,16 @@ exit codes:
   {EXIT_OK}  the daemon answered and is ready (every process running and bound)
   {EXIT_UNREACHABLE}  no daemon answers at the address, or it answered with an error
   {EXIT_CONFIG}  bad --listen, or --config unreadable or invalid
-  {EXIT_NOT_READY}  the daemon answered but is not ready (starting or loading, backoff,
-     failed, stopped, or not bound as planned); the placement is printed anyway
+  {EXIT_NOT_READY}  the daemon answered but is not ready (starting or loading, stopping,
+     backoff, failed, stopped, or not bound as planned); the placement is printed anyway
+"""
+# `reload --help`'s epilog; README "Exit codes" says the same.
+RELOAD_EXIT_CODES = f"""\
+exit codes:
+  {EXIT_OK}  the daemon applied the config file
+  {EXIT_UNREACHABLE}  no daemon answers, it cannot be signalled, or no verdict within --timeout
+  {EXIT_CONFIG}  invalid: the file has an error (the old config stays in force)
+  {EXIT_RELOAD_REFUSED}  refused: the file is valid but needs a restart
 """
 
 
@@ -209,6 +218,12 @@ def _status(args: argparse.Namespace) -> int:
     return status_command(args)
 
 
+def _reload(args: argparse.Namespace) -> int:
+    from supervisor.serve.status import reload_command  # noqa: PLC0415
+
+    return reload_command(args)
+
+
 def _listen(value: str) -> str:
     try:
         return check_listen("--listen", value)
@@ -276,6 +291,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="print the placement document")
     p.set_defaults(func=_status)
+
+    p = sub.add_parser(
+        "reload",
+        help="reload a running daemon's config and say what came of it",
+        description="SIGHUP the daemon, wait for its verdict and print it: applied, "
+        "refused: why (needs a restart), invalid: file: key: why.",
+        epilog=RELOAD_EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--listen", type=_listen, help="the daemon's HOST:PORT or unix:PATH")
+    p.add_argument(
+        "--config", metavar="FILE", help="find the daemon where this config's [api] listens"
+    )
+    p.add_argument("--pid", type=int, help="the daemon's pid (systemd's $MAINPID), checked")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait (60)")
+    p.set_defaults(func=_reload)
     return parser
 
 

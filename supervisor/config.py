@@ -304,9 +304,12 @@ def _api(t: Table, listen: Listen) -> ApiConfig:
     return api
 
 
-def parse_config(doc: Mapping[str, Any], file: str = "<config>") -> Config:
-    """Validate a parsed TOML document into a Config (pure)."""
-    top = Table(doc, "", file)
+def parse_config(
+    doc: Mapping[str, Any], file: str = "<config>", *, asked: set[str] | None = None
+) -> Config:
+    """Validate a parsed TOML document into a Config (pure). `asked`, when given,
+    collects every key path the parser reads for this document, present or not."""
+    top = Table(doc, "", file, asked)
     engine = _process(top, "engine", template=False) if top.has("engine") else None
     if not top.has("workers"):
         raise top.fail("workers", "is required (the worker command template)")
@@ -447,6 +450,13 @@ def load_config_digest(path: str) -> tuple[Config, str]:
     return _parse_bytes(data, path), hashlib.sha256(data).hexdigest()
 
 
+def read_config_digest(path: str) -> str:
+    """The sha256 (hex) of the config file as it is on disk now, whatever it holds
+    (no parse); ConfigError when it cannot be read."""
+    data, _ = _read_operator_file(path, "cannot read config", MAX_CONFIG_BYTES)
+    return hashlib.sha256(data).hexdigest()
+
+
 def _parse_bytes(data: bytes, path: str) -> Config:
     try:
         doc = tomllib.loads(data.decode("utf-8"))
@@ -471,3 +481,44 @@ def read_token_file(path: str) -> bytes:
             f"(mode {stat.S_IMODE(st.st_mode):04o}); chmod 600 {path}"
         )
     return token
+
+
+# Between them these documents reach every branch of parse_config: an [engine]
+# with workers it spawns itself, and one whose workers the engine spawns; every
+# optional table present, a [threads.<role>] and a [drift.policy] kind each.
+_EVERY_BRANCH: tuple[Mapping[str, Any], ...] = (
+    {
+        "engine": {"command": ["engine"]},
+        "workers": {"command": ["worker", "{rank}"]},
+        "ready": {"tcp": "127.0.0.1:8000"},
+        "threads": {"role": {"process": "engine", "pattern": "x*"}},
+        "drift": {"policy": {"thread_affinity": "observe"}},
+    },
+    {
+        "engine": {"command": ["engine"]},
+        "workers": {"spawned_by": "engine", "rank_from": ["env:LOCAL_RANK"]},
+    },
+)
+# A name the operator chooses, as docs/planning.md writes it.
+_PLACEHOLDERS = (
+    ("threads.role", "threads.<role>"),
+    ("drift.policy.thread_affinity", "drift.policy.<kind>"),
+)
+
+
+def _with_placeholders(path: str) -> str:
+    for literal, placeholder in _PLACEHOLDERS:
+        path = path.replace(literal, placeholder)
+    return path
+
+
+def config_keys() -> tuple[str, ...]:
+    """Every key path the config parser reads ("restart.backoff_factor",
+    "threads.<role>.pattern"), sorted (pure): what docs/planning.md lists."""
+    asked: set[str] = set()
+    for doc in _EVERY_BRANCH:
+        parse_config(doc, "<every key>", asked=asked)
+    keys = {_with_placeholders(path) for path in asked}
+    # A table is no key of its own: only its keys are (a table of names the
+    # operator chooses, like [engine] env, is one key).
+    return tuple(sorted(k for k in keys if not any(o.startswith(k + ".") for o in keys)))

@@ -23,12 +23,17 @@ class Table:
     """A TOML table being read: typed getters that name the key path on error,
     and `done()` that rejects keys nobody asked for."""
 
-    def __init__(self, doc: Mapping[str, Any], path: str, file: str) -> None:
+    def __init__(
+        self, doc: Mapping[str, Any], path: str, file: str, asked: set[str] | None = None
+    ) -> None:
         self.doc = doc
         self.path = path
         self.file = file
         self.seen: set[str] = set()
         self.known: set[str] = set()  # every key asked for, present or not: for suggestions
+        # When given (shared with every sub-table): each key path asked for, present
+        # or not, in the whole document ("restart.backoff_factor"): config.config_keys.
+        self.asked = asked
 
     def where(self, key: str) -> str:
         return f"{self.path}.{key}" if self.path else key
@@ -37,12 +42,13 @@ class Table:
         return ConfigError(f"{self.file}: {self.where(key)}: {message}")
 
     def has(self, key: str) -> bool:
-        self.known.add(key)
-        return key in self.doc
+        return self._asked(key)
 
     def _asked(self, key: str) -> bool:
         """Note `key` as a known key; True when the document holds it."""
         self.known.add(key)
+        if self.asked is not None:
+            self.asked.add(self.where(key))
         return key in self.doc
 
     def _get(self, key: str, kinds: tuple[type, ...], expected: str) -> Any:
@@ -126,7 +132,7 @@ class Table:
     def table(self, key: str) -> Table:
         value = self._get(key, (dict,), "a table") if self._asked(key) else {}
         self.seen.add(key)
-        return Table(value, self.where(key), self.file)
+        return Table(value, self.where(key), self.file, self.asked)
 
     def str_map(self, key: str) -> dict[str, str]:
         sub = self.table(key)

@@ -154,9 +154,11 @@ class Daemon:
             topology=topology,
             processes=MappingProxyType({k: ProcessStatus(k) for k in self.keys}),
             started_at=time.time(),
+            pid=os.getpid(),
             accelerator_kind=kind,
             config_path=config.path,
             config_hash=config_hash,
+            config_on_disk_hash=config_hash,  # the bytes just read; then CONFIG_WATCH_S
             local_memory_threshold=config.drift.local_memory_threshold,
             ready_timeout_s=None if config.ready is None else config.ready.timeout_s,
             capabilities=MappingProxyType(dict(capabilities or {})),
@@ -166,7 +168,11 @@ class Daemon:
         if capabilities is None:  # embedded (tests, benchmarks): probed here, as run_command does
             cgroup_cap = Capability("cgroup", cgroups is not None, config.cgroup == "auto")
             caps = probe_capabilities(
-                self.fs, topology.allowed.mems, cgroup=cgroup_cap, irq_wanted=config.irq.enabled
+                self.fs,
+                topology.allowed.mems,
+                cgroup=cgroup_cap,
+                irq_wanted=config.irq.enabled,
+                irqs_planned=placement.has_irqs,
             )
             self.store.update(capabilities=MappingProxyType(caps))
         self.cgroups = cgroups
@@ -548,7 +554,11 @@ def run_command(args: argparse.Namespace) -> int:
     try:  # a start that fails before run() (whose stop removes them) leaves no cgroup dir
         # Once, before any spawn: what this host (a container's runtime) lets us bind.
         capabilities = probe_capabilities(
-            fs, topology.allowed.mems, cgroup=cgroup_cap, irq_wanted=config.irq.enabled
+            fs,
+            topology.allowed.mems,
+            cgroup=cgroup_cap,
+            irq_wanted=config.irq.enabled,
+            irqs_planned=placement.has_irqs,
         )
         has_engine = config.engine is not None  # a grace too short for the stop: said once
         log_stop_budget(

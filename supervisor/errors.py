@@ -17,6 +17,7 @@ EXIT_INFEASIBLE = 3
 # so that a script can tell "down" from "still loading" (README, Exit codes).
 EXIT_UNREACHABLE = 1
 EXIT_NOT_READY = 4
+EXIT_RELOAD_REFUSED = 5  # `reload`: a valid config that needs a restart
 
 
 class SupervisorError(Exception):

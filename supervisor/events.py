@@ -414,8 +414,10 @@ class Recorder:
         self.store.update(counters=replace(c, process_read_failures=c.process_read_failures + 1))
 
     def restart_counted(self, key: ProcKey) -> None:
-        """restarts{rank} += 1 for a restart asked for (the API's), not scheduled."""
+        """restarts{rank} and restarts_requested{rank} += 1 for a restart asked for (the
+        API's, a reload's), not scheduled."""
         self.store.count("restarts", key_label(key))
+        self.store.count("restarts_requested", key_label(key))
 
     def cpuset_changed(
         self, old_cpus: frozenset[int], old_mems: frozenset[int], new_cpus: frozenset[int],

@@ -20,7 +20,11 @@ from supervisor.plan.placement import Placement
 from supervisor.topology.accelerators import CPU
 from supervisor.topology.model import Topology
 
-ProcessState = Literal["starting", "running", "backoff", "failed", "stopped", "waiting"]
+ProcessState = Literal[
+    "starting", "running", "backoff", "failed", "stopped", "waiting", "stopping"
+]  # fmt: skip
+"""`stopping`: sent TERM (a restart, a reload that changed the process, the
+daemon's stop), not exited yet: not ready, whatever it still answers."""
 # "local": MPOL_LOCAL, an engine whose children are workers (docs/engines.md):
 # its pages follow its CPUs, and a child it spawns inherits no node of its own.
 MemPolicyStep = Literal["bind", "local", "preferred", "none"]
@@ -83,9 +87,10 @@ class Capability:
     """One kind of binding and whether this host allows it (probed once at start).
 
     `wanted`: the config asks for it (cgroup = "auto", irq.enabled); what is
-    not wanted is never missing. Readiness is "bound as far as allowed": a
-    capability the host denies shows here, in /placement and in the metric
-    `placement_capability`, never in /readyz.
+    not wanted is never missing. `Snapshot.capabilities_in_force` narrows irq's
+    to the plan in force: wanted only while the plan has IRQs to bind.
+    Readiness is "bound as far as allowed": a capability the host denies shows
+    here, in /placement and in the metric `placement_capability`, never in /readyz.
     """
 
     name: CapabilityName
@@ -99,6 +104,36 @@ class Capability:
 
     def to_doc(self) -> dict[str, Any]:
         return {"available": self.available, "wanted": self.wanted, "reason": self.reason}
+
+
+def capabilities_in_force(
+    capabilities: Mapping[CapabilityName, Capability], placement: Placement
+) -> Mapping[CapabilityName, Capability]:
+    """`capabilities` as `placement` wants them (pure): IRQ binding is wanted only
+    while the plan has IRQs to bind, whatever [irq] enabled says."""
+    irq = capabilities.get("irq")
+    if irq is None or not irq.wanted or placement.has_irqs:
+        return capabilities
+    return {**capabilities, "irq": replace(irq, wanted=False)}
+
+
+@dataclass(frozen=True, slots=True)
+class ReloadVerdict:
+    """How the last config reload ended (supervisor.service.reload): what STATUS=,
+    /placement's `config.last_reload` and the reload metrics keep until the next."""
+
+    at: float  # unix time it ended
+    result: ReloadResult
+    error: str | None = None  # why it was refused or invalid ("file: key: why")
+
+    def to_doc(self) -> dict[str, Any]:
+        return {"at": self.at, "result": self.result, "error": self.error}
+
+    def summary(self) -> str:
+        """ "reload applied", "reload refused: why", "reload invalid: file: key: why"."""
+        if self.result == "ok":
+            return "reload applied"
+        return f"reload {self.result}: {self.error}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,6 +277,9 @@ class Counters:
     drift_events: Mapping[tuple[str, str], int] = field(default_factory=dict)  # rank, kind
     rebinds: Mapping[tuple[str, str], int] = field(default_factory=dict)  # rank, reason
     restarts: Mapping[str, int] = field(default_factory=dict)  # rank
+    # Of those, the restarts someone asked for (POST /ranks/N/restart, a reload
+    # that changed the process's command or environment): not a crash loop.
+    restarts_requested: Mapping[str, int] = field(default_factory=dict)  # rank
     adoptions: Mapping[str, int] = field(default_factory=dict)  # rank
     # Ranks still waiting long after the engine started with nothing matched (a WARNING each).
     waiting_warnings: Mapping[str, int] = field(default_factory=dict)  # rank
@@ -281,10 +319,15 @@ class Snapshot:
     counters: Counters = field(default_factory=Counters)
     events: tuple[Event, ...] = ()
     started_at: float = 0.0
+    pid: int | None = None  # the daemon's own (what `placement-supervisor reload` signals)
     stopping: bool = False
     accelerator_kind: str = CPU.name
     config_path: str | None = None
     config_hash: str | None = None  # sha256 of the config file in force (hex)
+    # sha256 of the config file as it is on disk now (read at each reload and every
+    # CONFIG_WATCH_S, supervisor.service.reload); None while it cannot be read.
+    config_on_disk_hash: str | None = None
+    last_reload: ReloadVerdict | None = None  # None until the first reload
     # drift.local_memory_threshold, exported for the alert that compares the
     # ratio with it; None where no config made the snapshot (tests).
     local_memory_threshold: float | None = None
@@ -295,6 +338,14 @@ class Snapshot:
     # What the host allows binding (supervisor.bind.capability), by name; empty
     # where nothing was probed (tests, a Daemon embedded without run_command).
     capabilities: Mapping[CapabilityName, Capability] = field(default_factory=dict)
+
+    @property
+    def capabilities_in_force(self) -> Mapping[CapabilityName, Capability]:
+        """`capabilities` as the plan in force wants them (what /placement and the
+        metrics show): IRQ binding is wanted only while the plan has IRQs to bind,
+        so a host that denies it (a container's read-only /proc/irq) misses
+        nothing when no device of the plan has an IRQ."""
+        return capabilities_in_force(self.capabilities, self.placement)
 
     def allows(self, name: CapabilityName) -> bool:
         """False only when the probe found the host denies `name`."""
@@ -395,6 +446,7 @@ class StateStore:
             "drift_events",
             "rebinds",
             "restarts",
+            "restarts_requested",
             "adoptions",
             "http_bad_requests",
             "config_reloads",

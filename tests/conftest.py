@@ -1,4 +1,6 @@
-"""Shared pytest fixtures: where the repo is, and the test guest runner."""
+"""Shared pytest fixtures: where the repo is, and the test guest runner; the
+session-end check that the run leaves the host as it found it
+(tests/support/host_residue.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,21 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+# The session-end host check: IRQ affinities, the lock dir, the project's cgroups.
+from tests.support.host_residue import (  # noqa: E402
+    pytest_addoption,
+    pytest_sessionfinish,
+    pytest_sessionstart,
+    pytest_terminal_summary,
+)
+
+__all__ = [
+    "pytest_addoption",
+    "pytest_sessionfinish",
+    "pytest_sessionstart",
+    "pytest_terminal_summary",
+]
+
 
 @pytest.fixture(scope="session")
 def repo() -> Path:
@@ -22,6 +39,24 @@ def repo() -> Path:
 def need_root() -> None:
     if os.geteuid() != 0:
         pytest.skip("needs root (cgroups, /proc/irq, other processes' affinity)")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _runtime_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Daemons the tests start keep their instance lock in the session's own dir
+    (systemd's RUNTIME_DIRECTORY, which every daemon reads first), not the host's
+    /run/placement-supervisor: a daemon a test SIGKILLs leaves its lock file by
+    design (the next start takes it over), and the session-end check wants that
+    dir as the run found it. Tests that set RUNTIME_DIRECTORY themselves keep theirs."""
+    old = os.environ.get("RUNTIME_DIRECTORY")
+    os.environ["RUNTIME_DIRECTORY"] = str(tmp_path_factory.mktemp("run"))
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("RUNTIME_DIRECTORY", None)
+        else:
+            os.environ["RUNTIME_DIRECTORY"] = old
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
-from supervisor.config import check_listen, load_config, parse_config
+from supervisor.config import check_listen, config_keys, load_config, parse_config
 from supervisor.errors import ConfigError
 from supervisor.serve.listen import Listen
 
@@ -363,3 +364,38 @@ def test_bad_api_connection_limits_name_the_key(tmp_path: Path, line: str, messa
     with pytest.raises(ConfigError) as info:
         load_config(write(tmp_path, f'[workers]\ncommand = "w"\n[api]\n{line}\n'))
     assert str(info.value) == f"{tmp_path / 'c.toml'}: {message}"
+
+
+def _documented_keys() -> list[str]:
+    """The first column of docs/planning.md's key table: `a.b`, `a.c` / `a.d` each a key."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "planning.md").read_text()
+    section = text.split("## Configuration", 1)[1]
+    keys: list[str] = []
+    for line in section.splitlines():
+        if line.startswith("| `"):
+            first = line.split("|")[1]
+            keys += re.findall(r"`([^`]+)`", first)
+    return keys
+
+
+def test_the_docs_table_lists_every_key_the_parser_reads() -> None:
+    documented = _documented_keys()
+    assert len(documented) == len(set(documented)), "a key documented twice"
+    parsed = set(config_keys())
+    assert sorted(parsed - set(documented)) == [], "keys the parser reads, not in docs/planning.md"
+    assert sorted(set(documented) - parsed) == [], "keys in docs/planning.md the parser never reads"
+
+
+def test_config_keys_follows_the_parser() -> None:
+    """What config_keys() lists is what the parser asks for: every listed key loads,
+    and a key next to them is refused by name."""
+    keys = config_keys()
+    assert {
+        "restart.backoff_factor",
+        "engine.kind",
+        "workers.rank_from",
+        "drift.policy.<kind>",
+    } <= set(keys)
+    assert "restart" not in keys and "threads.<role>" not in keys  # tables are not keys
+    with pytest.raises(ConfigError, match=r"restart\.backoff_factr: unknown key; did you mean"):
+        parse_config({"workers": {"command": ["w"]}, "restart": {"backoff_factr": 2}})

@@ -9,6 +9,7 @@ import hashlib
 import os
 import signal
 import socket
+import subprocess
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -18,13 +19,16 @@ from typing import Any
 from supervisor.cpulist import format_cpulist
 from supervisor.hostfs import HostFS
 from supervisor.procfs.stat import read_proc_stat
+from supervisor.service.reload import CONFIG_WATCH_S
 from tests.support.children import report_of, thread_cpus, write_child
 from tests.support.daemon_support import (
+    REPO,
     DaemonProcess,
     child_config,
     daemon_env,
     entries,
     poll,
+    run_supervisor,
     to_toml,
 )
 
@@ -291,3 +295,121 @@ def test_a_reload_that_fixes_a_crash_looping_command_restarts_it_from_its_backof
         pid = running["ranks"][1]["pid"]
         poll(lambda: report_of(out, "1", pid), what="rank 1's report")
         assert alive(pid)
+
+
+def _config_doc(daemon: DaemonProcess) -> dict[str, Any]:
+    doc = daemon.placement() or {}
+    config: dict[str, Any] = doc["config"]
+    return config
+
+
+def _metric_line(text: str, name: str) -> str:
+    return next(line for line in text.splitlines() if line.startswith(name))
+
+
+def test_a_reload_verdict_stays_until_the_next_and_the_file_on_disk_shows_beside_the_one_in_force(
+    tmp_path: Path,
+) -> None:
+    script, out = write_child(tmp_path)
+    config = tmp_path / "c.toml"
+    doc = child_config(script, out)
+    digest = write(config, doc)
+    with (
+        notify_socket(tmp_path) as (notify, path),
+        DaemonProcess(config, tmp_path / "d.log", env=daemon_env(NOTIFY_SOCKET=path)) as daemon,
+    ):
+        recv_until(notify, lambda m: m.startswith(b"READY=1"))
+        before = pids_of(poll(daemon.running, timeout_s=60))
+        assert _config_doc(daemon) == {
+            "path": str(config), "in_force": digest, "on_disk": digest, "last_reload": None,
+        }  # fmt: skip
+        text = metrics(daemon)
+        assert _metric_line(text, "placement_config_last_reload_successful").endswith(" 1.0")
+        assert f'placement_config_on_disk_info{{sha256="{digest}"}} 1.0' in text
+
+        # An invalid file: refused, and said so until the next reload.
+        bad = to_toml(doc).replace("backoff_max_s = 1.0", 'backoff_max_s = "soon"')
+        config.write_text(bad)
+        bad_digest = hashlib.sha256(bad.encode()).hexdigest()
+        os.kill(daemon.pid, signal.SIGHUP)
+        ready = fields(recv_until(notify, lambda m: m.startswith(b"READY=1")))["STATUS"]
+        assert ready.startswith("2/2 running; ready; reload invalid: ")
+        assert f"{config}: restart.backoff_max_s: " in ready, ready
+        shown = _config_doc(daemon)
+        assert shown["in_force"] == digest and shown["on_disk"] == bad_digest
+        last = shown["last_reload"]
+        assert last["result"] == "invalid" and "restart.backoff_max_s" in last["error"]
+        assert last["at"] <= time.time()
+        text = metrics(daemon)
+        assert _metric_line(text, "placement_config_last_reload_successful").endswith(" 0.0")
+        assert f'placement_config_on_disk_info{{sha256="{bad_digest}"}} 1.0' in text
+        assert f'sha256="{digest}"' in _metric_line(text, "placement_config_info")
+        # A later STATUS= (rank 1 killed and restarted) still carries the verdict.
+        os.kill(before["1"], signal.SIGKILL)
+        later = recv_until(notify, lambda m: m.startswith(b"STATUS=1/2 running"))
+        assert b"; reload invalid: " in later, later
+
+        # A valid edit nobody reloaded yet: on disk, not in force.
+        doc["workers"]["env"] = {"DEMO_DEFAULT": "3"}
+        good = write(config, doc)
+        poll(
+            lambda: _config_doc(daemon)["on_disk"] == good,
+            timeout_s=2 * CONFIG_WATCH_S + 5,  # one read of the file every CONFIG_WATCH_S
+            what="the edit on disk",
+        )
+        assert _config_doc(daemon)["in_force"] == digest
+        # Reloaded: applied, and in force.
+        os.kill(daemon.pid, signal.SIGHUP)
+        ready = fields(recv_until(notify, lambda m: m.startswith(b"READY=1")))["STATUS"]
+        assert ready.endswith("; reload applied"), ready
+        shown = _config_doc(daemon)
+        assert shown["in_force"] == shown["on_disk"] == good
+        assert shown["last_reload"]["result"] == "ok" and shown["last_reload"]["error"] is None
+        assert _metric_line(metrics(daemon), "placement_config_last_reload_successful").endswith(
+            " 1.0"
+        )
+
+
+def _reload_cli(daemon: DaemonProcess, *extra: str) -> subprocess.CompletedProcess[str]:
+    listen = f"127.0.0.1:{daemon.port}"
+    return run_supervisor("reload", "--listen", listen, "--timeout", "30", *extra)
+
+
+def test_the_reload_command_waits_for_the_verdict_and_says_it(tmp_path: Path) -> None:
+    script, out = write_child(tmp_path)
+    config = tmp_path / "c.toml"
+    doc = child_config(script, out)
+    write(config, doc)
+    with DaemonProcess(config, tmp_path / "d.log", env=daemon_env()) as daemon:
+        poll(daemon.running, timeout_s=60)
+        config.write_text(to_toml(doc).replace("backoff_max_s = 1.0", 'backoff_max_s = "soon"'))
+        done = _reload_cli(daemon)
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert done.stdout.startswith(f"invalid: {config}: restart.backoff_max_s: "), done.stdout
+
+        write(config, {**doc, "cpu_ranks": 1})  # valid, but one process fewer
+        done = _reload_cli(daemon, "--pid", str(daemon.pid))
+        assert done.returncode == 5, done.stdout + done.stderr
+        assert done.stdout == "refused: needs a restart: the new plan has 1 processes, 2 run now\n"
+
+        doc["workers"]["env"] = {"DEMO_DEFAULT": "4"}
+        digest = write(config, doc)
+        done = _reload_cli(daemon)
+        assert (done.returncode, done.stdout) == (0, "applied\n"), done.stderr
+        assert (daemon.placement() or {})["config"]["in_force"] == digest
+
+        # The pid systemd gives ($MAINPID) must be the daemon the API speaks for.
+        done = _reload_cli(daemon, "--pid", str(os.getpid()))
+        assert done.returncode == 1 and f"not {os.getpid()}" in done.stderr, done.stderr
+        assert reloads(daemon) == {"invalid": 1, "refused": 1, "ok": 1}
+
+
+def test_the_unit_reloads_through_the_reload_command() -> None:
+    """ExecReload runs `reload` with ExecStart's binary and config, and systemd's
+    $MAINPID: `systemctl reload` then fails when the config was not applied."""
+    unit = (REPO / "systemd/placement-supervisor.service").read_text()
+    lines = unit.splitlines()
+    start = next(line for line in lines if line.startswith("ExecStart=")).split("=", 1)[1]
+    reload = next(line for line in lines if line.startswith("ExecReload=")).split("=", 1)[1]
+    binary, config = start.split()[0], start.split()[-1]
+    assert reload == f"{binary} reload --config {config} --pid $MAINPID"

@@ -3,7 +3,7 @@
 Every `[threads.*]` pattern under configs/ must match a thread name a real
 runtime sets (each listed here with where it comes from), and NCCL's names
 only where the config sets NCCL_SET_THREAD_NAME=1. configs/engines/ holds
-the vLLM, SGLang and torchrun examples: they start engines that spawn their
+the vLLM, SGLang, torchrun and Ray examples: they start engines that spawn their
 own workers, so they use `[workers] spawned_by` / `rank_from` (docs/contracts.md §6).
 Where this branch's loader does not know those keys yet, the file is loaded
 with them swapped for a stand-in command and the keys are checked here.
@@ -11,6 +11,8 @@ with them swapped for a stand-in command and the keys are checked here.
 
 from __future__ import annotations
 
+import importlib.util
+import re
 import tomllib
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
@@ -22,6 +24,7 @@ import pytest
 from supervisor.config import Config, parse_config
 from supervisor.errors import ConfigError
 from supervisor.plan.threads import COMM_MAX_CHARS, unmatchable_patterns
+from supervisor.run.stop_budget import stage_until_s, worst_stop_s
 from supervisor.trees.kind_rules import rules_for
 from supervisor.trees.rank_source import ProcFacts
 
@@ -51,6 +54,7 @@ REAL_NAMES = {
     "release": "demo",
 }
 NEEDS_ADOPTION = ("spawned_by", "rank_from", "waiting_warning_s")
+DEFAULT_STOP_TIMEOUT_S = parse_config({"workers": {"command": ["w"]}}).stop_timeout_s
 
 
 def raw(path: Path) -> dict[str, Any]:
@@ -178,3 +182,51 @@ def test_the_engines_page_says_which_engine_flag_to_turn_off() -> None:
         assert needle in text
     for name in ("vllm.toml", "sglang.toml", "torchrun.toml"):
         assert f"configs/engines/{name}" in text
+
+
+def _unit_stop_s() -> float:
+    text = (REPO / "systemd" / "placement-supervisor.service").read_text()
+    match = re.search(r"^TimeoutStopSec=(\d+)$", text, re.M)
+    assert match is not None
+    return float(match.group(1))
+
+
+def _rays_default_drain_s() -> float | None:
+    """Ray's own RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S default, read from the installed
+    Ray's source (not imported: that starts nothing but takes seconds); None without Ray."""
+    spec = importlib.util.find_spec("ray")
+    if spec is None or spec.origin is None:
+        return None
+    text = (Path(spec.origin).parent / "_private" / "ray_constants.py").read_text()
+    match = re.search(r'"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S",\s*([\d.]+)', text)
+    assert match is not None, "Ray no longer defines RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"
+    return float(match.group(1))
+
+
+def test_the_ray_config_outlasts_rays_drain() -> None:
+    path = ENGINES / "ray.toml"
+    doc = raw(path)
+    config = load_example(path)
+    assert config.engine is not None and config.engine.kind == "ray"
+    assert config.engine.command[1:3] == ("start", "--block")
+    assert doc["workers"]["spawned_by"] == "engine" and "rank_from" not in doc["workers"]
+    drain_s = float(config.engine.env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"])
+    default = _rays_default_drain_s()
+    if default is not None:
+        assert drain_s >= default, f"the config pins a drain below Ray's own {default} s"
+    # The drain, then Ray's teardown of its process types (1 s each): 10 s of room.
+    assert config.stop_timeout_s >= drain_s + 10
+    assert config.stop_timeout_s > DEFAULT_STOP_TIMEOUT_S  # the default would SIGKILL it
+    # The grace does not cut the engine's wait below that, and fits the unit's.
+    assert config.stop_grace_s is not None
+    assert stage_until_s(config.stop_grace_s, "engine", has_engine=True) >= config.stop_timeout_s
+    assert config.stop_grace_s <= _unit_stop_s()
+
+
+@pytest.mark.parametrize("path", ALL, ids=lambda p: str(p.relative_to(CONFIGS)))
+def test_every_config_stops_within_the_units_timeout(path: Path) -> None:
+    config = load_example(path)
+    worst = worst_stop_s(config.stop_timeout_s, config.engine is not None)
+    if config.stop_grace_s is not None:
+        worst = min(worst, config.stop_grace_s)
+    assert worst <= _unit_stop_s(), f"{path.name}: a stop may take {worst} s"

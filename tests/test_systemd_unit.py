@@ -32,17 +32,14 @@ def directives(text: str) -> dict[str, list[str]]:
 
 
 def verify(unit_text: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
-    """Verify a copy whose ExecStart is this checkout's console script (which exists)."""
+    """Verify a copy whose ExecStart and ExecReload run this checkout's console script
+    (which exists)."""
     if not Path(ANALYZE).exists():
         pytest.skip("systemd-analyze is not installed (run .ci/setup)")
     if not VENV_COMMAND.exists():
         pytest.skip(f"{VENV_COMMAND} is missing (pip install -e .)")
     copy = tmp_path / "placement-supervisor.service"
-    copy.write_text(
-        unit_text.replace(
-            "ExecStart=/usr/local/bin/placement-supervisor", f"ExecStart={VENV_COMMAND}"
-        )
-    )
+    copy.write_text(unit_text.replace("=/usr/local/bin/placement-supervisor ", f"={VENV_COMMAND} "))
     return subprocess.run(
         [ANALYZE, "verify", str(copy)], capture_output=True, text=True, timeout=60, check=False
     )
@@ -157,7 +154,7 @@ def test_the_readme_installs_the_real_vllm_config_where_the_unit_reads_it() -> N
     readme = (REPO / "docs/operations.md").read_text()
     block = readme.split("## Privileges and installing under systemd")[1].split("```sh")[1]
     block = block.split("```")[0]
-    installs = re.findall(r"^install -D -m 0644 (\S+) (\S+)$", block, re.M)
+    installs = re.findall(r"^install -D -m 0644 (configs/\S+) (\S+)$", block, re.M)
     assert installs == [("configs/engines/vllm.toml", "/etc/placement-supervisor/config.toml")]
     source, target = installs[0]
     d = directives(UNIT.read_text())
@@ -172,3 +169,50 @@ def test_the_readme_installs_the_real_vllm_config_where_the_unit_reads_it() -> N
     assert f"> {config.api.token_file})" in block
     assert config.api.unix_socket == f"/run/{d['RuntimeDirectory'][0]}/api.sock"
     assert 2 * config.stop_timeout_s < float(d["TimeoutStopSec"][0])
+
+
+def _sh_block(doc: str, heading: str) -> str:
+    return doc.split(heading, 1)[1].split("```sh", 1)[1].split("```", 1)[0]
+
+
+def test_uninstall_removes_what_install_creates() -> None:
+    """Every path the install step creates (venv, link, config dir, unit file, the
+    unit's StateDirectory) is removed by the uninstall step, after the service stops."""
+    doc = (REPO / "docs/operations.md").read_text()
+    install = _sh_block(doc, "## Privileges and installing under systemd")
+    uninstall = _sh_block(doc, "### Uninstall")
+    d = directives(UNIT.read_text())
+    venv = re.findall(r"python3 -m venv (\S+) ", install)[0]
+    link = re.findall(r"ln -s \S+/bin/(\S+) (\S+)/$", install, re.M)[0]
+    created = {
+        venv,
+        f"{link[1]}/{link[0]}",
+        "/etc/placement-supervisor",  # the config and token dir
+        "/etc/systemd/system/" + UNIT.name,
+        f"/var/lib/{d['StateDirectory'][0]}",
+    }
+    # Every file installed outside the config dir (the man page, the completion).
+    installed = re.findall(r"^install -D -m 0644 \S+ (\S+)$", install, re.M)
+    created |= {t for t in installed if not t.startswith("/etc/placement-supervisor/")}
+    assert len(created) >= 7
+    assert "/etc/placement-supervisor/config.toml" in install
+    assert f"cp systemd/{UNIT.name} /etc/systemd/system/" in install
+    removed = set(re.findall(r"^rm (?:-rf )?(\S+)", uninstall, re.M))
+    removed |= set(re.findall(r"&& rm (?:-rf )?(\S+)", uninstall))
+    assert created <= removed, sorted(created - removed)
+    lines = uninstall.strip().splitlines()
+    assert lines[0] == "systemctl disable --now placement-supervisor"  # a clean stop first
+    assert d["ExecStart"][0].split()[0] == "/usr/local/bin/placement-supervisor"
+
+
+def test_upgrade_checks_the_config_before_the_restart() -> None:
+    doc = (REPO / "docs/operations.md").read_text()
+    steps = _sh_block(doc, "### Upgrade").strip().splitlines()
+
+    def first(prefix: str) -> int:
+        return next(i for i, step in enumerate(steps) if step.startswith(prefix))
+
+    plan, restart = first("placement-supervisor plan --config"), first("systemctl restart")
+    reload = next(i for i, step in enumerate(steps) if "systemctl daemon-reload" in step)
+    assert plan < reload < restart
+    assert directives(UNIT.read_text())["ExecStart"][0].split()[-1] in steps[plan]

@@ -133,7 +133,7 @@ def health() -> Iterator[Panel]:
         "Supervised processes running / planned (engine + ranks).",
         query(agg("sum", (), f"placement_up{{{HOST}}}"), "running {{instance}}"),
         query(agg("count", (), f"placement_up{{{HOST}}}"), "planned {{instance}}", "B"),
-    ).span(5)
+    ).span(4)
     yield (
         stat_panel(
             "Bind failures in range",
@@ -149,7 +149,7 @@ def health() -> Iterator[Panel]:
                 "B",
             ),
         )
-        .span(5)
+        .span(4)
         .color_mode(common.BigValueColorMode.BACKGROUND)
         .thresholds(steps((None, "green"), (1, "orange")))
     )
@@ -160,7 +160,7 @@ def health() -> Iterator[Panel]:
             "(alert PlacementChecksStalled above 60 s).",
             query(f"time() - placement_last_check_timestamp_seconds{{{HOST}}}", "{{instance}}"),
         )
-        .span(5)
+        .span(4)
         .unit("s")
         .color_mode(common.BigValueColorMode.BACKGROUND)
         .thresholds(steps((None, "green"), (10, "orange"), (60, "red")))
@@ -174,15 +174,45 @@ def health() -> Iterator[Panel]:
                 "{{instance}}",
             ),
         )
-        .span(5)
+        .span(4)
         .color_mode(common.BigValueColorMode.BACKGROUND)
         .thresholds(steps((None, "green"), (1, "orange"), (3, "red")))
+    )
+    yield (
+        stat_panel(
+            "Config in force",
+            "0 when the config file on disk is the one in force and the last reload applied; "
+            "1 or 2 when the last reload was refused or invalid, or the file on disk differs "
+            "(an edit not reloaded): alert PlacementConfigNotApplied after 10 minutes.",
+            query(
+                f"(1 - min by (instance) (placement_config_last_reload_successful{{{HOST}}}))"
+                " + on(instance) ("
+                f"count by (instance) (placement_config_on_disk_info{{{HOST}}}"
+                f" unless on(instance, job, sha256) placement_config_info{{{HOST}}})"
+                f" or on(instance) (0 * count by (instance) (placement_config_info{{{HOST}}})))",
+                "{{instance}}",
+            ),
+        )
+        .span(4)
+        .color_mode(common.BigValueColorMode.BACKGROUND)
+        .thresholds(steps((None, "green"), (1, "red")))
+        .mappings(
+            [
+                dm.ValueMap(options={"0": dm.ValueMappingResult(text="in force")}),
+                dm.RangeMap(
+                    options=dm.DashboardRangeMapOptions(
+                        from_val=1, to=2, result=dm.ValueMappingResult(text="NOT APPLIED")
+                    )
+                ),
+            ]
+        )
     )
     yield (
         statetimeline.Panel()
         .title("Process state")
         .description(
-            "Which state each process is in (starting, running, backoff, failed, stopped)."
+            "Which state each process is in (starting, running, stopping, backoff, failed, "
+            "stopped, waiting)."
         )
         .datasource(DATASOURCE)
         .with_target(

@@ -76,17 +76,28 @@ def probe_capabilities(
     *,
     cgroup: Capability,
     irq_wanted: bool,
+    irqs_planned: bool = True,
 ) -> dict[CapabilityName, Capability]:
     """Every capability; `cgroup` is what the cgroup setup found (service.cgroups).
 
-    Each missing one is said once, here, with its reason and the action.
+    Each missing one is said once, here, with its reason and the action. IRQ
+    binding is probed whenever [irq] is enabled (a reload may plan IRQs later),
+    but missing only while the plan has IRQs to bind (`irqs_planned`; see
+    state.capabilities_in_force, which /placement and the metrics show).
     """
     caps: dict[CapabilityName, Capability] = {"mempolicy": probe_mempolicy(mems), "cgroup": cgroup}
     caps["irq"] = (
         probe_irq(fs) if irq_wanted else Capability("irq", False, wanted=False, reason="irq off")
     )
     for cap in caps.values():
-        if cap.missing:
+        if cap.name == "irq" and cap.missing and not irqs_planned:
+            log.info(
+                "capability %s",
+                format_fields(
+                    name=cap.name, available=False, wanted="no IRQ in the plan", reason=cap.reason
+                ),
+            )
+        elif cap.missing:
             log.warning(
                 "capability missing %s",
                 format_fields(name=cap.name, reason=cap.reason, action="run without, stay ready"),

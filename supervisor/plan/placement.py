@@ -175,6 +175,11 @@ class Placement:
     shared: bool = False  # True when some CPUs serve more than one process (tiny hosts)
     engine_node: int | None = None
 
+    @property
+    def has_irqs(self) -> bool:
+        """Some rank has IRQs to bind (`RankPlacement.irqs`, from [irq] and the devices)."""
+        return any(r.irqs for r in self.ranks)
+
     def rank(self, rank: int) -> RankPlacement:
         for r in self.ranks:
             if r.rank == rank:

@@ -359,6 +359,9 @@ class Runner:
         timeout_s = self.rt.stop_wait_s(self.key)
         fields = format_fields(rank=self.label, pid=child.pid, why=why, timeout_s=f"{timeout_s:g}")
         log.info("stopping %s", fields)
+        # From the TERM to its exit the process is on its way out: not ready
+        # (/readyz, placement_ready, STATUS=), though it may still answer.
+        self.set_status(state="stopping")
         if self.rt.trees is not None:
             # TERM reaches the child's group; its setsid descendants get theirs here.
             self.rt.trees.signal_tree(self.key, signal.SIGTERM)

@@ -209,15 +209,28 @@ def supervisor_doc(snap: Snapshot) -> dict[str, Any]:
         "config_hash": snap.config_hash,
         "config_reloads": dict(snap.counters.config_reloads),
         "started_at": snap.started_at,
+        "pid": snap.pid,
         "stopping": snap.stopping,
         "ready": not reasons,
         "not_ready": reasons,
         "last_check_at": snap.counters.last_check_at or None,
         "checks": snap.counters.checks,
         "cpuset_changes": snap.counters.cpuset_changes,
-        "capabilities": {name: cap.to_doc() for name, cap in snap.capabilities.items()},
+        "capabilities": {name: cap.to_doc() for name, cap in snap.capabilities_in_force.items()},
         # AutoNUMA (docs/operations.md): moves the pages of unbound processes.
         "numa_balancing": snap.topology.numa_balancing,
+    }
+
+
+def config_doc(snap: Snapshot) -> dict[str, Any]:
+    """The `config` object of /placement: the file's hash in force and on disk now,
+    and how the last reload ended (kept until the next)."""
+    last = snap.last_reload
+    return {
+        "path": snap.config_path,
+        "in_force": snap.config_hash,
+        "on_disk": snap.config_on_disk_hash,
+        "last_reload": None if last is None else last.to_doc(),
     }
 
 
@@ -229,6 +242,7 @@ def placement_doc(snap: Snapshot) -> dict[str, Any]:
     for entry in doc["ranks"]:
         entry.update(process_doc(snap, entry["rank"]))
     doc["supervisor"] = supervisor_doc(snap)
+    doc["config"] = config_doc(snap)
     return doc
 
 
@@ -300,6 +314,8 @@ class PlacementRenderer:
                 tail,
                 b',"supervisor":',
                 dumps(supervisor_doc(snap)),
+                b',"config":',
+                dumps(config_doc(snap)),
                 b"}",
             )
         )

@@ -36,6 +36,7 @@ from prometheus_client.core import (
 from supervisor import __version__
 from supervisor.plan.keys import ProcKey, key_label
 from supervisor.plan.placement import Placement
+from supervisor.serve.config_metrics import register_config_families
 from supervisor.serve.documents import process_keys, readiness
 from supervisor.serve.exposition import FamilyTable, SnapshotCollector
 from supervisor.state import BIND_REASONS as ALL_BIND_REASONS
@@ -43,7 +44,6 @@ from supervisor.state import (
     CAPABILITY_NAMES,
     HOST_LABEL,
     HTTP_BAD_REASONS,
-    RELOAD_RESULTS,
     BindTarget,
     Capability,
     CapabilityName,
@@ -55,6 +55,7 @@ from supervisor.state import (
     ProcessStatus,
     SelfUsage,
     StateStore,
+    capabilities_in_force,
 )
 from supervisor.topology.model import Topology
 
@@ -143,12 +144,16 @@ def _capability(m: GaugeMetricFamily, capabilities: Capabilities) -> None:
 @FAMILIES.add(
     "gauge",
     "placement_capability_wanted",
-    "1 when the config asks for this kind of binding (cgroup = auto, irq.enabled), else 0.",
+    "1 when this kind of binding is wanted (mempolicy; cgroup = auto; irq: irq.enabled "
+    "and the plan in force has IRQs to bind), else 0.",
     ("name",),
 )
-def _capability_wanted(m: GaugeMetricFamily, capabilities: Capabilities) -> None:
+def _capability_wanted(
+    m: GaugeMetricFamily, capabilities: Capabilities, placement: Placement
+) -> None:
+    in_force = capabilities_in_force(capabilities, placement)
     for name in CAPABILITY_NAMES:
-        cap = capabilities.get(name)
+        cap = in_force.get(name)
         if cap is not None:
             m.add_metric([name], 1.0 if cap.wanted else 0.0)
 
@@ -187,7 +192,8 @@ def _bound(m: GaugeMetricFamily, placement: Placement, processes: Processes) -> 
 @FAMILIES.add(
     "gauge",
     "placement_process_state",
-    "1 for the process's current state (starting, running, backoff, failed, stopped).",
+    "1 for the process's current state (starting, running, backoff, failed, stopped, "
+    "waiting, stopping).",
     ("rank", "state"),
 )
 def _state(m: GaugeMetricFamily, placement: Placement, processes: Processes) -> None:
@@ -260,6 +266,23 @@ def _restarts(
 ) -> None:
     for rank, status in _statuses(placement, processes):
         m.add_metric([rank], restarts.get(rank, status.restarts))
+
+
+@FAMILIES.add(
+    "counter",
+    "placement_restarts_requested",
+    "Of placement_restarts_total, the restarts someone asked for (POST /ranks/N/restart, "
+    "a reload that changed the process): the rest followed an exit nobody asked for.",
+    ("rank",),
+)
+def _restarts_requested(
+    m: CounterMetricFamily,
+    placement: Placement,
+    processes: Processes,
+    restarts_requested: Mapping[str, int],
+) -> None:
+    for rank, _ in _statuses(placement, processes):
+        m.add_metric([rank], restarts_requested.get(rank, 0))
 
 
 # -- what the checks observed -------------------------------------------------------------
@@ -417,23 +440,8 @@ def _cpuset_changes(m: CounterMetricFamily, cpuset_changes: int) -> None:
     m.add_metric([], cpuset_changes)
 
 
-@FAMILIES.add(
-    "counter",
-    "placement_config_reloads",
-    "Config reloads (SIGHUP), by result: ok, invalid (old config kept), refused (needs a restart).",
-    ("result",),
-)
-def _config_reloads(m: CounterMetricFamily, config_reloads: Mapping[str, int]) -> None:
-    table = dict.fromkeys(RELOAD_RESULTS, 0) | dict(config_reloads)
-    for result, n in sorted(table.items()):
-        m.add_metric([result], n)
-
-
-@FAMILIES.add(
-    "info", "placement_config", "The config file in force: its path and sha256 (value 1)."
-)
-def _config_info(m: InfoMetricFamily, config_path: str | None, config_hash: str | None) -> None:
-    m.add_metric([], {"path": config_path or "", "sha256": config_hash or ""})
+# The config in force, the file on disk and the last reload (supervisor.serve.config_metrics).
+register_config_families(FAMILIES)
 
 
 # -- adoption (contracts §6) ----------------------------------------------------------------

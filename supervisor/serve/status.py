@@ -6,22 +6,33 @@ Exit codes (supervisor.errors; `status --help` lists them): 0 the daemon is
 ready; 1 it could not be reached or answered with an error (one line on
 stderr says which); 2 a bad --listen or config; 4 it answered but is not
 ready (the placement is still printed, with the reasons).
+
+The `reload` command: SIGHUP to the daemon the API names (or `--pid`), then
+GET /placement until its `config.last_reload` is newer than the signal; prints
+the verdict. Exit codes: 0 applied, 1 no daemon or no verdict in time, 2
+invalid, 5 refused (needs a restart).
 """
 
 from __future__ import annotations
 
 import http.client
 import json
+import os
+import signal
 import socket
 import sys
+import time
+import tomllib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from supervisor.config import DEFAULT_LISTEN, load_config
 from supervisor.cpulist import format_cpulist
 from supervisor.errors import (
+    EXIT_CONFIG,
     EXIT_NOT_READY,
     EXIT_OK,
+    EXIT_RELOAD_REFUSED,
     EXIT_UNREACHABLE,
     ConfigError,
     SupervisorError,
@@ -173,6 +184,7 @@ def render_status(doc: Mapping[str, Any], where: str = "") -> str:
     out = [head, line(HEADER), *(line(r) for r in rows)]
     for reason in sup.get("not_ready") or ():
         out.append(f"not ready: {reason}")
+    out += _config_lines(doc.get("config") or {})
     for label, entry in labelled:
         for f in entry.get("drift") or ():
             out.append(
@@ -182,6 +194,21 @@ def render_status(doc: Mapping[str, Any], where: str = "") -> str:
     for warning in doc.get("warnings") or ():
         out.append(f"warning: {warning}")
     return "\n".join(out) + "\n"
+
+
+def _config_lines(config: Mapping[str, Any]) -> list[str]:
+    """What the table says of the config file: a reload that did not apply, and a
+    file on disk that is not the one in force (pure)."""
+    out: list[str] = []
+    last = config.get("last_reload") or {}
+    if last.get("result") not in (None, "ok"):
+        out.append(f"config: last reload {last['result']}: {last.get('error')}")
+    if config.get("in_force") and config.get("on_disk") != config.get("in_force"):
+        out.append(
+            "config: the file on disk is not the one in force"
+            + (" (unreadable)" if config.get("on_disk") is None else " (reload it)")
+        )
+    return out
 
 
 def status_command(args: Any) -> int:
@@ -228,3 +255,77 @@ def status_exit_code(doc: Mapping[str, Any]) -> int:
     """
     sup = doc.get("supervisor") or {}
     return EXIT_OK if sup.get("ready") is True else EXIT_NOT_READY
+
+
+# -- reload -------------------------------------------------------------------------------
+
+RELOAD_EXIT = {"ok": EXIT_OK, "invalid": EXIT_CONFIG, "refused": EXIT_RELOAD_REFUSED}
+
+
+def _reload_where(args: Any) -> Listen:
+    """Where the daemon listens for `reload`: --listen, else the config file's [api]
+    read leniently (the file is what is being reloaded: a key error elsewhere in it
+    must not hide the address), else the default."""
+    if getattr(args, "listen", None) is not None or getattr(args, "config", None) is None:
+        return _where(args)
+    try:
+        with open(args.config, "rb") as f:
+            api = tomllib.load(f).get("api") or {}
+        if isinstance(api.get("unix_socket"), str):
+            return Listen(path=api["unix_socket"])
+        return parse_listen(str(api.get("listen", DEFAULT_LISTEN)), "api.listen")
+    except (OSError, ValueError, SupervisorError):
+        return parse_listen(DEFAULT_LISTEN)
+
+
+def _placement(where: Listen) -> dict[str, Any]:
+    code, _, body = http_request(where, "GET", "/placement")
+    doc = json.loads(body) if code == 200 else None
+    if not isinstance(doc, dict):
+        raise OSError(f"{where} answered {code}")
+    return doc
+
+
+def _last_reload(doc: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    last = (doc.get("config") or {}).get("last_reload")
+    return last if isinstance(last, dict) else None
+
+
+def reload_command(args: Any) -> int:
+    """`placement-supervisor reload [--config FILE | --listen ADDR] [--pid PID]`:
+    SIGHUP, wait for the verdict, print it: "applied", "refused: why", "invalid:
+    file: key: why"; returns the exit code (RELOAD_EXIT, 1 when none came)."""
+    where = _reload_where(args)
+    name = "placement-supervisor reload"
+    try:
+        doc = _placement(where)
+    except (OSError, ValueError) as err:
+        print(f"{name}: cannot reach the daemon at {where}: {err}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    pid = (doc.get("supervisor") or {}).get("pid")
+    if args.pid is not None and pid is not None and args.pid != pid:
+        print(f"{name}: {where} is the daemon of pid {pid}, not {args.pid}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    pid = args.pid if args.pid is not None else pid
+    if not isinstance(pid, int):
+        print(f"{name}: {where} does not say its pid; give --pid", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    sent_at = time.time()
+    try:
+        os.kill(pid, signal.SIGHUP)
+    except OSError as err:
+        print(f"{name}: cannot signal pid {pid}: {err.strerror}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    deadline = time.monotonic() + args.timeout
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        try:
+            last = _last_reload(_placement(where))
+        except (OSError, ValueError):
+            continue  # the API may be busy with the reload itself
+        if last is not None and float(last.get("at") or 0) >= sent_at:
+            result = str(last.get("result"))
+            print("applied" if result == "ok" else f"{result}: {last.get('error')}")
+            return RELOAD_EXIT.get(result, EXIT_UNREACHABLE)
+    print(f"{name}: no reload verdict from pid {pid} within {args.timeout:g}s", file=sys.stderr)
+    return EXIT_UNREACHABLE

@@ -10,13 +10,21 @@ during a reload gives at most one more (the file may have changed after it was r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from supervisor.config import Config, discovery_options, load_config_digest, read_token_file
-from supervisor.errors import SupervisorError
+from supervisor.config import (
+    Config,
+    discovery_options,
+    load_config_digest,
+    read_config_digest,
+    read_token_file,
+)
+from supervisor.errors import ConfigError, SupervisorError
 from supervisor.events import Recorder
 from supervisor.hostfs import HostFS
 from supervisor.logs import format_fields
@@ -31,12 +39,17 @@ from supervisor.run.fleet import Fleet
 from supervisor.run.runner import Runtime
 from supervisor.run.spec import ChildSpec, PlanSpecs
 from supervisor.service.status import ServiceStatus
-from supervisor.state import ReloadResult, StateStore
+from supervisor.state import ReloadResult, ReloadVerdict, StateStore
 from supervisor.topology.discover import read_topology
 from supervisor.watch.loop import CheckLoop
 from supervisor.worker import SLOT_ENV
 
 log = logging.getLogger("placement_supervisor.reload")
+
+# How often the config file's hash on disk is read between reloads: an edit that
+# was never reloaded shows as `config.on_disk` != `config.in_force` (and the alert
+# PlacementConfigNotApplied) within this long. One small file read.
+CONFIG_WATCH_S = 10.0
 
 # A process's own slot in its environment: a changed slot is re-bound in place,
 # so this variable alone changing is no reason to restart (it keeps the old text).
@@ -162,27 +175,66 @@ class Reloader:
         self.wanted.set()
 
     async def run(self, started: asyncio.Event) -> None:
-        """Reload once per wake, after the start (a HUP during it waits), until stopped."""
+        """Reload once per wake, after the start (a HUP during it waits), until stopped;
+        meanwhile the file's hash on disk is read every CONFIG_WATCH_S (`watch_file`)."""
         stopping = self.daemon.runtime.stopping
-        while not stopping.is_set():
-            await self.wanted.wait()
-            await started.wait()
-            if stopping.is_set():
-                return
-            self.wanted.clear()
-            await self.reload_once()
+        # The file's hash on disk beside the one in force, read between reloads too.
+        watch = asyncio.create_task(self.watch_file(), name="config_watch")
+        try:
+            while not stopping.is_set():
+                await self.wanted.wait()
+                await started.wait()
+                if stopping.is_set():
+                    return
+                self.wanted.clear()
+                await self.reload_once()
+        finally:
+            watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watch
 
     async def reload_once(self) -> Reloaded:
-        """RELOADING=1, the reload, READY=1 (whatever came of it: the daemon runs on)."""
+        """RELOADING=1, the reload, READY=1 (whatever came of it: the daemon runs on).
+        The verdict stays in the snapshot (STATUS=, /placement, the metrics) until the
+        next reload."""
         d = self.daemon
         path = d.plan.config.path
         d.status.reloading(path)
+        done = Reloaded("invalid", "the reload did not finish")
         try:
             done = await self._reload(path)
         finally:
+            error = None if done.result == "ok" else done.message
+            d.store.update(last_reload=ReloadVerdict(time.time(), done.result, error))
+            await self.read_on_disk()
             d.status.reloaded()
         d.store.count("config_reloads", done.result)
         return done
+
+    async def read_on_disk(self) -> None:
+        """The config file's sha256 as it is on disk now into the snapshot (None when
+        it cannot be read), in the executor."""
+        d = self.daemon
+        path = d.plan.config.path
+        digest: str | None = None
+        if path is not None:
+            loop = asyncio.get_running_loop()
+            try:
+                digest = await loop.run_in_executor(d.runtime.executor, read_config_digest, path)
+            except ConfigError:
+                digest = None
+        if digest != d.store.snapshot.config_on_disk_hash:
+            d.store.update(config_on_disk_hash=digest)
+
+    async def watch_file(self, interval_s: float = CONFIG_WATCH_S) -> None:
+        """Read the file's hash every `interval_s` until stopped: an edit nobody
+        reloaded shows beside the hash in force."""
+        stopping = self.daemon.runtime.stopping
+        while not stopping.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stopping.wait(), interval_s)
+            if not stopping.is_set():
+                await self.read_on_disk()
 
     async def _reload(self, path: str | None) -> Reloaded:
         d = self.daemon

@@ -52,9 +52,10 @@ class ServiceStatus:
     def line(self) -> str:
         """systemd's STATUS=: "2/3 running; failed: rank 1; not ready" and the like.
 
-        Says which processes are down for good (failed, or stopped by their
-        policy), what the engine's probe is waiting for, and whether the whole
-        is ready (every process running and bound: what /readyz answers).
+        Says which processes are on their way out (stopping: sent TERM, not
+        exited), which are down for good (failed, or stopped by their policy),
+        what the engine's probe is waiting for, and whether the whole is ready
+        (every process running and bound: what /readyz answers).
         """
         snap = self.store.snapshot
         procs = snap.processes
@@ -62,18 +63,21 @@ class ServiceStatus:
         parts = [f"{running}/{len(procs)} running"]
         fleet = self.fleet()
         parts += fleet.waiting() if fleet is not None else []
-        for state in ("failed", "stopped"):
+        for state in ("stopping", "failed", "stopped"):
             down = [
                 f"rank {k}" if k != "engine" else k for k, p in procs.items() if p.state == state
             ]
             if down:
                 parts.append(f"{state}: {', '.join(down)}")
         parts.append("ready" if snap.ready else "not ready")
+        if snap.last_reload is not None:  # kept until the next reload
+            parts.append(snap.last_reload.summary())
         return "; ".join(parts)
 
     def publish(self) -> None:
         """systemd STATUS= whenever the summary changes; a log line when some
-        process is down for good, or when everything first becomes ready."""
+        process is down for good, when everything becomes ready, and when it
+        stops being ready (a process stopping for a restart, say)."""
         status = self.line()
         if status == self._last:
             return
@@ -84,6 +88,8 @@ class ServiceStatus:
             log.warning("degraded %s", format_fields(status=status, action="stay up"))
         elif snap.ready and not self._was_ready:
             log.info("ready %s", format_fields(status=status))
+        elif self._was_ready and not snap.ready:
+            log.info("not ready %s", format_fields(status=status))
         self._was_ready = snap.ready
 
     def notify_ready(self) -> None:

@@ -314,8 +314,10 @@ class AdoptRunner(Runner):
                 await first_of(exited, self.rt.stopping.wait(), self.interrupt.wait(), *poll)
                 if self.restart_requested:
                     # The engine restarts its workers: ending this one is the restart.
+                    # Until it exits it is on its way out: not ready.
                     self.restart_requested = False
                     self.interrupt.clear()
+                    self.set_status(state="stopping")
                     with contextlib.suppress(OSError):
                         os.kill(candidate.pid, signal.SIGTERM)
                 if not candidate.id.is_running(self.rt.fs):

@@ -8,6 +8,8 @@ from dataclasses import replace
 from pathlib import Path
 from types import MappingProxyType
 
+import pytest
+
 from supervisor.bind import syscalls
 from supervisor.bind.capability import probe_capabilities, probe_irq, probe_mempolicy
 from supervisor.bind.report import ShimReport, bound_as_planned
@@ -130,3 +132,55 @@ def test_a_denied_capability_is_a_gauge_not_a_readiness_failure() -> None:
     )
     registry = build_registry(StateStore(allowed))
     assert registry.get_sample_value("placement_capability", {"name": "mempolicy"}) == 1.0
+
+
+def _without_irqs(snap: Snapshot) -> Snapshot:
+    """`snap` with a plan that has no IRQ to bind: [irq] enabled (its default), but no
+    device of the plan has an IRQ (a container that sees no device IRQ)."""
+    ranks = tuple(replace(r, irqs=()) for r in snap.placement.ranks)
+    return replace(snap, placement=replace(snap.placement, ranks=ranks))
+
+
+def test_irq_binding_is_wanted_only_when_the_plan_has_irqs_to_bind() -> None:
+    denied = _denied(realistic_snapshot(Scenario(drifted_rank=None)))
+    assert denied.placement.has_irqs and denied.capabilities["irq"].wanted
+    no_irqs = _without_irqs(denied)
+    registry = build_registry(StateStore(no_irqs))
+    # What PlacementCapabilityMissing{name="irq"} reads: wanted 0, so it cannot fire.
+    assert registry.get_sample_value("placement_capability_wanted", {"name": "irq"}) == 0.0
+    assert registry.get_sample_value("placement_capability", {"name": "irq"}) == 0.0
+    irq = placement_doc(no_irqs)["supervisor"]["capabilities"]["irq"]
+    assert irq == {
+        "available": False,
+        "wanted": False,
+        "reason": "/proc/irq/default_smp_affinity: Read-only",
+    }
+    # The same host with IRQs in the plan: wanted, and missing.
+    registry = build_registry(StateStore(denied))
+    assert registry.get_sample_value("placement_capability_wanted", {"name": "irq"}) == 1.0
+    assert placement_doc(denied)["supervisor"]["capabilities"]["irq"]["wanted"] is True
+
+
+def test_the_start_says_irq_missing_only_when_the_plan_has_irqs(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cgroup = Capability("cgroup", True)
+    empty = HostFS(str(tmp_path))  # no /proc/irq: what a container without it sees
+    with caplog.at_level("INFO", logger="placement_supervisor"):
+        caps = in_thread(
+            lambda: probe_capabilities(
+                empty, [0], cgroup=cgroup, irq_wanted=True, irqs_planned=False
+            )
+        )
+    assert not caps["irq"].available
+    lines = [r.getMessage() for r in caplog.records if "name=irq" in r.getMessage()]
+    assert len(lines) == 1 and "capability missing" not in lines[0], lines
+    assert 'wanted="no IRQ in the plan"' in lines[0], lines
+    caplog.clear()
+    with caplog.at_level("INFO", logger="placement_supervisor"):
+        in_thread(
+            lambda: probe_capabilities(
+                empty, [0], cgroup=cgroup, irq_wanted=True, irqs_planned=True
+            )
+        )
+    assert any("capability missing name=irq" in r.getMessage() for r in caplog.records)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import tomllib
@@ -240,6 +241,41 @@ def test_the_pod_config_is_the_vllm_config_but_for_what_a_pod_changes() -> None:
     expected["api"]["listen"] = "0.0.0.0:9477"  # probes and scrapes come to the pod IP
     expected["stop_grace_s"] = 90  # the pod's terminationGracePeriodSeconds
     assert pod == expected
+
+
+def _leaves(value: Any, path: str = "") -> dict[str, Any]:
+    """Every scalar of a TOML document by path: `api.listen`, `engine.command[0]`."""
+    if isinstance(value, dict):
+        return {
+            k: v
+            for key, sub in value.items()
+            for k, v in _leaves(sub, f"{path}.{key}".lstrip(".")).items()
+        }
+    if isinstance(value, list):
+        return {
+            k: v for i, sub in enumerate(value) for k, v in _leaves(sub, f"{path}[{i}]").items()
+        }
+    return {path: value}
+
+
+NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+
+
+def test_the_docs_name_every_key_the_pod_config_changes_and_count_them() -> None:
+    shipped = _leaves(tomllib.loads((REPO / "configs/engines/vllm.toml").read_text()))
+    pod = _leaves(tomllib.loads((BASE / "vllm.toml").read_text()))
+    changed = {p: pod.get(p) for p in shipped.keys() | pod.keys() if shipped.get(p) != pod.get(p)}
+    text = (REPO / "docs/kubernetes.md").read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| `vllm.toml` |"))
+    count = re.search(r"except for (\w+) keys", row)
+    assert count is not None, row
+    documented = {
+        path: tomllib.loads(f"v = {value}")["v"]
+        for path, value in re.findall(r"`([\w.\[\]]+) = ([^`]+)`", row)
+    }
+    assert documented == changed
+    assert count.group(1) == NUMBER_WORDS[len(changed)], row
+    assert f"the same {NUMBER_WORDS[len(changed)]} changes" in text
 
 
 def test_the_pod_config_plans_on_a_dgx_h100() -> None:

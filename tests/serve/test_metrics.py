@@ -28,6 +28,7 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
 from supervisor.config import parse_config
 from supervisor.daemon import Daemon, prepare
+from supervisor.events import Recorder
 from supervisor.hostfs import HostFS
 from supervisor.serve.documents import placement_doc
 from supervisor.serve.exposition import FORMATS_KEPT, INPUTS, FamilyTable, SnapshotCollector
@@ -94,6 +95,22 @@ def test_required_metrics_have_the_snapshot_values() -> None:
     assert v("placement_planned_cpus", {"rank": "engine", "role": "so_compiler"}) == 4.0
 
 
+def test_restarts_asked_for_are_counted_apart_from_crash_restarts() -> None:
+    """What PlacementRankCrashLooping subtracts: restarts someone asked for (the runner's
+    manual restart) count in both counters, a restart after an exit in one."""
+    snap = realistic_snapshot(Scenario(drifted_rank=None, restarted_rank=None, failures={}))
+    store = StateStore(snap)
+    recorder = Recorder(store)
+    for _ in range(3):
+        recorder.restart_counted(1)  # POST /ranks/1/restart, a reload's restart
+    recorder.restart_scheduled(2, "exit code 1", 1.0, 1)  # an exit nobody asked for
+    v = registry_for(store.snapshot).get_sample_value
+    assert v("placement_restarts_total", {"rank": "1"}) == 3.0
+    assert v("placement_restarts_requested_total", {"rank": "1"}) == 3.0
+    assert v("placement_restarts_total", {"rank": "2"}) == 1.0
+    assert v("placement_restarts_requested_total", {"rank": "2"}) == 0.0
+
+
 def test_counters_exist_at_zero_for_every_process_and_label() -> None:
     """`increase()` needs a sample before the first failure: every series starts at 0."""
     snap = realistic_snapshot(Scenario(drifted_rank=None, restarted_rank=None, failures={}))
@@ -101,6 +118,7 @@ def test_counters_exist_at_zero_for_every_process_and_label() -> None:
     for key in snap.keys():  # noqa: SIM118 (a Snapshot method, not a dict)
         rank = str(key)
         assert v("placement_restarts_total", {"rank": rank}) == 0.0
+        assert v("placement_restarts_requested_total", {"rank": rank}) == 0.0
         for kind in DRIFT_KINDS:
             assert v("placement_drift_events_total", {"rank": rank, "kind": kind}) == 0.0
         for reason in REBIND_REASONS:

@@ -99,6 +99,9 @@ def test_alert_unit_tests_pass_and_cover_every_alert() -> None:
     # An alert is covered when a test expects it to fire (a non-empty exp_alerts).
     firing = set(re.findall(r"alertname: (\w+)\n\s*exp_alerts:\n\s*- exp_labels", tests))
     assert alerts == firing, f"alerts without a firing unit test: {sorted(alerts - firing)}"
+    # And a case where it must not fire (something that is not wrong, or not yet).
+    quiet = set(re.findall(r"alertname: (\w+)\n\s*exp_alerts: \[\]", tests))
+    assert alerts == quiet, f"alerts without a must-not-fire unit test: {sorted(alerts - quiet)}"
     assert len(alerts) >= 8
 
 

@@ -18,7 +18,7 @@ from supervisor.errors import EXIT_NOT_READY
 from supervisor.serve.documents import placement_doc
 from supervisor.serve.listen import parse_listen
 from supervisor.serve.status import render_status, status_command, status_exit_code
-from supervisor.state import Finding
+from supervisor.state import Finding, ReloadVerdict
 from tests.support.api_fixture import ServerThread, realistic_snapshot
 from tests.support.children import write_child
 from tests.support.daemon_support import (
@@ -178,3 +178,32 @@ def test_help_and_readme_list_every_exit_code() -> None:
     section = readme.split("## Exit codes")[1].split("\n## ")[0]
     status_rows = re.findall(r"^\| `status`[^|]*\| (\d+) \|", section, re.M)
     assert set(status_rows) == {"0", "1", "2", str(EXIT_NOT_READY)}, status_rows
+
+
+def test_render_says_a_reload_that_did_not_apply_and_an_unreloaded_file() -> None:
+    snap = realistic_snapshot()
+    assert "config:" not in render_status(placement_doc(snap))
+    verdict = ReloadVerdict(
+        1.0, "invalid", "/etc/ps.toml: restart.backoff_max_s: expected a number"
+    )
+    failed = replace(snap, config_hash="aa", config_on_disk_hash="bb", last_reload=verdict)
+    lines = [
+        line for line in render_status(placement_doc(failed)).splitlines() if "config:" in line
+    ]
+    assert lines == [
+        "config: last reload invalid: /etc/ps.toml: restart.backoff_max_s: expected a number",
+        "config: the file on disk is not the one in force (reload it)",
+    ]
+    applied = replace(failed, config_on_disk_hash="aa", last_reload=ReloadVerdict(2.0, "ok"))
+    assert "config:" not in render_status(placement_doc(applied))
+
+
+def test_reload_help_and_readme_list_every_exit_code() -> None:
+    proc = run_supervisor("reload", "--help")
+    assert proc.returncode == 0, proc.stderr
+    listed = dict(re.findall(r"^  (\d+)  (.+)$", proc.stdout.split("exit codes:")[1], re.M))
+    assert set(listed) == {"0", "1", "2", "5"}, proc.stdout
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("## Exit codes")[1].split("\n## ")[0]
+    rows = re.findall(r"^\| `reload`[^|]*\| (\d+) \|", section, re.M)
+    assert set(rows) == set(listed), rows

@@ -24,6 +24,8 @@ import pytest
 from supervisor.config import parse_config
 from supervisor.errors import ConfigError
 from supervisor.hostfs import HostFS
+from supervisor.serve.listen import parse_listen
+from supervisor.serve.status import http_request
 from supervisor.trees.adopt import read_proc_facts
 from supervisor.trees.rank_source import ProcFacts, RankSource, parse_rank_source, resolve_rank
 from tests.support.children import thread_cpus
@@ -290,3 +292,53 @@ def get_text(url: str) -> str:
     with urllib.request.urlopen(url, timeout=5) as resp:
         text: str = resp.read().decode()
         return text
+
+
+# Holds on after TERM until `release` exists next to its marker file.
+HOLDING_WORKER = r"""
+import os, signal, sys, time
+marker, mode, rank = sys.argv[1:4]
+out = os.environ["HOLD_DIR"]
+termed = []
+def on_term(signum, frame):
+    termed.append(1)
+    open(os.path.join(out, f"term-{rank}-{os.getpid()}"), "w").close()
+signal.signal(signal.SIGTERM, on_term)
+open(os.path.join(out, f"up-{rank}-{os.getpid()}"), "w").close()
+while not (termed and os.path.exists(os.path.join(out, "release"))):
+    time.sleep(0.05)
+"""
+
+
+def test_an_adopted_rank_asked_to_restart_is_stopping_until_it_exits(tmp_path: Path) -> None:
+    """POST /ranks/0/restart TERMs the adopted worker; the engine starts the next one.
+    While the old one holds on after its TERM, rank 0 is `stopping` and not ready."""
+    marker = f"adopt-{uuid.uuid4().hex}"
+    config = adopt_config(tmp_path, marker, "env")
+    (tmp_path / "worker.py").write_text(HOLDING_WORKER)
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    sock = tmp_path / "api.sock"
+    config.write_text(
+        config.read_text().replace("[drift]", f'[api]\nunix_socket = "{sock}"\n\n[drift]', 1)
+    )
+    env = daemon_env(**{INSTANCE_ENV: f"adopt-stop-{os.getpid()}", "HOLD_DIR": str(hold)})
+    with DaemonProcess(config, tmp_path / "d.log", env=env) as d:
+        doc = poll(lambda: adopted(d), timeout_s=60, what="both ranks adopted")
+        old = doc["ranks"][0]["pid"]
+        poll((hold / f"up-0-{old}").exists, timeout_s=30, what="rank 0's TERM handler")
+        code, _, body = http_request(parse_listen(f"unix:{sock}"), "POST", "/ranks/0/restart")
+        assert code == 200, body
+        poll((hold / f"term-0-{old}").exists, timeout_s=30, what="rank 0's TERM")
+        now = d.placement()
+        assert now is not None and now["ranks"][0]["state"] == "stopping", now["ranks"][0]
+        assert "0: stopping" in now["supervisor"]["not_ready"]
+        code, _, body = http_request(parse_listen(f"127.0.0.1:{d.port}"), "GET", "/readyz")
+        assert code == 503, body
+        (hold / "release").touch()
+        doc = poll(
+            lambda: adopted(d, exclude=frozenset({old})), timeout_s=30, what="rank 0 re-adopted"
+        )
+        assert doc["supervisor"]["ready"], doc["supervisor"]["not_ready"]
+        code = d.stop(timeout_s=30)
+    assert code == 0, d.tail()

@@ -2,7 +2,9 @@
 
 The daemon binds virtio3's MSI-X IRQs (0000:00:04.0, IRQs 40-43 here: they
 accept affinity writes) to its rank's irq CPU, then ends clean or unclean; the
-host's own affinities must come back either way. Every test puts them back in
+host's own affinities must come back either way. Every test first moves them
+to a known value (tests/support/real_irqs.py: never the daemon's, and never
+assumed from what another run left) and puts the values from before back in
 a finalizer, even when it fails half-way.
 """
 
@@ -24,35 +26,31 @@ from supervisor.bind.irq_checkpoint import (
 )
 from supervisor.cpulist import format_cpulist, parse_cpulist
 from supervisor.hostfs import HostFS
-from supervisor.trees.guardian import GUARDIAN_TAG
+from supervisor.trees.guardian import GUARDIAN_TAG, KILL_ROUNDS_S
 from tests.support.daemon_support import INSTANCE_ENV, DaemonProcess, daemon_env, poll
+from tests.support.real_irqs import affinity, known_irqs, write_affinity
 
 DEVICE = "0000:00:04.0"
-
-
-def _affinity(irq: int) -> str:
-    with open(f"/proc/irq/{irq}/smp_affinity_list") as f:
-        return f.read().strip()
-
-
-def _write(irq: int, cpus: str) -> None:
-    with open(f"/proc/irq/{irq}/smp_affinity_list", "w") as f:
-        f.write(cpus)
+STOP_TIMEOUT_S = 5
+# After the daemon's death its guardian kills what is left for at most
+# KILL_ROUNDS_S (a worker's own stop at most STOP_TIMEOUT_S), then writes the IRQs
+# back and unlinks the checkpoint in one call: twice that on a loaded host.
+GUARDIAN_DONE_S = 2 * (KILL_ROUNDS_S + STOP_TIMEOUT_S)
 
 
 @pytest.fixture
 def originals(need_root: None) -> Iterator[dict[int, str]]:
-    """The device's IRQs with their affinity at test start; put back afterwards."""
+    """The device's IRQs moved to a known value (all our CPUs, never the daemon's
+    one irq CPU) under the host-wide test IRQ lock: the affinity each starts the
+    test with, which the daemon must give back. The values from before the test
+    are put back afterwards."""
     path = f"/sys/bus/pci/devices/{DEVICE}/msi_irqs"
     if not os.path.isdir(path):
         pytest.skip(f"{DEVICE} is not on this machine")
-    saved = {int(n): "" for n in sorted(os.listdir(path), key=int)}
-    saved = {irq: _affinity(irq) for irq in saved}
-    yield saved
-    for irq, cpus in saved.items():  # the safety net when a test failed before its end
-        if _affinity(irq) != cpus:
-            _write(irq, cpus)
-    assert {irq: _affinity(irq) for irq in saved} == saved
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two CPUs: the irq role's and another to move the IRQs from")
+    with known_irqs(int(n) for n in os.listdir(path)) as start:
+        yield start
 
 
 def _config(tmp_path: Path) -> Path:
@@ -60,7 +58,7 @@ def _config(tmp_path: Path) -> Path:
     path.write_text(
         f'devices = ["{DEVICE}"]\n'
         'accelerator = "pci"\n'
-        "stop_timeout_s = 5\n"
+        f"stop_timeout_s = {STOP_TIMEOUT_S}\n"
         'cgroup = "off"\n'
         "[workers]\n"
         'command = ["python", "-c", "import time; time.sleep(3600)"]\n'
@@ -87,7 +85,7 @@ def _bound(d: DaemonProcess, irqs: dict[int, str]) -> str | None:
     if doc is None:
         return None
     cpus = format_cpulist(doc["ranks"][0]["roles"]["irq"])
-    return cpus if all(_affinity(irq) == cpus for irq in irqs) else None
+    return cpus if all(affinity(irq) == cpus for irq in irqs) else None
 
 
 def _guardian_of(pid: int) -> int:
@@ -135,7 +133,7 @@ def test_both_killed_the_next_start_restores_the_hosts_originals(
         poll(lambda: _dead(guardian), timeout_s=20, what="the guardian dead")
         first.proc.kill()
         first.proc.wait()
-    assert {irq: _affinity(irq) for irq in originals} == dict.fromkeys(originals, cpus)
+    assert {irq: affinity(irq) for irq in originals} == dict.fromkeys(originals, cpus)
     left = checkpoint.exists()
 
     with DaemonProcess(config, tmp_path / "second.log", env=env) as second:
@@ -145,7 +143,7 @@ def test_both_killed_the_next_start_restores_the_hosts_originals(
     assert code == 0, log
     # The host's own values, not the first daemon's (which today's second start
     # took for the originals and "restored").
-    assert {irq: _affinity(irq) for irq in originals} == originals, log
+    assert {irq: affinity(irq) for irq in originals} == originals, log
     assert left and "irq checkpoint restored" in log and f"pid={first.pid}" in log, log
     assert not checkpoint.exists()
 
@@ -161,10 +159,10 @@ def test_daemon_killed_the_guardian_restores_the_originals(
         d.proc.wait()
 
         def put_back() -> bool:
-            return {irq: _affinity(irq) for irq in originals} == originals
+            return {irq: affinity(irq) for irq in originals} == originals
 
-        poll(put_back, timeout_s=30, what=f"originals back: {d.tail()}")
-        poll(lambda: not checkpoint.exists(), timeout_s=10, what="checkpoint removed")
+        poll(put_back, timeout_s=GUARDIAN_DONE_S, what=f"originals back: {d.tail()}")
+        poll(lambda: not checkpoint.exists(), timeout_s=GUARDIAN_DONE_S, what="checkpoint removed")
         assert "irq checkpoint restored" in d.tail(), d.tail()
 
 
@@ -180,7 +178,7 @@ def test_clean_stop_restores_and_leaves_no_checkpoint(
         assert doc["irqs"] == {str(irq): cpus for irq, cpus in originals.items()}
         code = d.stop()
     assert code == 0, d.tail()
-    assert {irq: _affinity(irq) for irq in originals} == originals
+    assert {irq: affinity(irq) for irq in originals} == originals
     assert not checkpoint.exists()
     assert list(checkpoint.parent.iterdir()) == []  # no temp file either
 
@@ -203,7 +201,7 @@ def test_a_checkpoint_of_another_boot_is_ignored_with_a_line(
     assert len(lines) == 1 and "irq checkpoint discarded" in lines[0], lines
     assert 'reason="other boot"' in lines[0] and "boot_id=not-this-boot" in lines[0]
     # Had it been applied, the daemon would have taken `stale` for the original.
-    assert _affinity(irq) == originals[irq] != stale
+    assert affinity(irq) == originals[irq] != stale
     assert not checkpoint.exists()
 
 
@@ -223,11 +221,11 @@ def test_a_checkpoint_that_no_longer_fits_is_applied_as_far_as_it_fits(
         read_boot_id(fs), 1, {irq: frozenset({keep, offline}), absent: frozenset({keep})}
     )
     path.write_text(format_checkpoint(data))
-    _write(irq, str(max(online)))
+    write_affinity(irq, str(max(online)))
     with caplog.at_level("INFO", logger="placement_supervisor"):
         report = restore_checkpoint(fs, str(path))
     assert report is not None and report.restored == (irq,)
-    assert _affinity(irq) == str(keep)
+    assert affinity(irq) == str(keep)
     misfit = [r.getMessage() for r in caplog.records if "misfit" in r.getMessage()]
     assert len(misfit) == 1, misfit
     assert f"irqs_gone={absent}" in misfit[0] and f"cpus_offline={offline}" in misfit[0]

@@ -1,8 +1,10 @@
 """The IRQ keeper on this machine's real /proc/irq (root).
 
 The rank's device is virtio3 (0000:00:04.0, MSI-X IRQs 40-43 here), named in
-the config the way an operator names any PCI device. Every test puts the
-original affinities back in a finalizer, even when it fails half-way.
+the config the way an operator names any PCI device. Every test first moves
+the IRQs to a known value (tests/support/real_irqs.py: whatever irqbalance or
+another run left there is never assumed) and puts the values from before back
+in a finalizer, even when it fails half-way.
 """
 
 from __future__ import annotations
@@ -31,15 +33,11 @@ from supervisor.topology.model import DiscoveryOptions, Topology
 from supervisor.watch.drift import diff
 from supervisor.watch.irqs import IrqKeeper
 from tests.support.daemon_support import poll, stop_process
+from tests.support.real_irqs import affinity, every_irq_put_back, known_irqs
 
 DEVICE = "0000:00:04.0"  # virtio3: MSI-X IRQs that accept affinity writes
 MANAGED_DEVICE = "0000:00:02.0"  # virtio-blk: its queue IRQ is kernel-managed
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _affinity(irq: int) -> str:
-    with open(f"/proc/irq/{irq}/smp_affinity_list") as f:
-        return f.read().strip()
 
 
 def _setup(bdf: str) -> tuple[Topology, Placement]:
@@ -52,26 +50,20 @@ def _setup(bdf: str) -> tuple[Topology, Placement]:
 
 @pytest.fixture
 def originals(need_root: None) -> Iterator[dict[int, str]]:
-    """IRQs of every PCI device we may touch, with their affinity at test start."""
+    """IRQs of every PCI device we may touch, moved to a known value (all our CPUs:
+    never the one-CPU irq role) under the host-wide test IRQ lock: the affinity each
+    starts the test with. The values from before the test are put back afterwards."""
     if not os.path.isdir(f"/sys/bus/pci/devices/{DEVICE}/msi_irqs"):
         pytest.skip(f"{DEVICE} is not on this machine")
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two CPUs: the irq role's and another to move the IRQs from")
     irqs: list[int] = []
     for bdf in (DEVICE, MANAGED_DEVICE):
         path = f"/sys/bus/pci/devices/{bdf}/msi_irqs"
         if os.path.isdir(path):
             irqs += [int(n) for n in os.listdir(path)]
-    saved = {irq: _affinity(irq) for irq in sorted(irqs)}
-    yield saved
-    # Put back anything still changed (the keeper's restore is what is under test;
-    # this is the safety net when a test fails before it).
-    for irq, cpus in saved.items():
-        if _affinity(irq) != cpus:
-            try:
-                with open(f"/proc/irq/{irq}/smp_affinity_list", "w") as f:
-                    f.write(cpus)
-            except OSError:
-                pass
-    assert {irq: _affinity(irq) for irq in saved} == saved
+    with known_irqs(irqs) as start:
+        yield start
 
 
 def test_keeper_on_real_irqs(originals: dict[int, str]) -> None:
@@ -85,8 +77,9 @@ def test_keeper_on_real_irqs(originals: dict[int, str]) -> None:
         outcomes = keeper.apply(placement)
         assert [(o.irq, o.status) for o in outcomes] == [(i, "bound") for i in device.irqs]
         for irq in device.irqs:
-            assert parse_cpulist(_affinity(irq)) == set(irq_cpus)
-        assert any(_affinity(i) != originals[i] for i in device.irqs), "no change to test"
+            assert parse_cpulist(affinity(irq)) == set(irq_cpus)
+        # Moved off the known value the fixture set: a keeper that wrote nothing fails here.
+        assert all(parse_cpulist(originals[i]) != set(irq_cpus) for i in device.irqs)
 
         obs = keeper.observe(placement)[0]
         assert [o.irq for o in obs] == list(device.irqs)
@@ -111,7 +104,7 @@ def test_keeper_on_real_irqs(originals: dict[int, str]) -> None:
     finally:
         results = keeper.restore()
     assert all(err is None for _, err in results), results
-    assert {irq: _affinity(irq) for irq in device.irqs} == {i: originals[i] for i in device.irqs}
+    assert {irq: affinity(irq) for irq in device.irqs} == {i: originals[i] for i in device.irqs}
 
 
 def _kernel_refuses(irq: int) -> bool:
@@ -119,7 +112,7 @@ def _kernel_refuses(irq: int) -> bool:
     path = f"/proc/irq/{irq}/smp_affinity_list"
     fd = os.open(path, os.O_WRONLY)
     try:
-        os.write(fd, _affinity(irq).encode())
+        os.write(fd, affinity(irq).encode())
     except OSError as err:
         # EIO before Linux 6.12, EPERM since (genirq/proc, commit eb29369fa543).
         return err.errno in (errno.EIO, errno.EPERM)
@@ -143,7 +136,7 @@ def test_managed_irq_is_skipped_and_counted_once(originals: dict[int, str]) -> N
         outcomes = {o.irq: o.status for o in keeper.apply(placement)}
         for irq in managed:
             assert outcomes[irq] == "managed"
-            assert _affinity(irq) == originals[irq]
+            assert affinity(irq) == originals[irq]
         keeper.apply(placement)  # refused again, reported once
         Recorder(store).facts(keeper.take_facts())
         assert store.snapshot.counters.bind_failures == {("0", "irq", "managed"): len(managed)}
@@ -215,22 +208,24 @@ def real_irqbalance(originals: dict[int, str]) -> Iterator[int]:
     binary = shutil.which("irqbalance") or "/usr/sbin/irqbalance"
     if not os.path.exists(binary):
         pytest.skip("irqbalance is not installed (.ci/setup installs it)")
-    proc = subprocess.Popen(
-        [binary, "--foreground", "--interval=3600"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        fs = HostFS("/")
+    # It may move any IRQ of the host at its start: all are put back after it stops.
+    with every_irq_put_back():
+        proc = subprocess.Popen(
+            [binary, "--foreground", "--interval=3600"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            fs = HostFS("/")
 
-        def listening() -> bool:
-            info = detect_irqbalance(fs)
-            return info is not None and read_banned_irqs(info) is not None
+            def listening() -> bool:
+                info = detect_irqbalance(fs)
+                return info is not None and read_banned_irqs(info) is not None
 
-        poll(listening, timeout_s=20, what="irqbalance's control socket")
-        yield proc.pid
-    finally:
-        stop_process(proc, 10)
+            poll(listening, timeout_s=20, what="irqbalance's control socket")
+            yield proc.pid
+        finally:
+            stop_process(proc, 10)
 
 
 def test_keeper_bans_our_irqs_in_a_real_irqbalance_and_unbans_on_restore(
