@@ -16,7 +16,7 @@ from typing import Any, Literal
 from supervisor.topology.accelerators import DeviceKind
 
 PLAN_VERSION = 1
-Strategy = Literal["numa-affine", "global-slice", "mixed", "shared"]
+Strategy = Literal["numa-affine", "global-slice", "topo-affinity", "mixed", "shared"]
 IrqSource = Literal["device", "nic"]
 
 
@@ -215,6 +215,9 @@ class Placement:
 
 
 StrategySetting = Literal["auto", "numa-affine", "global-slice"]
+Allocator = Literal["supervisor", "topo_affinity", "global_slice"]
+"""`supervisor`: this planner's own (whole cores, engine slot); the others are
+the vLLM-Ascend CPU binding document's allocators (supervisor.plan.document)."""
 Shortage = Literal["error", "merge", "share"]
 
 
@@ -228,6 +231,7 @@ class PlanSettings:
     """
 
     strategy: StrategySetting = "auto"
+    allocator: Allocator = "supervisor"
     rank_roles: Mapping[str, int] = field(default_factory=lambda: {"irq": 1, "comm": 1})
     min_main_cpus: int = 1
     engine: bool = True

@@ -57,6 +57,20 @@ def rank_roles(settings: PlanSettings, cores: Sequence[Core]) -> dict[str, list[
     return split_roles(cores, front, back, settings.min_main_cpus)
 
 
+def single_cpus(cores: Sequence[Core]) -> list[Core]:
+    """Each CPU of `cores` on its own: roles by CPU, as vLLM-Ascend's
+    document splits a pool (pool[0:2], pool[2:-2], pool[-2], pool[-1])."""
+    return [(c,) for core in cores for c in core]
+
+
+def roles_fit(settings: PlanSettings, cores: Sequence[Core]) -> bool:
+    """A rank's roles fit in `cores`, in whole cores or else by CPU."""
+    return (
+        rank_roles(settings, cores) is not None
+        or rank_roles(settings, single_cpus(cores)) is not None
+    )
+
+
 def carve_engine(
     draft: Draft,
     cores: list[Core],
@@ -165,6 +179,33 @@ def place_engine_apart(view: HostView, draft: Draft, rank0_node: int) -> None:
         f"engine: on node {node}, which has no device (nearest to rank 0's node "
         f"{rank0_node}, distance {distance:g}); the ranks keep all of their nodes' CPUs"
     )
+
+
+def place_engine_share(
+    view: HostView, draft: Draft, rank0_node: int, devices: Sequence[Device]
+) -> bool:
+    """With other supervisors on the host: the engine on its device-free node,
+    but only in this supervisor's part of it. The node's cores are split among
+    every device of the kind (`devices`, visible or hidden, host order), and
+    the engine takes its slot from the end of the parts of its own visible
+    devices, so engines of supervisors that see different devices never
+    meet. False (nothing placed) when those parts are empty."""
+    node = draft.engine_node
+    assert node is not None
+    parts = split_even(view.node_cores[node], len(devices))
+    own = [core for d, part in zip(devices, parts, strict=True) if d.visible for core in part]
+    if not own:
+        draft.engine_node = None
+        return False
+    carve_engine(draft, own, 0, f"node {node} (this supervisor's part)", lambda rest: True)
+    distance = node_distance(view, rank0_node, node)
+    draft.warnings.append(
+        f"engine: on node {node}, which has no device (nearest to rank 0's node "
+        f"{rank0_node}, distance {distance:g}), in its devices' part of that node "
+        f"({len(own)} of {len(view.node_cores[node])} cores; other supervisors on this "
+        "host take the rest); the ranks keep all of their nodes' CPUs"
+    )
+    return True
 
 
 def engine_mems(

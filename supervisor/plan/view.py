@@ -18,7 +18,7 @@ from supervisor.topology.model import Device, Node, Topology
 Core = tuple[int, ...]
 """The allowed online SMT siblings of one physical core, sorted (one CPU without SMT)."""
 
-DeviceStrategy = Literal["numa-affine", "global-slice"]
+DeviceStrategy = Literal["numa-affine", "global-slice", "topo-affinity"]
 DeviceKey = tuple[str, int]
 
 

@@ -108,7 +108,7 @@ def numbered(
         return list(devices), (), "PCI bus order"
     record = kind.logical_ids
     if numbering is None:
-        how = f" (capture `{record.tool}` into {record.captured_dir}/" if record else " ("
+        how = f" (capture `{record.tool}` into {record.captured_dir}/, " if record else " ("
         return (
             list(devices),
             (
