@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from supervisor.config import parse_config
+from supervisor.errors import ConfigError
 from supervisor.examples import hosts
 from supervisor.examples.builder import FakeHost
 from supervisor.hostfs import HostFS
@@ -224,9 +226,6 @@ def test_a2_engine_in_its_own_part_of_the_free_node(tmp_path: Path) -> None:
 
 
 def test_allocator_key_is_validated_naming_file_key_and_value() -> None:
-    from supervisor.config import parse_config
-    from supervisor.errors import ConfigError
-
     def load(value: str) -> str:
         doc = {"workers": {"command": "w"}, "placement": {"allocator": value}}
         return parse_config(doc, "npu.toml").placement.allocator
