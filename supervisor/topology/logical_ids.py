@@ -43,8 +43,11 @@ def parse_device_table(text: str) -> dict[tuple[int, int], str]:
         if len(cells) < 2:
             continue
         words = cells[0].split()
-        if len(words) >= 2 and words[0].isdigit() and not words[1].isdigit():
-            device = int(words[0])
+        second = cells[1].split()
+        if len(words) >= 2 and words[0].isdigit():
+            # A device row ("| 0  910B3 | OK |"), not a process row ("| 0  0 | 4242 |").
+            if not (second and second[0].isdigit()):
+                device = int(words[0])
         elif len(words) == 1 and words[0].isdigit() and device is not None:
             bdf = normal_bdf(cells[1].split()[0]) if cells[1] else None
             if bdf is not None:

@@ -42,11 +42,13 @@ def document_config(tmp_path: Path, allocator: str, roles: str = DOCUMENT_ROLES)
     return path
 
 
-def plan_process(root: Path, visible: str | None, config: Path | None = None) -> dict:  # type: ignore[type-arg]
+def plan_process(
+    root: Path, visible: str | None, config: Path | None = None, env_var: str = VISIBILITY
+) -> dict:  # type: ignore[type-arg]
     """`plan --root ROOT --json` as its own process, as one service would run it."""
-    env = {k: v for k, v in os.environ.items() if k != VISIBILITY}
+    env = {k: v for k, v in os.environ.items() if k not in (VISIBILITY, "CUDA_VISIBLE_DEVICES")}
     if visible is not None:
-        env[VISIBILITY] = visible
+        env[env_var] = visible
     args = [sys.executable, "-m", "supervisor", "plan", "--root", str(root), "--json"]
     if config is not None:
         args += ["--config", str(config), "--no-checks"]

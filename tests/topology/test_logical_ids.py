@@ -145,3 +145,12 @@ def test_snapshot_carries_the_captures_so_plan_reproduces_offline(tmp_path: Path
         return [rank["device"]["bus_id"] for rank in json.loads(proc.stdout)["ranks"]]
 
     assert plan(out) == plan(root) == A2_BY_LOGICAL
+
+
+def test_device_row_whose_name_ends_in_digits_is_a_device_row() -> None:
+    table = parse_device_table(
+        "| 3     950             | OK            | 93.2  39  |\n"
+        "| 0                     | 0000:41:00.0  | 0  0 / 0  |\n"
+        "| 3       0             | 4242          | python    |\n"
+    )
+    assert table == {(3, 0): "0000:41:00.0"}
