@@ -255,6 +255,22 @@ def ascend_a3(base: Path) -> Path:
     return h.build()
 
 
+def epyc_nps1_8gpu(base: Path, ccds: int = 8) -> Path:
+    """A single-socket EPYC (64 cores, 128 threads: siblings N and N+64) in NPS1
+    with 8 GPUs, all on node 0. `ccds` L3 domains (CCDs) of 64 / ccds cores
+    each, in core order, as cache/index3/shared_cpu_list lists them (8 for a
+    64-core Milan/Genoa part). Assumed: bus ids, one GPU per root port.
+    """
+    h = FakeHost(base / f"epyc_nps1_{ccds}ccd").cpus(
+        1, 64, 2, "intel", mem_per_node_bytes=768 * GIB
+    )
+    h.l3(64 // ccds)
+    for i, bus in enumerate(["01", "21", "41", "61", "81", "a1", "c1", "e1"]):
+        h.nvidia_gpu(f"0000:{bus}:00.0", 0, model="NVIDIA L40S", uuid=f"GPU-epyc{i}")
+    h.virtual_netdev("lo")
+    return h.build()
+
+
 def mi300x(base: Path) -> Path:
     """AMD Instinct MI300X platform: 2x EPYC 9654 (96 cores, 192 threads), NPS1.
 
@@ -439,6 +455,7 @@ ALL_HOSTS: dict[str, Callable[[Path], Path]] = {
     "ascend_a3": ascend_a3,
     "ascend_a2": ascend_a2,
     "mi300x": mi300x,
+    "epyc_nps1_8gpu": epyc_nps1_8gpu,
     "five_three": five_three,
     "adjacent_smt": adjacent_smt,
     "container_holes": container_holes,

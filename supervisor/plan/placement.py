@@ -130,6 +130,9 @@ class RankPlacement:
     devices: tuple[DeviceRef, ...] = ()  # every device of the rank when it drives several
     strategy: Strategy = "numa-affine"
     irqs: tuple[IrqAssignment, ...] = ()
+    # The L3 domains its CPUs lie in, each named by its lowest CPU (the
+    # document's "l3_domains"); empty where the host does not say.
+    l3_domains: tuple[int, ...] = ()
 
     @property
     def all_devices(self) -> tuple[DeviceRef, ...]:
@@ -142,6 +145,8 @@ class RankPlacement:
             doc["devices"] = [d.to_doc() for d in self.all_devices]
         doc.update(self.slot.to_doc())
         doc["strategy"] = self.strategy
+        if self.l3_domains:
+            doc["l3_domains"] = list(self.l3_domains)
         if self.irqs:
             doc["irqs"] = [a.to_doc() for a in self.irqs]
         return doc
@@ -156,6 +161,7 @@ class RankPlacement:
             devices=tuple(DeviceRef.from_doc(d) for d in doc.get("devices", ())),
             strategy=doc.get("strategy", "numa-affine"),
             irqs=tuple(IrqAssignment.from_doc(a) for a in doc.get("irqs", ())),
+            l3_domains=tuple(int(n) for n in doc.get("l3_domains", ())),
         )
 
 

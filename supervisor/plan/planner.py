@@ -36,6 +36,7 @@ from supervisor.plan.roles import (
     rank_roles,
     roles_fit,
     single_cpus,
+    split_by_l3,
     split_even,
 )
 from supervisor.plan.view import (
@@ -201,7 +202,9 @@ def _plan_pools(
     for node_id in sorted(by_node):
         cores = [c for c in view.node_cores[node_id] if c not in taken]
         engine_here = engine_on_rank0_node and cpu_node[device_key(rank0)] == node_id
-        _plan_group(draft, f"node {node_id}", cores, by_node[node_id], engine_here)
+        _plan_group(
+            draft, f"node {node_id}", cores, by_node[node_id], engine_here, l3_of=view.cpu_l3
+        )
     if global_members:
         _plan_group(draft, "global slice", block, global_members, engine_here=False)
     if settings.engine and (others or not rank0_numa) and draft.engine is None:
@@ -325,7 +328,13 @@ def _global_block(
 
 
 def _plan_group(
-    draft: Draft, where: str, cores: list[Core], members: Sequence[Device], engine_here: bool
+    draft: Draft,
+    where: str,
+    cores: list[Core],
+    members: Sequence[Device],
+    engine_here: bool,
+    *,
+    l3_of: Mapping[int, int] | None = None,
 ) -> None:
     """Split one node (or the global block) among its devices, engine first."""
     before = sum(len(c) for c in cores)
@@ -340,7 +349,8 @@ def _plan_group(
             )
 
         cores = carve_engine(draft, cores, len(members), f"{where} (rank 0's node)", fits)
-    shares = split_even(cores, len(members))
+    # Ranks that share a node get whole L3 domains where the counts allow.
+    shares = split_by_l3(cores, len(members), l3_of or {})
     if cores and not all(roles_fit(draft.settings, sh) for sh in shares):
         # Whole cores leave a device short of its roles even by CPU (950's 3
         # CPUs per NPU with SMT): split by CPU, as the document's slices do.
@@ -436,7 +446,9 @@ def _rank_placement(
     kinds = {strategies[device_key(d)] for d in devices}
     strategy: Strategy = kinds.pop() if len(kinds) == 1 else "mixed"
     refs = tuple(DeviceRef(d.kind, d.index, d.bdf, d.numa_node, d.uuid) for d in devices)
+    l3 = tuple(sorted({view.cpu_l3[c] for core in cores for c in core if c in view.cpu_l3}))
     return RankPlacement(
+        l3_domains=l3,
         rank=rank,
         device=refs[0],
         slot=Slot(cpus_of(cores), tuple(sorted(mems)), {r: cpus_of(c) for r, c in roles.items()}),

@@ -8,7 +8,8 @@ giving way to the ranks; `find_engine_node` looks for a device-free node for it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import TypeVar
 
 from supervisor.errors import PlanError
 from supervisor.plan.placement import PlanSettings
@@ -32,17 +33,47 @@ from supervisor.topology.model import Device
 # settings list them, like vllm-ascend's pool[-2]/pool[-1] split; `main` keeps
 # the contiguous middle.
 FRONT_ROLES = ("irq",)
+T = TypeVar("T")
 
 
-def split_even(cores: Sequence[Core], count: int) -> list[list[Core]]:
-    """`count` contiguous shares of whole cores; earlier shares get the extra core."""
+def split_even(cores: Sequence[T], count: int) -> list[list[T]]:
+    """`count` contiguous shares of whole cores (or anything); earlier shares get one more."""
     base, extra = divmod(len(cores), count)
-    shares: list[list[Core]] = []
+    shares: list[list[T]] = []
     start = 0
     for i in range(count):
         size = base + (1 if i < extra else 0)
         shares.append(list(cores[start : start + size]))
         start += size
+    return shares
+
+
+def split_by_l3(cores: Sequence[Core], count: int, l3_of: Mapping[int, int]) -> list[list[Core]]:
+    """`count` shares of whole cores that split no L3 domain where one can help it.
+
+    Domains in core order. With at least as many domains as shares, each
+    share is a run of whole domains (divmod of the domains, earlier shares
+    one more); with fewer, each domain goes to a run of shares (divmod of
+    the shares, earlier domains one more) and is split evenly among them,
+    so no share spans two domains. As the kubelet's
+    prefer-align-cpus-by-uncorecache and torchrun's core-complex binding
+    align to the L3. Where any core's L3 is unknown, or all are one: even
+    contiguous shares (split_even).
+    """
+    domains: dict[int, list[Core]] = {}
+    for core in cores:
+        domain = l3_of.get(core[0])
+        if domain is None:
+            return split_even(cores, count)
+        domains.setdefault(domain, []).append(core)
+    runs = list(domains.values())
+    if len(runs) <= 1 or count <= 1:
+        return split_even(cores, count)
+    if len(runs) >= count:
+        return [[c for run in group for c in run] for group in split_even(runs, count)]
+    shares: list[list[Core]] = []
+    for run, ranks in zip(runs, (len(g) for g in split_even(range(count), len(runs))), strict=True):
+        shares += split_even(run, ranks)
     return shares
 
 

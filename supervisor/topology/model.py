@@ -29,6 +29,7 @@ class Cpu:
     cluster: int
     node: int  # -1 when no NUMA node lists it
     siblings: frozenset[int]  # SMT siblings including itself (core_cpus_list)
+    l3: int | None = None  # its L3 domain, named by the domain's lowest CPU; None: unknown
 
 
 def _first(pair: tuple[int, int]) -> int:

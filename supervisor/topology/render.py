@@ -104,6 +104,7 @@ def topology_to_doc(topo: Topology) -> dict[str, Any]:
                 "node": c.node,
                 "siblings": sorted(c.siblings),
             }
+            | ({} if c.l3 is None else {"l3": c.l3})
             for c in topo.cpus
         ],
         "online": sorted(topo.online),
