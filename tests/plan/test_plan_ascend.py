@@ -235,3 +235,28 @@ def test_allocator_key_is_validated_naming_file_key_and_value() -> None:
     assert load("topo_affinity") == "topo_affinity"
     with pytest.raises(ConfigError, match=r"npu.toml: placement.allocator: must be one of "):
         load("topo-affinity")
+
+
+def test_a3_sixteen_single_card_services_never_overlap(tmp_path: Path) -> None:
+    """One service per logical NPU, same (whole-host) cpuset, no config."""
+    root = hosts.ascend_a3(tmp_path)
+    docs = [plan_process(root, str(i)) for i in range(16)]
+    assert_disjoint(*docs)
+    for i, doc in enumerate(docs):
+        assert doc["ranks"][0]["device"]["bus_id"] == f"0000:{hosts.A3_BUSES[i]}:00.0"
+        assert doc["engine"] is not None
+
+
+def test_a3_whole_host_irqs_are_those_of_each_ranks_npu(tmp_path: Path) -> None:
+    """Item 6: main routed rank 0's IRQs for bus 01:00.0 (logical 14, socket 3)."""
+    root = hosts.ascend_a3(tmp_path)
+    topo = read_topology(HostFS(str(root)))
+    irqs_of = {d.bdf: set(d.irqs) for d in topo.devices}
+    doc = plan_process(root, None)
+    for r in doc["ranks"]:
+        bus = r["device"]["bus_id"]
+        assert bus == f"0000:{hosts.A3_BUSES[r['rank']]}:00.0"
+        assert {i["irq"] for i in r["irqs"]} == irqs_of[bus]
+        assert {i["bdf"] for i in r["irqs"]} == {bus}
+        assert set(r["irqs"][0]["cpus"]) <= set(r["cpus"])
+    assert doc["ranks"][0]["irqs"][0]["bdf"] == "0000:9d:00.0"
