@@ -70,6 +70,8 @@ def logical_by_bdf(
 ) -> dict[str, int]:
     """bus id -> logical id. Where the mapping reports no logical id at all
     (Ascend 950 leaves "Chip Logic ID" out), the device id stands in for it."""
+    if not mapping:  # an empty or failed capture says nothing
+        return {}
     if any(v is not None for v in mapping.values()):
         return {bdf: lid for key, bdf in table.items() if (lid := mapping.get(key)) is not None}
     first_chip: dict[int, tuple[int, str]] = {}

@@ -89,6 +89,10 @@ def test_parse_table_and_map_of_a3_dump() -> None:
     assert logical_by_bdf(table, mapping) == {"0000:9d:00.0": 3, "0000:9f:00.0": 2}
 
 
+def test_an_empty_mapping_capture_gives_no_ids() -> None:
+    assert logical_by_bdf({(0, 0): "0000:01:00.0"}, parse_logical_map("npu-smi: error\n")) == {}
+
+
 def test_no_chip_logic_id_uses_the_npu_id() -> None:
     """Ascend 950 reports no Chip Logic ID: the NPU id is the logical id."""
     table = {(1, 0): "0000:02:00.0", (0, 0): "0000:01:00.0"}
