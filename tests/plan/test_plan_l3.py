@@ -11,6 +11,7 @@ from supervisor.examples import hosts
 from supervisor.hostfs import HostFS
 from supervisor.plan.placement import PlanSettings
 from supervisor.plan.planner import plan
+from supervisor.plan.render import render_plan_table
 from supervisor.plan.roles import split_by_l3, split_even
 from supervisor.topology.discover import read_topology
 from tests.plan.test_plan_ascend import assert_disjoint, plan_process
@@ -80,3 +81,11 @@ def test_hosts_without_cache_files_plan_as_before(tmp_path: Path) -> None:
     p = plan(topo, PlanSettings())
     assert all(r.l3_domains == () for r in p.ranks)
     assert "l3_domains" not in p.to_doc()["ranks"][0]
+
+
+def test_plan_table_has_an_l3_column_only_where_known(tmp_path: Path) -> None:
+    topo = read_topology(HostFS(str(hosts.epyc_nps1_8gpu(tmp_path))))
+    lines = render_plan_table(plan(topo, PlanSettings()), topo).splitlines()
+    assert lines[1].split()[-1] == "l3" and lines[2].split()[-1] == "0"
+    topo = read_topology(HostFS(str(hosts.dgx_h100(tmp_path))))
+    assert "l3" not in render_plan_table(plan(topo, PlanSettings()), topo).splitlines()[1].split()
