@@ -207,7 +207,7 @@ def _cmd_snapshot(args: argparse.Namespace) -> int:
 # `run` and `status` pull in asyncio, aiohttp and the daemon; `plan` and
 # `topology` stay quick to start by importing them only when they run.
 def _run_daemon(args: argparse.Namespace) -> int:
-    from supervisor.daemon import run_command  # noqa: PLC0415
+    from supervisor.start import run_command  # noqa: PLC0415
 
     return run_command(args)
 

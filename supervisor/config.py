@@ -152,6 +152,8 @@ class Config:
     accelerator: AcceleratorSetting = AUTO
     devices: tuple[str, ...] = ()  # PCI addresses treated as accelerators, any vendor
     cpu_ranks: int = 1  # at least this many ranks on a host without accelerators
+    # PCI addresses in the runtime's logical id order (Ascend), over what the host says
+    logical_ids: tuple[str, ...] = ()
     visible_devices_env: str | None = None  # None: by accelerator kind
     placement: PlanSettings = field(default_factory=PlanSettings)
     ready: ReadyProbe | None = None
@@ -325,6 +327,7 @@ def parse_config(
             )
         normalized.append(bdf)
     devices = tuple(normalized)
+    logical_ids = _logical_ids(top)
     if accelerator == PCI.name and not devices:
         raise top.fail("devices", f'accelerator = "{PCI.name}" needs at least one PCI address here')
     restart_t = top.table("restart")
@@ -366,6 +369,7 @@ def parse_config(
         accelerator=accelerator,
         devices=devices,
         cpu_ranks=top.integer("cpu_ranks", 1, 1, MAX_CPU_RANKS),
+        logical_ids=logical_ids,
         visible_devices_env=check_env_name(top, "visible_devices_env"),
         # The [irq] table's part in the plan: IRQs are planned only when bound.
         placement=replace(
@@ -409,6 +413,21 @@ def parse_config(
     return cfg
 
 
+def _logical_ids(top: Table) -> tuple[str, ...]:
+    """`logical_ids`: distinct PCI addresses; item i is the device of logical id i."""
+    out: list[str] = []
+    for i, text in enumerate(top.str_list("logical_ids")):
+        bdf = normalize_bdf(text)
+        if bdf is None:
+            raise top.fail(
+                "logical_ids", f"item {i}: expected a PCI address like 0000:c1:00.0, got {text!r}"
+            )
+        if bdf in out:
+            raise top.fail("logical_ids", f"item {i}: {text!r} is listed twice")
+        out.append(bdf)
+    return tuple(out)
+
+
 def discovery_options(config: Config | None, environ: Mapping[str, str]) -> DiscoveryOptions:
     """What discovery is told: the config's device keys (or the defaults) and the
     visibility variables of `environ` (the caller's environment, read by the caller)."""
@@ -420,6 +439,7 @@ def discovery_options(config: Config | None, environ: Mapping[str, str]) -> Disc
         pci_devices=config.devices,
         cpu_ranks=config.cpu_ranks,
         env=env,
+        logical_ids=config.logical_ids,
     )
 
 

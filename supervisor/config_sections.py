@@ -14,7 +14,7 @@ from fnmatch import fnmatchcase
 
 from supervisor.config_table import Table
 from supervisor.plan.keys import ThreadRole
-from supervisor.plan.placement import PlanSettings, Shortage, StrategySetting
+from supervisor.plan.placement import Allocator, PlanSettings, Shortage, StrategySetting
 
 COMMAND_FIELDS = ("rank", "local_rank", "device_index", "bus_id", "world_size")
 
@@ -88,8 +88,12 @@ def load_placement(t: Table) -> PlanSettings:
     strategy: StrategySetting = t.choice(
         "strategy", defaults.strategy, ("auto", "numa-affine", "global-slice")
     )
+    allocator: Allocator = t.choice(
+        "allocator", defaults.allocator, ("supervisor", "topo_affinity", "global_slice")
+    )
     settings = PlanSettings(
         strategy=strategy,
+        allocator=allocator,
         rank_roles=t.int_map("rank_roles", defaults.rank_roles),
         min_main_cpus=t.integer("min_main_cpus", defaults.min_main_cpus, 1),
         engine=engine.flag("enabled", True),

@@ -35,6 +35,7 @@ ABOVE = (
     "supervisor.service",
     "supervisor.serve",
     "supervisor.daemon",
+    "supervisor.start",
 )
 # Pure parsers that live beside their users above and that `supervisor.config`
 # validates with at load time (so the pure layers reach them through config),

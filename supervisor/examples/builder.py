@@ -110,6 +110,7 @@ class FakeHost:
     _raw: dict[str, str] = field(default_factory=dict)
     _removed: set[str] = field(default_factory=set)
     _next_irq: int = 100
+    _l3_cores: int = 0  # cores per L3 domain (0: no cache/ files)
 
     # -- CPUs and nodes ------------------------------------------------------
 
@@ -148,6 +149,11 @@ class FakeHost:
                     self._cpus[cpu] = _Cpu(core=c, package=s, die=0, cluster=cluster)
                     self._threads[cpu] = set(ids)
                     self._nodes.setdefault(node, _Node(set(), mem_per_node_bytes)).cpus.add(cpu)
+        return self
+
+    def l3(self, cores_per_l3: int) -> FakeHost:
+        """cache/index3 files: each run of `cores_per_l3` cores of a socket shares an L3."""
+        self._l3_cores = cores_per_l3
         return self
 
     def node(self, node_id: int, cpus: str = "", mem_bytes: int = 0) -> FakeHost:
@@ -434,6 +440,11 @@ class FakeHost:
             self._write(
                 f"{d}/topology/package_cpus_list", format_cpulist(package_cpus & online) + "\n"
             )
+            if self._l3_cores:  # cache/index3: the L3 of `_l3_cores` cores in a row
+                l3 = {c for c, s in self._cpus.items() if s.package == spec.package
+                      and s.core // self._l3_cores == spec.core // self._l3_cores}  # fmt: skip
+                self._write(f"{d}/cache/index3/level", "3\n")
+                self._write(f"{d}/cache/index3/shared_cpu_list", format_cpulist(l3) + "\n")
 
     def _default_distance(self, a: int, b: int) -> int:
         if a == b:

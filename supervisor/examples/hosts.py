@@ -130,26 +130,143 @@ def gb200_tray(base: Path) -> Path:
     return h.build()
 
 
+NpuChip = tuple[int, int, int | None, str | None, str]
+"""One row of `npu-smi info -m`: NPU id, chip id, logical id (None: "-"), bus id, chip name."""
+
+
+def npu_smi_capture(h: FakeHost, chips: list[NpuChip], version: str = "24.1.rc2") -> FakeHost:
+    """The operator's captures of `npu-smi info` and `npu-smi info -m` (the
+    layout of public dumps), where the registry's record says to put them."""
+    bar = "+" + "-" * 27 + "+" + "-" * 15 + "+" + "-" * 52 + "+"
+    dbl = bar.replace("-", "=")
+
+    def row(a: str, b: str, c: str) -> str:
+        return f"| {a:<26}| {b:<14}| {c:<51}|"
+
+    table = [
+        bar, f"| {f'npu-smi {version}   Version: {version}':<94}|", bar,
+        row("NPU   Name", "Health", "Power(W)    Temp(C)           Hugepages-Usage(page)"),
+        row("Chip", "Bus-Id", "AICore(%)   Memory-Usage(MB)  HBM-Usage(MB)"),
+        dbl,
+    ]  # fmt: skip
+    npus = sorted({c[0] for c in chips})
+    for npu in npus:
+        mine = [c for c in chips if c[0] == npu and c[3] is not None]
+        table.append(row(f"{npu}     {mine[0][4].split()[-1]}", "OK", "93.2        39"))
+        for _, chip, _, bdf, _ in mine:
+            table.append(row(str(chip), str(bdf).upper(), "0           0    / 0"))
+        table.append(dbl)
+    table += [
+        row("NPU     Chip", "Process id", "Process name             | Process memory(MB)"),
+        dbl,
+        *(f"| {f'No running processes found in NPU {n}':<94}|" for n in npus),
+        bar,
+    ]
+    header = f"{'':8}{'NPU ID':<31}{'Chip ID':<31}{'Chip Logic ID':<31}Chip Name"
+    rows = [
+        f"{'':8}{n:<31}{c:<31}{'-' if lid is None else lid:<31}{name}"
+        for n, c, lid, _, name in chips
+    ]
+    where = "run/placement-supervisor/npu-smi"
+    h.raw(f"{where}/info.txt", "\n".join(table) + "\n")
+    h.raw(f"{where}/info-m.txt", "\n".join([header, *rows]) + "\n")
+    return h
+
+
+# Logical NPU id -> bus of an 8-NPU 910B (A2) server, as public `npu-smi info`
+# dumps of Atlas 800T A2 hosts list them: not PCI bus order.
+A2_BUSES = ("c1", "01", "c2", "02", "81", "41", "82", "42")
+# Which quarter of the CPUs (socket) sits behind each bus's root port.
+A2_SOCKET = {"01": 0, "02": 0, "41": 1, "42": 1, "81": 2, "82": 2, "c1": 3, "c2": 3}
+
+
+def ascend_a2(base: Path, nodes_per_socket: int = 2, cpuset: str | None = None) -> Path:
+    """Huawei Atlas 800T A2-class server: 4x Kunpeng 920 (48 cores, no SMT), 8 910B NPUs.
+
+    192 CPUs; `nodes_per_socket` 2 gives 8 NUMA nodes of 24 CPUs (node 6 =
+    144-167, the vLLM-Ascend CPU binding document's A2 example), 1 gives 4
+    of 48. NPU logical ids 0-7 sit at buses C1, 01, C2, 02, 81, 41, 82, 42
+    (public npu-smi dumps); NPU0 and NPU2 share socket 3's first node
+    (144-167 with 8 nodes), NPU1/3 node 0, NPU5/7 socket 1, NPU4/6 socket 2.
+    PCI numa_node and local_cpulist give that node (what `npu-smi info -t
+    topo` reports as CPU Affinity). The npu-smi captures are in the tree.
+    With `cpuset`, the process sits in cgroup v2 /system.slice/npu.service.
+    Assumed: which root port each bus hangs off, 64 GiB per node, IRQ counts.
+    """
+    name = f"ascend_a2_{4 * nodes_per_socket}node"
+    h = FakeHost(base / name).cpus(4, 48, 1, nodes_per_socket=nodes_per_socket)
+    if cpuset is not None:
+        h.cgroup_v2("/system.slice/npu.service", cpuset, f"0-{4 * nodes_per_socket - 1}")
+    per_node = 48 // nodes_per_socket
+    chips: list[NpuChip] = []
+    for logical, bus in enumerate(A2_BUSES):
+        node = A2_SOCKET[bus] * nodes_per_socket
+        cpus = f"{node * per_node}-{node * per_node + per_node - 1}"
+        h.pci_device(
+            f"0000:{bus}:00.0", 0x19E5, 0xD802, 0x120000, node, local_cpulist=cpus,
+            irqs=h._alloc_irqs(2), driver="devdrv_device_driver",
+            irq_names=["sq_send_trigger_irq", "cq_update_irq"],
+        )  # fmt: skip
+        h.dev_node(f"davinci{logical}")
+        chips += [(logical, 0, logical, f"0000:{bus}:00.0", "Ascend 910B3"),
+                  (logical, 1, None, None, "Mcu")]  # fmt: skip
+    h.dev_node("davinci_manager")
+    npu_smi_capture(h, chips)
+    h.virtual_netdev("lo")
+    return h.build()
+
+
+# Logical id -> bus of the A3 example's 16 dies (8 NPUs of 2 chips each). The
+# lowest bus is logical 14, on socket 3: PCI order is not the runtime's.
+A3_BUSES = ("9d", "9f", "99", "9b", "b9", "bb", "b5", "b7",
+            "3d", "3f", "39", "3b", "19", "1b", "01", "03")  # fmt: skip
+
+
 def ascend_a3(base: Path) -> Path:
     """Huawei Atlas 800T A3-class server: Kunpeng CPUs, 640 CPUs, 16 Ascend NPUs.
 
     4 sockets x 80 cores x 2 threads, adjacent SMT numbering (siblings 0,1),
-    2 NUMA nodes per socket (8 nodes of 80 CPUs, 256 GiB each). 16 NPUs
-    (19e5:d803, class 0x1200, dev/davinci0-15), four per socket. Each NPU has
-    a ubcore entry whose device/numa gives the coarse node 2*socket, folded
-    by `(raw // 2) * 2 + index % 2` onto the socket's two nodes; the PCI
-    numa_node also says the coarse node. A ubcore entry with ub_totalues 0
-    (udma8) sits between NPU 7 and NPU 8 and must be skipped. Assumed:
-    exact CPU counts per socket, bus ids, raw ubcore values.
+    2 NUMA nodes per socket (8 nodes of 80 CPUs, 256 GiB each). 8 NPUs of
+    two dies each: 16 logical NPUs (19e5:d803, class 0x1200,
+    dev/davinci0-15), four per socket by logical id; `npu-smi info -m`
+    numbers die c of NPU n as logical 2n + c, and the captures of it and of
+    `npu-smi info` are in the tree. Bus ids are not in logical order
+    (A3_BUSES: the lowest, 01, is logical 14). Each NPU has a ubcore entry
+    (in logical order) whose device/numa gives the coarse node 2*socket,
+    folded by `(raw // 2) * 2 + index % 2` onto the socket's two nodes; the
+    PCI numa_node also says the coarse node. A ubcore entry with ub_totalues
+    0 (udma8) sits between NPU 7 and NPU 8 and must be skipped. Assumed:
+    exact CPU counts per socket, bus ids and their order, raw ubcore values.
     """
     h = FakeHost(base / "ascend_a3").cpus(
         4, 80, 2, "adjacent", nodes_per_socket=2, mem_per_node_bytes=256 * GIB
     )
-    for i in range(16):
+    chips: list[NpuChip] = []
+    for i, bus in enumerate(A3_BUSES):
         socket = i // 4
-        h.ascend_npu(f"0000:{0x01 + i * 0x10:02x}:00.0", 2 * socket, ubcore_numa=2 * socket)
+        h.ascend_npu(f"0000:{bus}:00.0", 2 * socket, ubcore_numa=2 * socket)
+        chips.append((i // 2, i % 2, i, f"0000:{bus}:00.0", "Ascend910"))
+        if i % 2:
+            chips.append((i // 2, 2, None, None, "Mcu"))
         if i == 7:
             h.ubcore_entry("udma8", 0, 0)
+    npu_smi_capture(h, chips)
+    h.virtual_netdev("lo")
+    return h.build()
+
+
+def epyc_nps1_8gpu(base: Path, ccds: int = 8) -> Path:
+    """A single-socket EPYC (64 cores, 128 threads: siblings N and N+64) in NPS1
+    with 8 GPUs, all on node 0. `ccds` L3 domains (CCDs) of 64 / ccds cores
+    each, in core order, as cache/index3/shared_cpu_list lists them (8 for a
+    64-core Milan/Genoa part). Assumed: bus ids, one GPU per root port.
+    """
+    h = FakeHost(base / f"epyc_nps1_{ccds}ccd").cpus(
+        1, 64, 2, "intel", mem_per_node_bytes=768 * GIB
+    )
+    h.l3(64 // ccds)
+    for i, bus in enumerate(["01", "21", "41", "61", "81", "a1", "c1", "e1"]):
+        h.nvidia_gpu(f"0000:{bus}:00.0", 0, model="NVIDIA L40S", uuid=f"GPU-epyc{i}")
     h.virtual_netdev("lo")
     return h.build()
 
@@ -336,7 +453,9 @@ ALL_HOSTS: dict[str, Callable[[Path], Path]] = {
     "dgx_a100_nps4": dgx_a100_nps4,
     "gb200_tray": gb200_tray,
     "ascend_a3": ascend_a3,
+    "ascend_a2": ascend_a2,
     "mi300x": mi300x,
+    "epyc_nps1_8gpu": epyc_nps1_8gpu,
     "five_three": five_three,
     "adjacent_smt": adjacent_smt,
     "container_holes": container_holes,

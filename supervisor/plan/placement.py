@@ -16,7 +16,7 @@ from typing import Any, Literal
 from supervisor.topology.accelerators import DeviceKind
 
 PLAN_VERSION = 1
-Strategy = Literal["numa-affine", "global-slice", "mixed", "shared"]
+Strategy = Literal["numa-affine", "global-slice", "topo-affinity", "mixed", "shared"]
 IrqSource = Literal["device", "nic"]
 
 
@@ -130,6 +130,9 @@ class RankPlacement:
     devices: tuple[DeviceRef, ...] = ()  # every device of the rank when it drives several
     strategy: Strategy = "numa-affine"
     irqs: tuple[IrqAssignment, ...] = ()
+    # The L3 domains its CPUs lie in, each named by its lowest CPU (the
+    # document's "l3_domains"); empty where the host does not say.
+    l3_domains: tuple[int, ...] = ()
 
     @property
     def all_devices(self) -> tuple[DeviceRef, ...]:
@@ -142,6 +145,8 @@ class RankPlacement:
             doc["devices"] = [d.to_doc() for d in self.all_devices]
         doc.update(self.slot.to_doc())
         doc["strategy"] = self.strategy
+        if self.l3_domains:
+            doc["l3_domains"] = list(self.l3_domains)
         if self.irqs:
             doc["irqs"] = [a.to_doc() for a in self.irqs]
         return doc
@@ -156,6 +161,7 @@ class RankPlacement:
             devices=tuple(DeviceRef.from_doc(d) for d in doc.get("devices", ())),
             strategy=doc.get("strategy", "numa-affine"),
             irqs=tuple(IrqAssignment.from_doc(a) for a in doc.get("irqs", ())),
+            l3_domains=tuple(int(n) for n in doc.get("l3_domains", ())),
         )
 
 
@@ -220,6 +226,9 @@ class Placement:
 
 
 StrategySetting = Literal["auto", "numa-affine", "global-slice"]
+Allocator = Literal["supervisor", "topo_affinity", "global_slice"]
+"""`supervisor`: this planner's own (whole cores, engine slot); the others are
+the vLLM-Ascend CPU binding document's allocators (supervisor.plan.document)."""
 Shortage = Literal["error", "merge", "share"]
 
 
@@ -233,6 +242,7 @@ class PlanSettings:
     """
 
     strategy: StrategySetting = "auto"
+    allocator: Allocator = "supervisor"
     rank_roles: Mapping[str, int] = field(default_factory=lambda: {"irq": 1, "comm": 1})
     min_main_cpus: int = 1
     engine: bool = True

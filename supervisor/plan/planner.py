@@ -11,9 +11,11 @@ Its last step puts each rank's IRQs on the plan (supervisor.plan.irqs.with_irqs)
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 from supervisor.cpulist import format_cpulist
 from supervisor.errors import PlanError
+from supervisor.plan.document import plan_document
 from supervisor.plan.irqs import with_irqs
 from supervisor.plan.placement import (
     DeviceRef,
@@ -30,7 +32,11 @@ from supervisor.plan.roles import (
     engine_mems,
     find_engine_node,
     place_engine_apart,
+    place_engine_share,
     rank_roles,
+    roles_fit,
+    single_cpus,
+    split_by_l3,
     split_even,
 )
 from supervisor.plan.view import (
@@ -54,8 +60,35 @@ def plan(topology: Topology, settings: PlanSettings) -> Placement:
 
     Raises PlanError (exit 3) naming the numbers when no plan satisfies the
     settings (`on_shortage = "error"`), when no CPU is allowed, or when no
-    accelerator is visible.
+    accelerator is visible. Where only the hidden devices' shares stand in
+    the way, they give way (a plan for this supervisor beats none), and the
+    plan says that another supervisor seeing them would overlap.
     """
+    try:
+        return _plan(topology, settings)
+    except PlanError as first:
+        view = host_view(topology)
+        kinds = {d.kind for d in topology.devices if d.visible}
+        hidden = [
+            d.label
+            for d in sorted(topology.devices, key=device_order)
+            if not d.visible and d.kind in kinds and _home_allowed(view, d)
+        ]
+        if not (settings.reserve_hidden and hidden and settings.allocator == "supervisor"):
+            raise
+        why = str(first).split(";")[0]
+        try:
+            placement = _plan(topology, replace(settings, reserve_hidden=False))
+        except PlanError:
+            raise first from None
+    warning = (
+        f"hidden devices' shares dropped ({', '.join(hidden)}): with them, {why}; "
+        "a supervisor on this cpuset that drives them would overlap with this one"
+    )
+    return replace(placement, warnings=(warning, *placement.warnings))
+
+
+def _plan(topology: Topology, settings: PlanSettings) -> Placement:
     view = host_view(topology)
     if not view.cores:
         raise PlanError(
@@ -72,64 +105,10 @@ def plan(topology: Topology, settings: PlanSettings) -> Placement:
         raise PlanError(_no_visible_message(devices))
     rank_devices = _group_ranks(visible, settings.devices_per_rank)
     draft = Draft(settings, _shortage_mode(settings, visible))
-    strategies = _device_strategies(view, devices, settings, draft.warnings)
-
-    # Only kinds this supervisor drives take part; within them, hidden devices
-    # keep their share (reserve_hidden) so two supervisors on one host that
-    # see different devices compute the same shares and never overlap.
-    kinds = {d.kind for d in visible}
-    numa_members = [
-        d
-        for d in devices
-        if d.kind in kinds
-        and strategies.get(device_key(d)) == "numa-affine"
-        and (d.visible or settings.reserve_hidden)
-    ]
-    # Global slicing counts every device of the kind, visible or not: the slice
-    # of device i is the same in every supervisor sharing this cpuset, whatever
-    # each one sees (vllm-ascend's global_slice property).
-    global_members = [
-        d for d in devices if d.kind in kinds and strategies.get(device_key(d)) == "global-slice"
-    ]
-    cpu_node = {device_key(d): nearest_cpu_node(view, d.numa_node) for d in numa_members}
-    block = _global_block(view, numa_members, global_members, cpu_node)
-    taken = set(block)
-    if global_members and not block and draft.mode == "share":
-        # Not even one core left for the global-slice devices: they share all.
-        block = list(view.cores)
-        draft.warnings.append(
-            "global-slice devices share every allowed core: the numa-affine nodes leave none free"
-        )
-    rank0 = rank_devices[0][0]
-    engine_on_rank0_node = settings.engine and strategies[device_key(rank0)] == "numa-affine"
-    if engine_on_rank0_node and not global_members:
-        draft.engine_node = find_engine_node(view, settings, devices, cpu_node[device_key(rank0)])
-        if draft.engine_node is not None:
-            engine_on_rank0_node = False
-            place_engine_apart(view, draft, cpu_node[device_key(rank0)])
-
-    by_node: dict[int, list[Device]] = {}
-    for d in numa_members:
-        by_node.setdefault(cpu_node[device_key(d)], []).append(d)
-    for node_id in sorted(by_node):
-        cores = [c for c in view.node_cores[node_id] if c not in taken]
-        engine_here = engine_on_rank0_node and cpu_node[device_key(rank0)] == node_id
-        _plan_group(draft, f"node {node_id}", cores, by_node[node_id], engine_here)
-    if global_members:
-        _plan_group(draft, "global slice", block, global_members, engine_here=False)
-        if settings.engine and strategies[device_key(rank0)] == "global-slice":
-            # The engine comes out of the driver rank's own slice (DeepInfer
-            # carves the grammar-compiler pool from the driver GPU's quota),
-            # so it never touches another device's global slice either.
-            share = draft.shares[device_key(rank0)]
-            kept = carve_engine(
-                draft,
-                share,
-                1,
-                f"rank 0's {draft.where[device_key(rank0)][0]}",
-                lambda rest: rank_roles(settings, rest) is not None,
-            )
-            draft.shares[device_key(rank0)] = kept
+    if settings.allocator != "supervisor":
+        strategies = plan_document(topology, view, devices, visible, draft)
+    else:
+        strategies = _plan_pools(view, devices, visible, rank_devices[0][0], draft)
 
     ranks = tuple(
         _rank_placement(view, draft, rank, devs, strategies)
@@ -154,6 +133,105 @@ def plan(topology: Topology, settings: PlanSettings) -> Placement:
         engine_node=draft.engine_node if engine is not None else None,
     )
     return with_irqs(topology, placement, settings)
+
+
+def _plan_pools(
+    view: HostView,
+    devices: Sequence[Device],
+    visible: Sequence[Device],
+    rank0: Device,
+    draft: Draft,
+) -> dict[DeviceKey, DeviceStrategy]:
+    """The planner's own pools: node shares and global slices in whole cores, the engine's slot."""
+    settings = draft.settings
+    strategies = _device_strategies(view, devices, settings, draft.warnings)
+    # Only kinds this supervisor drives take part; within them, hidden devices
+    # keep their share (reserve_hidden) so two supervisors on one host that
+    # see different devices compute the same shares and never overlap; but
+    # only on their own node: where the cpuset leaves that node no CPU, the
+    # device's own supervisor cannot be there, and a share folded onto
+    # another node would take CPUs from nobody's benefit.
+    kinds = {d.kind for d in visible}
+    numa_members = [
+        d
+        for d in devices
+        if d.kind in kinds
+        and strategies.get(device_key(d)) == "numa-affine"
+        and (d.visible or (settings.reserve_hidden and _home_allowed(view, d)))
+    ]
+    # Global slicing counts every device of the kind, visible or not: the slice
+    # of device i is the same in every supervisor sharing this cpuset, whatever
+    # each one sees (vllm-ascend's global_slice property).
+    global_members = [
+        d for d in devices if d.kind in kinds and strategies.get(device_key(d)) == "global-slice"
+    ]
+    cpu_node = {device_key(d): nearest_cpu_node(view, d.numa_node) for d in numa_members}
+    for d in numa_members:
+        if d.visible and not _home_allowed(view, d):
+            draft.warnings.append(
+                f"{d.label}: its node {d.numa_node} has no allowed CPU; planned on node "
+                f"{cpu_node[device_key(d)]}, where supervisors that do not drive it keep "
+                "no share for it (they may overlap with this one)"
+            )
+    block = _global_block(view, numa_members, global_members, cpu_node)
+    taken = set(block)
+    if global_members and not block and draft.mode == "share":
+        # Not even one core left for the global-slice devices: they share all.
+        block = list(view.cores)
+        draft.warnings.append(
+            "global-slice devices share every allowed core: the numa-affine nodes leave none free"
+        )
+    # With devices of this kind hidden, other supervisors may share the host:
+    # "the end of the node" or a device-free node would be the same CPUs in
+    # each of them, so the engine comes out of rank 0's own share instead.
+    others = settings.reserve_hidden and any(not d.visible for d in devices if d.kind in kinds)
+    rank0_numa = strategies[device_key(rank0)] == "numa-affine"
+    engine_on_rank0_node = settings.engine and rank0_numa and not others
+    if settings.engine and rank0_numa and not global_members:
+        rank0_node = cpu_node[device_key(rank0)]
+        draft.engine_node = find_engine_node(view, settings, devices, rank0_node)
+        if draft.engine_node is not None and not others:
+            engine_on_rank0_node = False
+            place_engine_apart(view, draft, rank0_node)
+        elif draft.engine_node is not None:
+            place_engine_share(view, draft, rank0_node, numa_members)
+
+    by_node: dict[int, list[Device]] = {}
+    for d in numa_members:
+        by_node.setdefault(cpu_node[device_key(d)], []).append(d)
+    for node_id in sorted(by_node):
+        cores = [c for c in view.node_cores[node_id] if c not in taken]
+        engine_here = engine_on_rank0_node and cpu_node[device_key(rank0)] == node_id
+        _plan_group(
+            draft, f"node {node_id}", cores, by_node[node_id], engine_here, l3_of=view.cpu_l3
+        )
+    if global_members:
+        _plan_group(draft, "global slice", block, global_members, engine_here=False)
+    if settings.engine and (others or not rank0_numa) and draft.engine is None:
+        # The engine comes out of the driver rank's own share (DeepInfer
+        # carves the grammar-compiler pool from the driver GPU's quota), so
+        # it never touches another device's share or slice either.
+        share = draft.shares[device_key(rank0)]
+        draft.shares[device_key(rank0)] = carve_engine(
+            draft,
+            share,
+            1,
+            f"rank 0's {draft.where[device_key(rank0)][0]}",
+            lambda rest: roles_fit(settings, rest),
+        )
+    return strategies
+
+
+def _home_allowed(view: HostView, d: Device) -> bool:
+    """The node whose CPUs serve device `d` (its own, or for a CPU-less node the
+    nearest with CPUs, cpuset aside) has allowed CPUs."""
+    if d.numa_node is None:
+        return False
+    home = d.numa_node
+    if home not in view.nodes_with_cpus:
+        nearest = nearest_node(view, home, view.nodes_with_cpus)
+        home = home if nearest is None else nearest
+    return home in view.node_cores
 
 
 # -- ranks and strategies ----------------------------------------------------
@@ -250,7 +328,13 @@ def _global_block(
 
 
 def _plan_group(
-    draft: Draft, where: str, cores: list[Core], members: Sequence[Device], engine_here: bool
+    draft: Draft,
+    where: str,
+    cores: list[Core],
+    members: Sequence[Device],
+    engine_here: bool,
+    *,
+    l3_of: Mapping[int, int] | None = None,
 ) -> None:
     """Split one node (or the global block) among its devices, engine first."""
     before = sum(len(c) for c in cores)
@@ -259,13 +343,26 @@ def _plan_group(
         def fits(rest: list[Core]) -> bool:
             shares = split_even(rest, len(members))
             return all(
-                rank_roles(draft.settings, share) is not None
+                roles_fit(draft.settings, share)
                 for d, share in zip(members, shares, strict=True)
                 if d.visible
             )
 
         cores = carve_engine(draft, cores, len(members), f"{where} (rank 0's node)", fits)
-    shares = split_even(cores, len(members))
+    # Ranks that share a node get whole L3 domains where the counts allow.
+    shares = split_by_l3(cores, len(members), l3_of or {})
+    if cores and not all(roles_fit(draft.settings, sh) for sh in shares):
+        # Whole cores leave a device short of its roles even by CPU (950's 3
+        # CPUs per NPU with SMT): split by CPU, as the document's slices do.
+        # Hidden devices count as visible ones do, so every supervisor on
+        # the host decides alike.
+        by_cpu = split_even(single_cpus(cores), len(members))
+        if all(roles_fit(draft.settings, sh) for sh in by_cpu):
+            shares = by_cpu
+            draft.warnings.append(
+                f"{where}: {len(cores)} cores cannot give each of {len(members)} devices its "
+                "roles in whole cores; shares by CPU (SMT siblings split between ranks)"
+            )
     if cores and len(cores) < len(members) and draft.mode == "share":
         # More devices than cores: device i gets core i mod n (round-robin).
         shares = [[cores[i % len(cores)]] for i in range(len(members))]
@@ -310,6 +407,17 @@ def _rank_placement(
     roles = rank_roles(settings, cores)
     label = "+".join(d.label for d in devices)
     if roles is None:
+        # Whole-core roles do not fit (950's acl and release at 3 CPUs per
+        # NPU, a cpuset that splits SMT pairs): one CPU per role, as the
+        # vLLM-Ascend document splits its pools, before any refusal.
+        roles = rank_roles(settings, single_cpus(cores))
+        if roles is not None and any(len(c) > 1 for c in cores):
+            draft.warnings.append(
+                f"rank {rank} ({label}): {sum(len(c) for c in cores)} CPUs ({len(cores)} "
+                "cores) cannot hold its roles in whole cores; roles by CPU (SMT siblings "
+                "split between roles)"
+            )
+    if roles is None:
         cpus = sum(len(c) for c in cores)
         sizes = [f"{r} {s}" for r, s in [*front, *back] if s > 0]
         wanted = " + ".join([*sizes, f"main >= {settings.min_main_cpus}"])
@@ -338,7 +446,9 @@ def _rank_placement(
     kinds = {strategies[device_key(d)] for d in devices}
     strategy: Strategy = kinds.pop() if len(kinds) == 1 else "mixed"
     refs = tuple(DeviceRef(d.kind, d.index, d.bdf, d.numa_node, d.uuid) for d in devices)
+    l3 = tuple(sorted({view.cpu_l3[c] for core in cores for c in core if c in view.cpu_l3}))
     return RankPlacement(
+        l3_domains=l3,
         rank=rank,
         device=refs[0],
         slot=Slot(cpus_of(cores), tuple(sorted(mems)), {r: cpus_of(c) for r, c in roles.items()}),
@@ -359,7 +469,8 @@ def _device_mems(view: HostView, draft: Draft, d: Device, strategy: DeviceStrate
             nearest = nearest_node(view, d.numa_node, view.nodes_with_cpus)
             wanted = [] if nearest is None else [nearest]
     else:
-        wanted = sorted({view.core_node[c] for c in draft.shares[device_key(d)]} - {-1})
+        share = draft.shares[device_key(d)]
+        wanted = sorted({view.cpu_node.get(cpu, -1) for c in share for cpu in c} - {-1})
     allowed = view.allowed_mems
     ok = [n for n in wanted if n in allowed] if allowed else wanted
     if ok:

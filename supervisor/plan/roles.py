@@ -8,7 +8,8 @@ giving way to the ranks; `find_engine_node` looks for a device-free node for it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import TypeVar
 
 from supervisor.errors import PlanError
 from supervisor.plan.placement import PlanSettings
@@ -32,17 +33,47 @@ from supervisor.topology.model import Device
 # settings list them, like vllm-ascend's pool[-2]/pool[-1] split; `main` keeps
 # the contiguous middle.
 FRONT_ROLES = ("irq",)
+T = TypeVar("T")
 
 
-def split_even(cores: Sequence[Core], count: int) -> list[list[Core]]:
-    """`count` contiguous shares of whole cores; earlier shares get the extra core."""
+def split_even(cores: Sequence[T], count: int) -> list[list[T]]:
+    """`count` contiguous shares of whole cores (or anything); earlier shares get one more."""
     base, extra = divmod(len(cores), count)
-    shares: list[list[Core]] = []
+    shares: list[list[T]] = []
     start = 0
     for i in range(count):
         size = base + (1 if i < extra else 0)
         shares.append(list(cores[start : start + size]))
         start += size
+    return shares
+
+
+def split_by_l3(cores: Sequence[Core], count: int, l3_of: Mapping[int, int]) -> list[list[Core]]:
+    """`count` shares of whole cores that split no L3 domain where one can help it.
+
+    Domains in core order. With at least as many domains as shares, each
+    share is a run of whole domains (divmod of the domains, earlier shares
+    one more); with fewer, each domain goes to a run of shares (divmod of
+    the shares, earlier domains one more) and is split evenly among them,
+    so no share spans two domains. As the kubelet's
+    prefer-align-cpus-by-uncorecache and torchrun's core-complex binding
+    align to the L3. Where any core's L3 is unknown, or all are one: even
+    contiguous shares (split_even).
+    """
+    domains: dict[int, list[Core]] = {}
+    for core in cores:
+        domain = l3_of.get(core[0])
+        if domain is None:
+            return split_even(cores, count)
+        domains.setdefault(domain, []).append(core)
+    runs = list(domains.values())
+    if len(runs) <= 1 or count <= 1:
+        return split_even(cores, count)
+    if len(runs) >= count:
+        return [[c for run in group for c in run] for group in split_even(runs, count)]
+    shares: list[list[Core]] = []
+    for run, ranks in zip(runs, (len(g) for g in split_even(range(count), len(runs))), strict=True):
+        shares += split_even(run, ranks)
     return shares
 
 
@@ -55,6 +86,20 @@ def rank_roles(settings: PlanSettings, cores: Sequence[Core]) -> dict[str, list[
     front = [(r, s) for r, s in settings.rank_roles.items() if r in FRONT_ROLES]
     back = [(r, s) for r, s in settings.rank_roles.items() if r not in FRONT_ROLES]
     return split_roles(cores, front, back, settings.min_main_cpus)
+
+
+def single_cpus(cores: Sequence[Core]) -> list[Core]:
+    """Each CPU of `cores` on its own: roles by CPU, as vLLM-Ascend's
+    document splits a pool (pool[0:2], pool[2:-2], pool[-2], pool[-1])."""
+    return [(c,) for core in cores for c in core]
+
+
+def roles_fit(settings: PlanSettings, cores: Sequence[Core]) -> bool:
+    """A rank's roles fit in `cores`, in whole cores or else by CPU."""
+    return (
+        rank_roles(settings, cores) is not None
+        or rank_roles(settings, single_cpus(cores)) is not None
+    )
 
 
 def carve_engine(
@@ -165,6 +210,33 @@ def place_engine_apart(view: HostView, draft: Draft, rank0_node: int) -> None:
         f"engine: on node {node}, which has no device (nearest to rank 0's node "
         f"{rank0_node}, distance {distance:g}); the ranks keep all of their nodes' CPUs"
     )
+
+
+def place_engine_share(
+    view: HostView, draft: Draft, rank0_node: int, devices: Sequence[Device]
+) -> bool:
+    """With other supervisors on the host: the engine on its device-free node,
+    but only in this supervisor's part of it. The node's cores are split among
+    every device of the kind (`devices`, visible or hidden, host order), and
+    the engine takes its slot from the end of the parts of its own visible
+    devices, so engines of supervisors that see different devices never
+    meet. False (nothing placed) when those parts are empty."""
+    node = draft.engine_node
+    assert node is not None
+    parts = split_even(view.node_cores[node], len(devices))
+    own = [core for d, part in zip(devices, parts, strict=True) if d.visible for core in part]
+    if not own:
+        draft.engine_node = None
+        return False
+    carve_engine(draft, own, 0, f"node {node} (this supervisor's part)", lambda rest: True)
+    distance = node_distance(view, rank0_node, node)
+    draft.warnings.append(
+        f"engine: on node {node}, which has no device (nearest to rank 0's node "
+        f"{rank0_node}, distance {distance:g}), in its devices' part of that node "
+        f"({len(own)} of {len(view.node_cores[node])} cores; other supervisors on this "
+        "host take the rest); the ranks keep all of their nodes' CPUs"
+    )
+    return True
 
 
 def engine_mems(

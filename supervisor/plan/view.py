@@ -18,7 +18,7 @@ from supervisor.topology.model import Device, Node, Topology
 Core = tuple[int, ...]
 """The allowed online SMT siblings of one physical core, sorted (one CPU without SMT)."""
 
-DeviceStrategy = Literal["numa-affine", "global-slice"]
+DeviceStrategy = Literal["numa-affine", "global-slice", "topo-affinity"]
 DeviceKey = tuple[str, int]
 
 
@@ -33,6 +33,7 @@ class HostView:
     cpu_node: Mapping[int, int]
     nodes_with_cpus: frozenset[int]  # nodes with online CPUs at all (not HBM/CXL)
     allowed_mems: frozenset[int]  # empty: unrestricted
+    cpu_l3: Mapping[int, int] = field(default_factory=dict)  # CPU -> L3 domain, where known
 
 
 @dataclass(slots=True)
@@ -92,6 +93,7 @@ def host_view(topology: Topology) -> HostView:
         cpu_node=cpu_node,
         nodes_with_cpus=with_cpus,
         allowed_mems=topology.allowed.mems,
+        cpu_l3={c.id: c.l3 for c in topology.cpus if c.l3 is not None},
     )
 
 

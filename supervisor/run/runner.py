@@ -3,8 +3,7 @@
 `Runner` spawns the engine or one rank through the exec shim, records the
 shim's bind report, restarts the child by the policy of `supervisor.run.restart`
 and stops it (TERM to its group, KILL after a timeout). `Runtime` is what the
-daemon's runners share. Whether a report is bound as planned is
-`supervisor.bind.report.bound_as_planned` (pure).
+daemon's runners share; `supervisor.bind.report.bound_as_planned` judges a report.
 """
 
 from __future__ import annotations

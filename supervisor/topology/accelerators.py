@@ -71,6 +71,24 @@ class PciMatch:
 
 
 @dataclass(frozen=True, slots=True)
+class LogicalIds:
+    """Where a kind's runtime numbering (logical ids) is read, when it is not PCI bus order.
+
+    `captured_dir` holds the vendor tool's own output, captured to files by
+    the operator (or the unit's ExecStartPre) before the supervisor starts:
+    `table` the device table (device id, chip id, bus id per chip) and
+    `mapping` the (device id, chip id) -> logical id table. Discovery never
+    runs the tool itself (it loads no accelerator library and spawns
+    nothing); `snapshot` copies the files like any other it reads.
+    """
+
+    captured_dir: str  # relative to the host root
+    table: str  # file name of the device table capture
+    mapping: str  # file name of the logical id mapping capture
+    tool: str  # how the operator makes them, for messages and docs
+
+
+@dataclass(frozen=True, slots=True)
 class AcceleratorKind:
     """One device kind: how it is found, its device nodes, its variables.
 
@@ -100,6 +118,9 @@ class AcceleratorKind:
     # The shipped example host (supervisor.examples) a config of this kind
     # plans on where none is installed: named in the "no devices" error.
     example: str | None = None
+    # The runtime numbers devices by logical id, read from here (None: PCI
+    # bus order is the runtime's order, as for CUDA with PCI_BUS_ID).
+    logical_ids: LogicalIds | None = None
 
     @property
     def discovered(self) -> bool:
@@ -162,6 +183,16 @@ ASCEND = AcceleratorKind(
     visibility=("ASCEND_RT_VISIBLE_DEVICES",),
     worker_var="ASCEND_RT_VISIBLE_DEVICES",
     example="ascend-16npu",
+    # The Ascend runtime (ASCEND_RT_VISIBLE_DEVICES, torch_npu) counts NPUs by
+    # "Chip Logic ID" of `npu-smi info -m`, which is not PCI bus order on
+    # 910B hosts (NPU 0-7 at buses C1, 01, C2, 02, 81, 41, 82, 42). Bus ids
+    # per (NPU, chip) come from the `npu-smi info` table.
+    logical_ids=LogicalIds(
+        captured_dir="run/placement-supervisor/npu-smi",
+        table="info.txt",
+        mapping="info-m.txt",
+        tool="npu-smi info > info.txt; npu-smi info -m > info-m.txt",
+    ),
 )
 
 PCI = AcceleratorKind(name="pci")  # named by address in the config; any vendor

@@ -128,4 +128,33 @@ def read_cpus(fs: HostFS, online: frozenset[int], node_of: Mapping[int, int]) ->
                 package_of[member] = first.package
         for sibling in first.siblings - {cpu}:
             cpus[sibling] = replace(first, id=sibling, node=node_of.get(sibling, -1))
-    return tuple(cpus[c] for c in sorted(cpus))
+    l3 = read_l3_domains(fs, online)
+    return tuple(replace(cpus[c], l3=l3.get(c)) if l3 else cpus[c] for c in sorted(cpus))
+
+
+def read_l3_domains(fs: HostFS, online: frozenset[int]) -> dict[int, int]:
+    """CPU -> its L3 domain, named by the domain's lowest CPU; {} where not known.
+
+    cache/index3 is the L3 where `level` says 3 (Documentation/ABI/testing/
+    sysfs-devices-system-cpu, "cache/indexX"); its shared_cpu_list is every
+    CPU behind that cache (an EPYC CCD/CCX, a Xeon socket or sub-NUMA
+    cluster). Read once per domain, and not at all where the first CPU has
+    no index3 (VMs, older kernels, fixture trees).
+    """
+    if not online:
+        return {}
+    first = f"{CPU_DIR}/cpu{min(online)}/cache/index3"
+    level = fs.read_optional(f"{first}/level")
+    if level is None or level.strip() != "3":
+        return {}
+    domain_of: dict[int, int] = {}
+    for cpu in sorted(online):
+        if cpu in domain_of:
+            continue
+        rel = f"{CPU_DIR}/cpu{cpu}/cache/index3/shared_cpu_list"
+        members = (read_optional_list(fs, rel, "L3 shared CPU list") or frozenset()) & online
+        members |= {cpu}
+        name = min(members)
+        for member in members:
+            domain_of.setdefault(member, name)
+    return domain_of

@@ -14,6 +14,7 @@ from supervisor.errors import TopologyError
 from supervisor.hostfs import HostFS
 from supervisor.topology.accelerators import CPU, PCI, AcceleratorKind, DeviceKind, DeviceNode
 from supervisor.topology.cpus import parse_int_text
+from supervisor.topology.logical_ids import numbered, read_numbering
 from supervisor.topology.model import Device, Node
 from supervisor.topology.pci import (
     BDF_RE,
@@ -150,26 +151,38 @@ def _from_nodes(fs: HostFS, kind: AcceleratorKind, *, warn: bool) -> Found:
 
 
 def read_kind(
-    fs: HostFS, kind: AcceleratorKind, scan: tuple[PciId, ...], nodes: tuple[Node, ...]
+    fs: HostFS,
+    kind: AcceleratorKind,
+    scan: tuple[PciId, ...],
+    nodes: tuple[Node, ...],
+    logical_ids: tuple[str, ...] = (),
 ) -> tuple[tuple[Device, ...], tuple[str, ...]]:
     """The devices of one registry kind on the host, with warnings.
 
     By the driver's procfs, else the PCI scan (`scan`), else the kind's device
     nodes (the driver procfs or PCI functions hidden, e.g. in some containers);
-    NUMA nodes from the kind's sysfs class where it has one.
+    numbered as the kind's runtime numbers them (`logical_ids`: the config's
+    override); NUMA nodes from the kind's sysfs class where it has one.
     """
     found: Found = []
+    id_warnings: tuple[str, ...] = ()
     if kind.driver_dir is not None:
         found = _from_driver_dir(fs, kind, nodes)
     elif kind.pci is not None:
         found, refusal = _from_pci(fs, kind, scan, nodes)
         if refusal is not None:
             return (), (refusal,)
+        if found and kind.logical_ids is not None:
+            found, id_warnings, source = numbered(
+                found, kind, read_numbering(fs, kind, logical_ids)
+            )
+            found = [(replace(d, id_source=source), w) for d, w in found]
     if not found and kind.node_fallback is not None:
         found = _from_nodes(fs, kind, warn=kind.numa_class is None)
     if kind.numa_class is not None and found:
-        return _fold_class_nodes(fs, kind.numa_class, found, nodes)
-    return tuple(d for d, _ in found), tuple(w for _, w in found if w)
+        devices, warnings = _fold_class_nodes(fs, kind.numa_class, found, nodes)
+        return devices, id_warnings + warnings
+    return tuple(d for d, _ in found), id_warnings + tuple(w for _, w in found if w)
 
 
 def _driver(fs: HostFS, bdf: str) -> str | None:
@@ -179,7 +192,7 @@ def _driver(fs: HostFS, bdf: str) -> str | None:
 
 def read_class_nodes(fs: HostFS, cls: str) -> list[int]:
     """Raw (unfolded) NUMA nodes of the usable entries of sysfs class `cls`
-    (ubcore), in entry order.
+    (ubcore), in entry order (the driver's device order: the logical ids).
 
     Entries whose device/ub_totalues is 0 have no usable unit and are skipped.
     """

@@ -71,7 +71,7 @@ def _read_devices(
             continue
         if kind.pci is not None and scan is None:
             scan = scan_pci(fs)
-        found, warn = read_kind(fs, kind, scan or (), nodes)
+        found, warn = read_kind(fs, kind, scan or (), nodes, options.logical_ids)
         devices += found
         warnings += warn
     if wanted in (AUTO, PCI.name):

@@ -29,6 +29,7 @@ class Cpu:
     cluster: int
     node: int  # -1 when no NUMA node lists it
     siblings: frozenset[int]  # SMT siblings including itself (core_cpus_list)
+    l3: int | None = None  # its L3 domain, named by the domain's lowest CPU; None: unknown
 
 
 def _first(pair: tuple[int, int]) -> int:
@@ -79,9 +80,10 @@ class Irq:
 class Device:
     """One accelerator (or config-named PCI device, or a CPU node stand-in).
 
-    `index` is the device's index within its kind in PCI bus order (the
-    driver's enumeration), the number index entries of the visibility
-    variables (CUDA_VISIBLE_DEVICES, ...) use. It orders all devices of the
+    `index` is the device's index within its kind as its runtime numbers
+    devices: PCI bus order (the driver's enumeration), or the logical id
+    where the runtime counts by that (Ascend); the number index entries of
+    the visibility variables (CUDA_VISIBLE_DEVICES, ...) use. It orders all devices of the
     kind on the host: shares of a node and global slices go by it, so two
     supervisors seeing different devices of the same host never overlap.
     `ordinal` is the device's position in its kind's visibility list (CUDA's
@@ -99,6 +101,10 @@ class Device:
     visible: bool = True
     irqs: tuple[int, ...] = ()
     ordinal: int | None = None  # set by visibility.apply_visibility; None: index order
+    # Where `index` came from when the runtime does not number by PCI bus
+    # order (supervisor.topology.logical_ids): "config logical_ids", the
+    # captured tool output, or "PCI bus order" where neither was there.
+    id_source: str | None = None
 
     @property
     def label(self) -> str:
@@ -182,3 +188,6 @@ class DiscoveryOptions:
     pci_devices: tuple[str, ...] = ()  # config `devices = [...]`: any vendor, by address
     cpu_ranks: int = 1  # without accelerators: at least this many `cpu` stand-in devices
     env: tuple[tuple[str, str], ...] = ()
+    # config `logical_ids = [...]`: PCI addresses in the runtime's logical id
+    # order, for kinds numbered so (supervisor.topology.logical_ids)
+    logical_ids: tuple[str, ...] = ()

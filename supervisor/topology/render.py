@@ -52,7 +52,7 @@ def render_topology_text(topo: Topology) -> str:
     lines.append("")
     lines.append(
         f"{'device':<10} {'bdf':<14} {'node':>4}  {'locality':<13} {'visible':<7} {'irqs':>4}"
-        "  local cpus"
+        "  local cpus  irq numbers"
     )
     for d in topo.devices:
         where = "-" if d.numa_node is None else str(d.numa_node)
@@ -63,8 +63,17 @@ def render_topology_text(topo: Topology) -> str:
         lines.append(
             f"{d.label:<10} {d.bdf or '-':<14} {where:>4}  {d.locality:<13} "
             f"{'yes' if d.visible else 'no':<7} {len(d.irqs):>4}  "
-            f"{format_cpulist(local) or '-'}{extra}"
+            f"{format_cpulist(local) or '-'}  {format_cpulist(d.irqs) or '-'}{extra}"
         )
+    # The runtime's numbering: the device label's number is the logical id.
+    for source in sorted({f"{d.kind}: {d.id_source}" for d in topo.devices if d.id_source}):
+        kind, _, where = source.partition(": ")
+        if where == "PCI bus order":
+            lines.append(
+                f"{kind} device numbers: PCI bus order (the runtime's logical ids unknown)"
+            )
+        else:
+            lines.append(f"{kind} device numbers are the runtime's logical ids, from {where}")
     if topo.nics:
         lines.append("")
         lines.append(f"{'nic':<16} {'kind':<10} {'bdf':<14} {'node':>4} {'irqs':>5}")
@@ -97,6 +106,7 @@ def topology_to_doc(topo: Topology) -> dict[str, Any]:
                 "node": c.node,
                 "siblings": sorted(c.siblings),
             }
+            | ({} if c.l3 is None else {"l3": c.l3})
             for c in topo.cpus
         ],
         "online": sorted(topo.online),
@@ -131,6 +141,7 @@ def topology_to_doc(topo: Topology) -> dict[str, Any]:
                 "visible": d.visible,
                 "irqs": list(d.irqs),
             }
+            | ({"id_source": d.id_source} if d.id_source else {})
             for d in topo.devices
         ],
         "nics": [
