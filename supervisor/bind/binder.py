@@ -8,6 +8,7 @@ subclass whose `target` names the tid or pid ("tid 4242").
 
 from __future__ import annotations
 
+import array
 import errno
 import os
 from collections.abc import Iterable, Mapping
@@ -23,6 +24,8 @@ CAP_SYS_NICE = 23  # include/uapi/linux/capability.h
 
 # move_pages(2) addresses per call: 64 MiB of base pages.
 PAGES_PER_CALL = 16384
+# move_pages(2) statuses of an address with no page to move: not present, not mapped.
+NOT_THERE = (-errno.ENOENT, -errno.EFAULT)
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,12 +148,12 @@ class Binder:
         pass goes on). Mapped files and any page another process maps too
         stay where they are: move_pages(2) with MPOL_MF_MOVE.
 
-        Chunked: PAGES_PER_CALL addresses a call, each chunk first asked where
-        its pages are (nodes=NULL), then only the remote ones moved, so one call
-        holds the worker's mmap lock for 64 MiB at most and a move of gigabytes
-        spreads over passes (`max_bytes` is one pass's share of
-        drift.migrate_max_bytes_per_s). Raises Gone, Denied (seccomp, no
-        CAP_SYS_NICE), Invalid with target "pid N".
+        Chunked: PAGES_PER_CALL addresses a call, one call a chunk (a page
+        already on `to_node` is left as it is), so one call holds the worker's
+        mmap lock for 64 MiB at most and a move of gigabytes spreads over
+        passes (`max_bytes` is one pass's share of drift.migrate_max_bytes_per_s,
+        counted from numa_maps' pages per node). Raises Gone, Denied (seccomp,
+        no CAP_SYS_NICE), Invalid with target "pid N".
         """
         remote = frozenset(from_nodes)
         try:
@@ -159,23 +162,28 @@ class Binder:
         except OSError as err:
             raise translate_oserror(f"pid {pid}", err) from None
         budget = max(max_bytes, 1)
-        moved = left = moved_bytes = 0
-        for start, end, page in parse_own_ranges(maps, numa, remote):
-            for at in range(start, end, PAGES_PER_CALL * page):
-                chunk = range(at, min(end, at + PAGES_PER_CALL * page), page)
-                where = syscalls.move_pages_query(pid, chunk)
-                todo = [a for a, node in zip(chunk, where, strict=True) if node in remote]
-                if not todo:
-                    continue
-                room = -(-(budget - moved_bytes) // page)  # pages, rounded up
-                todo, rest = todo[:room], todo[room:]
-                status = syscalls.move_pages_to(pid, todo, to_node)
-                done = sum(1 for s in status if s == to_node)
-                moved += done
-                moved_bytes += done * page
-                left += len(todo) - done + len(rest)
-                if moved_bytes >= budget:
-                    return moved, left
+        moved = left = 0
+        for start, end, page, remote_pages in parse_own_ranges(maps, numa, remote):
+            if budget <= 0:
+                left += remote_pages  # the next pass's share
+                continue
+            # Every address of the mapping, a chunk a call: a page already on
+            # `to_node` is left as it is by the kernel, so no query first. Where
+            # the mapping holds more remote memory than the budget has left,
+            # only the share of its span that the budget covers is walked.
+            span = end - start
+            take = span if remote_pages * page <= budget else span * budget // (remote_pages * page)
+            stop = start + max(take // page, 1) * page
+            failed = 0
+            for at in range(start, stop, PAGES_PER_CALL * page):
+                addresses = array.array("Q", range(at, min(stop, at + PAGES_PER_CALL * page), page))
+                status = syscalls.move_pages(pid, addresses, to_node)
+                failed += sum(1 for s in status if s < 0 and s not in NOT_THERE)
+            done = remote_pages if stop >= end else remote_pages * (stop - start) // span
+            moved += max(done - failed, 0)
+            left += min(failed, done) + remote_pages - done
+            budget -= done * page
+        return moved, left
         return moved, left
 
     def can_migrate_other(self) -> bool:

@@ -237,56 +237,37 @@ def migrate_pages(pid: int, old_nodes: Iterable[int], new_nodes: Iterable[int]) 
         raise translate_oserror(target, err) from None
 
 
-def move_pages_query(pid: int, addresses: Iterable[int]) -> list[int]:
-    """The node of each page at `addresses` in process `pid` (move_pages(2), nodes=NULL).
+def move_pages(pid: int, addresses: Iterable[int], node: int | None = None) -> Sequence[int]:
+    """move_pages(2) on the pages at `addresses` of process `pid`: with `node`
+    None (nodes=NULL) only where each page is; else move each to `node` with
+    MPOL_MF_MOVE. The status of each: its node (after the call), or -errno
+    (-ENOENT: not present, -EFAULT: not mapped, -EACCES: mapped by several
+    processes, left in place, -EBUSY: in use).
 
-    A negative entry is an errno for that page (-ENOENT: not present, -EFAULT:
-    not mapped). Cheap sampling of where a process's memory lives.
+    MPOL_MF_MOVE, never MOVE_ALL: a page another process maps too stays where
+    it is, whatever our capabilities. The arrays are `array` buffers handed to
+    the kernel as they are: no Python object per page (a move of gigabytes is
+    millions of pages, on the executor thread that shares the loop's GIL).
     """
-    addrs = list(addresses)
+    import array  # noqa: PLC0415 - the shim imports this module; only movers pay
+
+    addrs = addresses if isinstance(addresses, array.array) else array.array("Q", addresses)
     count = len(addrs)
-    pages = (ctypes.c_void_p * count)(*addrs)
-    status = (ctypes.c_int * count)()
+    status = array.array("i", bytes(4 * count))
+    nodes = None if node is None else array.array("i", [node]) * count
     try:
         _syscall(
             "move_pages",
             ctypes.c_int(pid),
             ctypes.c_ulong(count),
-            pages,
-            None,
-            status,
-            ctypes.c_int(0),
+            (ctypes.c_uint64 * count).from_buffer(addrs) if count else None,
+            None if nodes is None else (ctypes.c_int * count).from_buffer(nodes),
+            (ctypes.c_int * count).from_buffer(status) if count else None,
+            ctypes.c_int(0 if node is None else MPOL_MF_MOVE),
         )
     except OSError as err:
         raise translate_oserror(f"pid {pid}", err) from None
-    return list(status)
-
-
-def move_pages_to(pid: int, addresses: Sequence[int], node: int) -> list[int]:
-    """Move the pages at `addresses` of process `pid` to `node` (move_pages(2),
-    MPOL_MF_MOVE); the status of each: its node after the call, or -errno
-    (-EACCES: mapped by several processes, left in place; -ENOENT: not present).
-
-    MPOL_MF_MOVE, never MOVE_ALL: a page another process maps too stays
-    where it is, whatever our capabilities.
-    """
-    count = len(addresses)
-    pages = (ctypes.c_void_p * count)(*addresses)
-    nodes = (ctypes.c_int * count)(*([node] * count))
-    status = (ctypes.c_int * count)()
-    try:
-        _syscall(
-            "move_pages",
-            ctypes.c_int(pid),
-            ctypes.c_ulong(count),
-            pages,
-            nodes,
-            status,
-            ctypes.c_int(MPOL_MF_MOVE),
-        )
-    except OSError as err:
-        raise translate_oserror(f"pid {pid}", err) from None
-    return list(status)
+    return status
 
 
 def _prctl(option: int, arg: object, target: str) -> None:
@@ -350,7 +331,7 @@ __all__ = [
     "get_mempolicy",
     "get_pdeathsig",
     "migrate_pages",
-    "move_pages_query",
+    "move_pages",
     "reset_signal_default",
     "set_mempolicy",
     "set_pdeathsig",

@@ -71,9 +71,10 @@ def read_numa_maps(fs: HostFS, pid: int) -> dict[int, int]:
 
 def parse_own_ranges(
     maps_text: str, numa_text: str, nodes: frozenset[int]
-) -> list[tuple[int, int, int]]:
-    """(start, end, page bytes) of the mappings whose memory the process allocated
-    (the ones `parse_numa_maps` counts) that hold pages on `nodes` (pure).
+) -> list[tuple[int, int, int, int]]:
+    """(start, end, page bytes, pages on `nodes`) of the mappings whose memory the
+    process allocated (the ones `parse_numa_maps` counts) that hold pages on
+    `nodes` (pure).
 
     `maps_text` is /proc/<pid>/maps (it has each mapping's end), `numa_text`
     its numa_maps (where each mapping's pages are), joined by start address.
@@ -89,16 +90,16 @@ def parse_own_ranges(
         high = rest.split(" ", 1)[0]
         if low and high:
             ends[int(low, 16)] = int(high, 16)
-    ranges: list[tuple[int, int, int]] = []
+    ranges: list[tuple[int, int, int, int]] = []
     for line in numa_text.splitlines():
         tokens = line.split()
         if not tokens:
             continue
         page_bytes = PAGE_BYTES
-        remote = False
+        remote = 0
         for token in tokens[1:]:
             if token.startswith("file=") and not _own_shared_memory(token, line):
-                remote = False
+                remote = 0
                 break
             if token.startswith("kernelpagesize_kB="):
                 size_text = token[18:]
@@ -106,12 +107,12 @@ def parse_own_ranges(
                     page_bytes = int(size_text) * 1024
             elif token[0] == "N" and "=" in token:
                 node_text, _, pages = token[1:].partition("=")
-                if node_text.isdigit() and int(node_text) in nodes and pages != "0":
-                    remote = True
+                if node_text.isdigit() and int(node_text) in nodes and pages.isdigit():
+                    remote += int(pages)
         start = int(tokens[0], 16)
         end = ends.get(start)
         if remote and end is not None:
-            ranges.append((start, end, page_bytes))
+            ranges.append((start, end, page_bytes, remote))
     return ranges
 
 

@@ -26,7 +26,7 @@ import subprocess
 import sys
 from typing import Any
 
-from supervisor.bind.syscalls import MPOL_BIND, move_pages_query, set_mempolicy
+from supervisor.bind.syscalls import MPOL_BIND, move_pages, set_mempolicy
 from supervisor.hostfs import HostFS
 from supervisor.topology.discover import read_topology
 from supervisor.topology.model import DiscoveryOptions
@@ -48,7 +48,7 @@ def child(node: int, cpus: list[int], device: int, mib: int, iters: int) -> dict
     host.fill_(1)
     dev = torch.empty(size, dtype=torch.uint8, device=f"cuda:{device}")
     base = host.data_ptr()
-    where = move_pages_query(0, range(base, base + size, 1 << 20))
+    where = move_pages(0, range(base, base + size, 1 << 20))
     local = sum(1 for n in where if n == node) / len(where)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     out: dict[str, Any] = {"node": node, "pages_on_node": local}

@@ -116,11 +116,11 @@ def test_migrate_pages_of_self_and_of_a_gone_pid() -> None:
     assert info.value.target == f"pid {child.pid}"
 
 
-def test_move_pages_query_finds_a_touched_page() -> None:
+def test_move_pages_finds_a_touched_page() -> None:
     buf = mmap.mmap(-1, 4 * mmap.PAGESIZE)
     buf[0] = 1  # fault in the first page only
     addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
-    status = syscalls.move_pages_query(os.getpid(), [addr, addr + 3 * mmap.PAGESIZE])
+    status = syscalls.move_pages(os.getpid(), [addr, addr + 3 * mmap.PAGESIZE])
     assert status[0] in mems_allowed()
     assert status[1] == -errno.ENOENT  # never touched: not present
     del addr

@@ -53,7 +53,7 @@ def test_only_the_memory_the_process_allocated_is_walked(child: object) -> None:
     maps = Path(f"/proc/{pid}/maps").read_text()
     numa = Path(f"/proc/{pid}/numa_maps").read_text()
     ranges = parse_own_ranges(maps, numa, frozenset({0}))
-    sizes = [end - start for start, end, _ in ranges]
+    sizes = [end - start for start, end, _, _ in ranges]
     assert 96 * MIB in sizes  # the private buffer
     assert 8 * MIB in sizes  # MAP_SHARED|MAP_ANONYMOUS (file=/dev/zero), this process's alone
     files = {
@@ -61,8 +61,10 @@ def test_only_the_memory_the_process_allocated_is_walked(child: object) -> None:
         for line in maps.splitlines()
         if len(line.split()) >= 6 and line.split()[5].startswith("/") and "/dev/zero" not in line
     }
-    assert files and not files & {start for start, _, _ in ranges}
-    assert all(page == PAGE_BYTES and end > start for start, end, page in ranges)
+    assert files and not files & {start for start, _, _, _ in ranges}
+    assert all(page == PAGE_BYTES and end > start for start, end, page, _ in ranges)
+    by_size = {end - start: remote for start, end, _, remote in ranges}
+    assert by_size[96 * MIB] == 96 * MIB // PAGE_BYTES  # every page touched, all on node 0
     assert parse_own_ranges(maps, numa, frozenset({1})) == []  # nothing on node 1
 
 
@@ -70,8 +72,8 @@ def test_a_move_stops_at_its_budget_and_goes_on_next_time(child: object) -> None
     pid = child.pid  # type: ignore[attr-defined]
     binder = Binder(HostFS("/"))
     moved, left = binder.move_own_pages(pid, (0,), 0, 8 * MIB)
-    assert moved == 8 * MIB // PAGE_BYTES
-    assert left > 0  # the rest of the chunk, and the walk stopped there
+    assert 0 < moved * PAGE_BYTES <= 8 * MIB + PAGES_PER_CALL * PAGE_BYTES
+    assert left > 0  # the rest: the next pass's share
     # A budget past what it holds: every present private page, in calls of
     # PAGES_PER_CALL at most (the 96 MiB buffer alone is 1.5 of them); nothing left.
     assert 96 * MIB > PAGES_PER_CALL * PAGE_BYTES
