@@ -38,9 +38,11 @@ from supervisor.run import users
 from supervisor.run.fleet import Fleet
 from supervisor.run.runner import Runtime
 from supervisor.run.spec import ChildSpec, PlanSpecs
+from supervisor.service.preflight import check_processes
 from supervisor.service.status import ServiceStatus
 from supervisor.state import ReloadResult, ReloadVerdict, StateStore
 from supervisor.topology.discover import read_topology
+from supervisor.trees.kind_rules import rules_for
 from supervisor.watch.loop import CheckLoop
 from supervisor.worker import SLOT_ENV
 
@@ -77,7 +79,28 @@ def restart_reasons(old: Config, new: Config) -> tuple[str, ...]:
         reasons.append("workers.rank_from")
     if old.irq != new.irq:
         reasons.append("[irq]")
+    reasons.extend(_adopter_reasons(old, new))
     return tuple(reasons)
+
+
+def _adopter_reasons(old: Config, new: Config) -> list[str]:
+    """What the adopter of engine-spawned workers (trees.adopt.Adopter) fixed at
+    start: the engine kind's rules (and the layout they read from the engine's
+    command) and the waiting warning's threshold. A change it would not apply is
+    refused, never reloaded `ok` and left unapplied."""
+    if old.engine is None or new.engine is None:
+        return []
+    reasons: list[str] = []
+    if old.engine.kind != new.engine.kind:
+        reasons.append(f"engine.kind ({old.engine.kind} -> {new.engine.kind})")
+    elif old.workers.spawned_by == "engine":
+        before = rules_for(old.engine.kind, old.engine.command, old.engine.env)
+        after = rules_for(new.engine.kind, new.engine.command, new.engine.env)
+        if before != after:
+            reasons.append("engine.command (the layout its kind reads from it)")
+    if old.workers.waiting_warning_s != new.workers.waiting_warning_s:
+        reasons.append("workers.waiting_warning_s")
+    return reasons
 
 
 def process_change(old: Placement, new: Placement) -> str | None:
@@ -254,6 +277,15 @@ class Reloader:
             if change is not None:
                 return self._refused(path, digest, [change])
             accounts = users.resolve_accounts(config)
+            # What `run` refuses at start (each command as its account would exec
+            # it, each `python -m` module, argv + environment over E2BIG) is refused
+            # here too, before any process is touched: restarting healthy ranks into
+            # a command that cannot start is a crash loop the old config did not have.
+            problems = await loop.run_in_executor(
+                executor, check_processes, config, d.env, d.specs.python, placement
+            )
+            if problems:
+                raise ConfigError("; ".join(problems))
             # The token file again (same path: [api] itself needs a restart): how a
             # token is rotated. Unreadable, empty or open to others: invalid, old kept.
             token = None
