@@ -42,6 +42,7 @@ from supervisor.service.preflight import check_processes
 from supervisor.service.status import ServiceStatus
 from supervisor.state import ReloadResult, ReloadVerdict, StateStore
 from supervisor.topology.discover import read_topology
+from supervisor.topology.model import Topology
 from supervisor.trees.kind_rules import rules_for
 from supervisor.watch.loop import CheckLoop
 from supervisor.worker import SLOT_ENV
@@ -139,6 +140,23 @@ def respawn_keys(
         if (key == "engine" or not adopted)
         and (key not in old or _identity(old[key]) != _identity(spec))
     )
+
+
+def _specs_before(d: Reloadable, topology: Topology) -> Mapping[ProcKey, ChildSpec]:
+    """The specs to tell the config's changes by: the config in force planned on the
+    topology the reload read. A slot that moved only because the cpuset did (a write
+    the check loop has not re-planned for yet) is then re-bound in place by the
+    install's pass, as a cpuset re-plan would, not restarted; the specs in force
+    when the old config cannot be planned there."""
+    in_force = d.plan.config
+    try:
+        placement = plan(topology, in_force.placement)
+    except SupervisorError:
+        return d.specs.by_key()
+    if not same_processes(d.plan.placement, placement):
+        return d.specs.by_key()
+    holder = PlanInForce(in_force, topology, placement)
+    return PlanSpecs(holder, d.env, d.specs.python, d.specs.accounts).by_key()
 
 
 @dataclass(frozen=True, slots=True)
@@ -304,7 +322,7 @@ class Reloader:
             PlanInForce(config, topology, placement), d.env, d.specs.python, accounts
         )
         adopted = config.workers.spawned_by == "engine"
-        respawn = respawn_keys(d.specs.by_key(), new_specs.by_key(), adopted=adopted)
+        respawn = respawn_keys(_specs_before(d, topology), new_specs.by_key(), adopted=adopted)
         moved = changed_keys(d.plan.placement, placement)
         # The runners, the tree keeper, the check loop and the API read the config at
         # each use from the plan holder, which `install` below replaces (restart
