@@ -44,6 +44,7 @@ from supervisor.state import ReloadResult, ReloadVerdict, StateStore
 from supervisor.topology.discover import read_topology
 from supervisor.topology.model import Topology
 from supervisor.trees.kind_rules import rules_for
+from supervisor.trees.rank_source import bdf_ranks, rank_tables
 from supervisor.watch.loop import CheckLoop
 from supervisor.worker import SLOT_ENV
 
@@ -80,6 +81,9 @@ def restart_reasons(old: Config, new: Config) -> tuple[str, ...]:
         reasons.append("workers.rank_from")
     if old.irq != new.irq:
         reasons.append("[irq]")
+    if old.drift.cpuset_watch_s != new.drift.cpuset_watch_s:
+        # The fast watch's thread is started (or not) with its period at start.
+        reasons.append("drift.cpuset_watch_s")
     reasons.extend(_adopter_reasons(old, new))
     return tuple(reasons)
 
@@ -104,9 +108,13 @@ def _adopter_reasons(old: Config, new: Config) -> list[str]:
     return reasons
 
 
-def process_change(old: Placement, new: Placement) -> str | None:
-    """Why `new` cannot replace `old` live (other processes planned), or None."""
+def process_change(old: Placement, new: Placement, *, adopted: bool = False) -> str | None:
+    """Why `new` cannot replace `old` live (other processes planned), or None. With
+    `adopted` also a rank given other devices or another local rank: the adopter
+    names the engine's workers by tables it made from the plan at start."""
     if same_processes(old, new):
+        if adopted and (rank_tables(old), bdf_ranks(old)) != (rank_tables(new), bdf_ranks(new)):
+            return "the new plan gives the adopted ranks other devices or local ranks"
         return None
     before = len(old.ranks) + (old.engine is not None)
     after = len(new.ranks) + (new.engine is not None)
@@ -291,7 +299,8 @@ class Reloader:
             options = discovery_options(config, d.env)
             topology = await loop.run_in_executor(executor, read_topology, d.fs, options)
             placement = plan(topology, config.placement)
-            change = process_change(d.plan.placement, placement)
+            adopted = config.workers.spawned_by == "engine"
+            change = process_change(d.plan.placement, placement, adopted=adopted)
             if change is not None:
                 return self._refused(path, digest, [change])
             accounts = users.resolve_accounts(config)
@@ -321,7 +330,6 @@ class Reloader:
         new_specs = PlanSpecs(
             PlanInForce(config, topology, placement), d.env, d.specs.python, accounts
         )
-        adopted = config.workers.spawned_by == "engine"
         respawn = respawn_keys(_specs_before(d, topology), new_specs.by_key(), adopted=adopted)
         moved = changed_keys(d.plan.placement, placement)
         # The runners, the tree keeper, the check loop and the API read the config at
