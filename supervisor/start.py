@@ -77,6 +77,7 @@ def run_command(args: argparse.Namespace) -> int:
             cgroup=cgroup_cap,
             irq_wanted=config.irq.enabled,
             irqs_planned=placement.has_irqs,
+            irq_checkpoint_problem=checkpoint.probe() if config.irq.enabled else None,
         )
         has_engine = config.engine is not None  # a grace too short for the stop: said once
         log_stop_budget(

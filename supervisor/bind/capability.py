@@ -77,6 +77,7 @@ def probe_capabilities(
     cgroup: Capability,
     irq_wanted: bool,
     irqs_planned: bool = True,
+    irq_checkpoint_problem: str | None = None,
 ) -> dict[CapabilityName, Capability]:
     """Every capability; `cgroup` is what the cgroup setup found (service.cgroups).
 
@@ -89,6 +90,10 @@ def probe_capabilities(
     caps["irq"] = (
         probe_irq(fs) if irq_wanted else Capability("irq", False, wanted=False, reason="irq off")
     )
+    if irq_wanted and irq_checkpoint_problem is not None:
+        # No IRQ is moved whose original could not be kept on disk first.
+        reason = f"irq checkpoint cannot be written: {irq_checkpoint_problem}"
+        caps["irq"] = Capability("irq", False, reason=reason)
     for cap in caps.values():
         if cap.name == "irq" and cap.missing and not irqs_planned:
             log.info(

@@ -10,6 +10,7 @@ alone. irqbalance itself is never stopped or reconfigured otherwise.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import socket
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from supervisor.cpulist import format_cpulist, parse_cpulist
-from supervisor.errors import KernelError, ManagedIrq, translate_oserror
+from supervisor.errors import Denied, KernelError, ManagedIrq, translate_oserror
 from supervisor.hostfs import HostFS
 from supervisor.procfs.walk import walk_host
 
@@ -30,13 +31,21 @@ _IRQBALANCE_MAX_REQUEST = 500
 
 
 class OriginalsStore(Protocol):
-    """Where originals go before the first write (supervisor.bind.irq_checkpoint.IrqCheckpoint)."""
+    """Where originals go before the first write (supervisor.bind.irq_checkpoint.IrqCheckpoint):
+    the host's, shared by the instances of one host."""
+
+    @property
+    def path(self) -> str: ...
 
     def __contains__(self, irq: object) -> bool: ...
 
-    def add(self, originals: Mapping[int, Iterable[int]]) -> None: ...
+    def add(self, originals: Mapping[int, Iterable[int]]) -> Mapping[int, frozenset[int]]: ...
 
     def discard(self, irqs: Iterable[int]) -> None: ...
+
+    def locked(self) -> contextlib.AbstractContextManager[None]: ...
+
+    def held_by_others(self, irqs: Iterable[int]) -> Mapping[int, int]: ...
 
 
 class IrqBinder:
@@ -93,7 +102,10 @@ class IrqBinder:
                 found[irq] = self.read_affinity(irq)
             except KernelError:
                 continue
-        self.checkpoint.add(found)
+        try:
+            self.checkpoint.add(found)
+        except OSError:
+            return  # each `bind` tries again and refuses to move its IRQ (Denied)
         self._saved.update(found)
 
     def bind(self, irq: int, cpus: Iterable[int]) -> frozenset[int]:
@@ -110,8 +122,14 @@ class IrqBinder:
         before = self.read_affinity(irq)
         if self.checkpoint is not None and irq not in self._original:
             # Durable before the first write: whatever ends this process next,
-            # the host's own affinity can be found again (no-op when saved).
-            self.checkpoint.add({irq: before})
+            # the host's own affinity can be found again (no-op when saved). The
+            # original is the host's: another instance that moved it first has it.
+            try:
+                before = self.checkpoint.add({irq: before})[irq]
+            except OSError as err:
+                # Not durable, not moved: an original in memory only is lost to a
+                # SIGKILL. Denied turns IRQ binding off for the run, said once.
+                raise Denied(f"irq {irq}: checkpoint {self.checkpoint.path}", err) from None
             self._saved.add(irq)
         self._write(irq, format_cpulist(wanted), target)
         # Remembered only once a write went through: a refused IRQ is unchanged.
@@ -142,14 +160,24 @@ class IrqBinder:
 
     def restore(self, irq: int) -> None:
         """Put one IRQ's original affinity back (no-op for an IRQ never bound)."""
-        self._restore(irq)
-        self._forget((irq,))
+        with self._shared():
+            self._restore(irq, self._held((irq,)))
+            self._forget((irq,))
 
-    def _restore(self, irq: int) -> None:
+    def _shared(self) -> contextlib.AbstractContextManager[None]:
+        # The host-wide lock across "does another instance still hold it?" and the
+        # write: an instance recording it meanwhile would take our value for original.
+        return self.checkpoint.locked() if self.checkpoint is not None else contextlib.nullcontext()
+
+    def _held(self, irqs: Iterable[int]) -> Mapping[int, int]:
+        return {} if self.checkpoint is None else self.checkpoint.held_by_others(irqs)
+
+    def _restore(self, irq: int, held: Mapping[int, int]) -> None:
         original = self._original.get(irq)
         if original is None:
             return
-        self._write(irq, format_cpulist(original), f"irq {irq}")
+        if irq not in held:  # else the last instance using it writes the host's back
+            self._write(irq, format_cpulist(original), f"irq {irq}")
         del self._original[irq]
 
     def _forget(self, irqs: Iterable[int]) -> None:
@@ -167,15 +195,17 @@ class IrqBinder:
         one write, which removes the file when nothing failed.
         """
         results: list[tuple[int, KernelError | None]] = []
-        for irq in sorted(self._original):
-            try:
-                self._restore(irq)
-                results.append((irq, None))
-            except KernelError as err:
-                if err.reason == "gone":
-                    self._original.pop(irq, None)
-                results.append((irq, err))
-        self._forget(sorted(self._saved))
+        with self._shared():
+            held = self._held(self._original)
+            for irq in sorted(self._original):
+                try:
+                    self._restore(irq, held)
+                    results.append((irq, None))
+                except KernelError as err:
+                    if err.reason == "gone":
+                        self._original.pop(irq, None)
+                    results.append((irq, err))
+            self._forget(sorted(self._saved))
         return results
 
 

@@ -3,8 +3,9 @@
 
 Written before the first IRQ write, so that after an unclean end (the daemon
 and its guardian killed, a crash) the next one to look puts the host's own
-affinities back instead of taking ours for the originals. Pure parse/format/plan
-functions first, then the file, then `restore_checkpoint`.
+affinities back instead of taking ours for the originals. The document and its
+restore plan are pure (supervisor.bind.irq_checkpoint_data); here the file, the
+host-wide lock its instances share, then `restore_checkpoint`.
 """
 
 from __future__ import annotations
@@ -12,20 +13,26 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import hashlib
-import json
 import logging
 import os
 import stat
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any
 
 from supervisor.bind.irq import IrqBinder
+from supervisor.bind.irq_checkpoint_data import (
+    CheckpointError,
+    IrqCheckpointData,
+    RestorePlan,
+    format_checkpoint,
+    misfit_fields,
+    parse_checkpoint,
+    plan_restore,
+)
 from supervisor.cpulist import format_cpulist, parse_cpulist
 from supervisor.errors import KernelError
 from supervisor.hostfs import HostFS
@@ -33,7 +40,6 @@ from supervisor.logs import format_fields
 
 log = logging.getLogger("placement_supervisor.irq_checkpoint")
 
-CHECKPOINT_VERSION = 1
 # After a reboot the kernel has reset every IRQ's affinity: a checkpoint of
 # another boot describes nothing on this one (proc(5), /proc/sys/kernel/random).
 BOOT_ID_FILE = "proc/sys/kernel/random/boot_id"
@@ -42,147 +48,6 @@ ONLINE_CPUS_FILE = "sys/devices/system/cpu/online"
 # (guardian.KILL_ROUNDS_S) plus the writes: wait a little longer than that.
 LOCK_WAIT_S = 15.0
 _LOCK_POLL_S = 0.02
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used as a whole: garbled, wrong checksum, unknown version."""
-
-
-# -- pure: the document ------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class IrqCheckpointData:
-    """What a checkpoint holds: whose it is, from which boot, and IRQ -> original CPUs."""
-
-    boot_id: str
-    pid: int  # the daemon that wrote it (its guardian restores only its own)
-    originals: Mapping[int, frozenset[int]] = field(default_factory=dict)
-
-
-def _body(data: IrqCheckpointData) -> dict[str, Any]:
-    return {
-        "version": CHECKPOINT_VERSION,
-        "boot_id": data.boot_id,
-        "pid": data.pid,
-        "irqs": {str(irq): format_cpulist(cpus) for irq, cpus in sorted(data.originals.items())},
-    }
-
-
-def _checksum(body: Mapping[str, Any]) -> str:
-    # As the kubelet's checkpoints do (pkg/kubelet/checkpointmanager/checksum):
-    # a checksum over the content, written beside it, checked on every read.
-    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
-    return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
-
-
-def format_checkpoint(data: IrqCheckpointData) -> str:
-    """The file's text: JSON with version, boot id, pid, irqs and checksum (pure)."""
-    body = _body(data)
-    return json.dumps({**body, "checksum": _checksum(body)}, indent=1, sort_keys=True) + "\n"
-
-
-def parse_checkpoint(text: str) -> IrqCheckpointData:
-    """The checkpoint in `text`; CheckpointError naming what is wrong (pure)."""
-    try:
-        doc = json.loads(text)
-    except ValueError as err:
-        raise CheckpointError(f"not JSON: {err}") from None
-    if not isinstance(doc, dict):
-        raise CheckpointError("not a JSON object")
-    checksum = doc.pop("checksum", None)
-    if doc.get("version") != CHECKPOINT_VERSION:
-        raise CheckpointError(f"version {doc.get('version')!r}, expected {CHECKPOINT_VERSION}")
-    if checksum != _checksum(doc):
-        raise CheckpointError("checksum mismatch")
-    boot_id, pid, irqs = doc.get("boot_id"), doc.get("pid"), doc.get("irqs")
-    if set(doc) != {"version", "boot_id", "pid", "irqs"}:
-        raise CheckpointError(f"fields {sorted(doc)}")
-    if not isinstance(boot_id, str) or not isinstance(pid, int) or not isinstance(irqs, dict):
-        raise CheckpointError("boot_id, pid or irqs of the wrong type")
-    originals: dict[int, frozenset[int]] = {}
-    for key, cpus in irqs.items():
-        if not (isinstance(key, str) and key.isdigit() and isinstance(cpus, str)):
-            raise CheckpointError(f"irq entry {key!r}: {cpus!r}")
-        try:
-            originals[int(key)] = parse_cpulist(cpus)
-        except ValueError as err:
-            raise CheckpointError(f"irq {key}: {err}") from None
-    return IrqCheckpointData(boot_id, pid, MappingProxyType(originals))
-
-
-# -- pure: what of it still fits the host -----------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class RestorePlan:
-    """The writes that put a checkpoint back on this host, and what did not fit.
-
-    `other_boot`: written before the last reboot, nothing to write. `gone`: IRQs
-    this host no longer has. `narrowed`: IRQ -> the CPUs of its original that are
-    offline now (the rest is written). `unfit`: none of its CPUs online: left as is.
-    """
-
-    writes: Mapping[int, frozenset[int]]
-    other_boot: bool = False
-    gone: tuple[int, ...] = ()
-    narrowed: Mapping[int, frozenset[int]] = field(default_factory=dict)
-    unfit: tuple[int, ...] = ()
-
-    @property
-    def fits(self) -> bool:
-        return not (self.gone or self.narrowed or self.unfit)
-
-
-def plan_restore(
-    data: IrqCheckpointData,
-    *,
-    boot_id: str,
-    irqs: Iterable[int],
-    online_cpus: frozenset[int] | None,
-) -> RestorePlan:
-    """What to write to put `data` back on a host with `irqs` and `online_cpus` (pure).
-
-    `online_cpus` None: unknown, every CPU list is taken as it is.
-    """
-    if data.boot_id != boot_id:
-        return RestorePlan(MappingProxyType({}), other_boot=True)
-    present = frozenset(irqs)
-    writes: dict[int, frozenset[int]] = {}
-    gone: list[int] = []
-    narrowed: dict[int, frozenset[int]] = {}
-    unfit: list[int] = []
-    for irq, cpus in sorted(data.originals.items()):
-        if irq not in present:
-            gone.append(irq)
-            continue
-        fit = cpus if online_cpus is None else cpus & online_cpus
-        if not fit:
-            unfit.append(irq)
-            continue
-        if fit != cpus:
-            narrowed[irq] = cpus - fit
-        writes[irq] = fit
-    return RestorePlan(
-        MappingProxyType(writes),
-        gone=tuple(gone),
-        narrowed=MappingProxyType(narrowed),
-        unfit=tuple(unfit),
-    )
-
-
-def misfit_fields(plan: RestorePlan) -> dict[str, object] | None:
-    """The key=values of the one log line for a checkpoint that no longer fits (pure)."""
-    if plan.fits:
-        return None
-    offline = frozenset().union(*plan.narrowed.values()) if plan.narrowed else frozenset()
-    return {
-        "irqs_gone": format_cpulist(plan.gone) or None,
-        "irqs_narrowed": format_cpulist(plan.narrowed) or None,
-        "cpus_offline": format_cpulist(offline) or None,
-        "irqs_unfit": format_cpulist(plan.unfit) or None,
-        "action": "applied as far as it fits",
-    }
 
 
 # -- the file ----------------------------------------------------------------------------------
@@ -224,12 +89,24 @@ def fsync_dir(directory: str) -> None:
         os.close(dfd)
 
 
+class CheckpointUnwritable(OSError):
+    """The checkpoint could not be written before an IRQ write: the IRQ is not moved."""
+
+
 class IrqCheckpoint:
     """This daemon's checkpoint file: the originals of the IRQs it moved (thread-safe).
 
-    `add` before an IRQ is first written, `discard` once it is back; the file
-    goes when nothing is left in it. A file that cannot be written is one
-    warning; IRQ binding goes on with the originals in memory only.
+    `add` before an IRQ is first written (raises CheckpointUnwritable when the
+    file cannot be written: an original kept in memory only is lost to a
+    SIGKILL, so the IRQ must not move), `discard` once it is back; the file goes
+    when nothing is left in it.
+
+    The originals are the host's, not this instance's: every instance of one
+    host keeps its file in the same state directory, and under one host-wide
+    flock (`host_lock`: the directory's) an IRQ another instance's file already holds
+    is recorded with that file's original (the first writer's read), and an
+    IRQ a live instance still holds is not written back by the others
+    (`held_by_others`): the last user restores.
     """
 
     def __init__(self, path: str, boot_id: str, pid: int | None = None) -> None:
@@ -237,8 +114,53 @@ class IrqCheckpoint:
         self.boot_id = boot_id
         self.pid = os.getpid() if pid is None else pid
         self._originals: dict[int, frozenset[int]] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        self._host_fd: int | None = None
+        self._depth = 0
         self._warned = False
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """This object's lock and the host-wide one (reentrant: flock(2) is per open
+        file, so a second open in this process would wait on the first)."""
+        with self._lock:
+            if self._depth == 0:
+                # Best effort: a directory where the lock file cannot be made is one
+                # where `add` cannot write either (and refuses), while a restore
+                # must go on without it.
+                self._host_fd = _host_lock_or_none(os.path.dirname(self.path) or ".")
+            self._depth += 1
+            try:
+                yield
+            finally:
+                self._depth -= 1
+                if self._depth == 0 and self._host_fd is not None:
+                    os.close(self._host_fd)  # drops the flock
+                    self._host_fd = None
+
+    def probe(self) -> str | None:
+        """Why this checkpoint cannot be written now (its directory missing, read-only
+        or full), or None: the host lock taken and a small file written, synced and
+        removed beside it. Blocking; at start, before any IRQ is moved."""
+        directory = os.path.dirname(self.path) or "."
+        try:
+            with self.locked():
+                write_atomic(os.path.join(directory, f".probe-{self.pid}"), "{}\n")
+                remove_file(os.path.join(directory, f".probe-{self.pid}"))
+        except OSError as err:
+            return f"{directory}: {err.strerror or err}"
+        return None
+
+    def held_by_others(self, irqs: Iterable[int]) -> dict[int, int]:
+        """IRQ -> the pid of another live daemon whose checkpoint holds it (call
+        under `locked`): not ours to write back while that one runs."""
+        wanted = frozenset(irqs)
+        out: dict[int, int] = {}
+        for data in sibling_checkpoints(self.path, self.boot_id):
+            if data.pid != self.pid and pid_alive(data.pid):
+                for irq in wanted & data.originals.keys():
+                    out.setdefault(irq, data.pid)
+        return out
 
     def __repr__(self) -> str:
         return f"IrqCheckpoint({self.path!r}, irqs={sorted(self._originals)})"
@@ -250,29 +172,45 @@ class IrqCheckpoint:
     def originals(self) -> dict[int, frozenset[int]]:
         return dict(self._originals)
 
-    def add(self, originals: Mapping[int, Iterable[int]]) -> None:
-        """Save the IRQs not in it yet (an IRQ already there keeps its first original)."""
-        with self._lock:
+    def add(self, originals: Mapping[int, Iterable[int]]) -> dict[int, frozenset[int]]:
+        """Save the IRQs not in it yet and return the host's original of each given
+        IRQ: one already here keeps its first original, one another instance's file
+        holds takes that file's (it read the IRQ before anyone moved it). Raises
+        CheckpointUnwritable, keeping nothing new, when the file cannot be written."""
+        with self.locked():
             new = {irq: frozenset(c) for irq, c in originals.items() if irq not in self._originals}
-            if not new:
-                return
-            self._originals.update(new)
-            self._save()
+            if new:
+                for data in sibling_checkpoints(self.path, self.boot_id):
+                    for irq in new.keys() & data.originals.keys():
+                        new[irq] = data.originals[irq]
+                self._originals.update(new)
+                try:
+                    self._write()
+                except OSError as err:
+                    for irq in new:
+                        del self._originals[irq]
+                    raise CheckpointUnwritable(
+                        err.errno, f"{self.path}: {err.strerror or err}"
+                    ) from None
+            return {irq: self._originals[irq] for irq in originals}
 
     def discard(self, irqs: Iterable[int]) -> None:
         """Forget IRQs that are back on their originals; remove the file when empty."""
-        with self._lock:
+        with self.locked():
             gone = [irq for irq in irqs if self._originals.pop(irq, None) is not None]
             if gone:
                 self._save()
 
+    def _write(self) -> None:
+        if self._originals:
+            data = IrqCheckpointData(self.boot_id, self.pid, dict(self._originals))
+            write_atomic(self.path, format_checkpoint(data))
+        else:
+            remove_file(self.path)
+
     def _save(self) -> None:
         try:
-            if self._originals:
-                data = IrqCheckpointData(self.boot_id, self.pid, dict(self._originals))
-                write_atomic(self.path, format_checkpoint(data))
-            else:
-                remove_file(self.path)
+            self._write()
         except OSError as err:
             if not self._warned:
                 self._warned = True
@@ -284,6 +222,57 @@ class IrqCheckpoint:
                         action="keep the originals in memory only",
                     ),
                 )
+
+
+CHECKPOINT_SUFFIX = ".irqs.json"
+
+
+def host_lock(directory: str, wait_s: float = LOCK_WAIT_S) -> int:
+    """flock(2) LOCK_EX on the state directory itself (every instance of the host
+    keeps its checkpoint there; a directory takes flock as a file does, and no
+    lock file is left behind); its fd (close it to unlock). Raises OSError when
+    the directory cannot be opened."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    if not _lock(fd, wait_s):
+        log.warning(
+            "irq host lock busy %s",
+            format_fields(path=directory, waited_s=wait_s, action="go on"),
+        )
+    return fd
+
+
+def sibling_checkpoints(path: str, boot_id: str) -> list[IrqCheckpointData]:
+    """The other checkpoints of this boot in `path`'s directory (every instance's);
+    one that cannot be read or parsed is skipped (its own daemon's start reports it)."""
+    directory = os.path.dirname(path) or "."
+    out: list[IrqCheckpointData] = []
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        return out
+    for name in names:
+        other = os.path.join(directory, name)
+        if not name.endswith(CHECKPOINT_SUFFIX) or name.startswith(".") or other == path:
+            continue
+        try:
+            with open(other, encoding="utf-8", errors="replace") as f:
+                data = parse_checkpoint(f.read(1 << 22))
+        except (OSError, CheckpointError):
+            continue
+        if data.boot_id == boot_id:
+            out.append(data)
+    return out
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process `pid` exists (kill(2) with signal 0; EPERM: it does)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def remove_file(path: str) -> None:
@@ -379,20 +368,60 @@ def _restore(fs: HostFS, path: str, owner: int | None, lock_wait_s: float) -> Re
             return _discard(path, str(err))
         if owner is not None and data.pid != owner:
             return None  # a newer daemon's own: it is alive, not ours to touch
-        plan = plan_restore(
-            data,
-            boot_id=read_boot_id(fs),
-            irqs=[irq for irq in data.originals if fs.exists(f"proc/irq/{irq}")],
-            online_cpus=_online_cpus(fs),
-        )
-        if plan.other_boot:
+        boot_id = read_boot_id(fs)
+        if data.boot_id != boot_id:
             return _discard(path, "other boot", boot_id=data.boot_id, pid=data.pid)
-        report = _apply(fs, path, data, plan)
-        if _same_file(path, st):
-            remove_file(path)
+        host = _host_lock_or_none(os.path.dirname(path) or ".")
+        try:
+            # The last user restores: an IRQ a live instance's checkpoint also holds
+            # stays as it is (that one writes the host's original back at its end).
+            data = _without_held(path, data)
+            plan = plan_restore(
+                data,
+                boot_id=boot_id,
+                irqs=[irq for irq in data.originals if fs.exists(f"proc/irq/{irq}")],
+                online_cpus=_online_cpus(fs),
+            )
+            report = _apply(fs, path, data, plan)
+            if _same_file(path, st):
+                remove_file(path)
+        finally:
+            if host is not None:
+                os.close(host)
         return report
     finally:
         os.close(fd)  # drops the flock
+
+
+def _host_lock_or_none(directory: str) -> int | None:
+    """The host-wide IRQ lock for a restore; None (restore anyway) when the
+    directory cannot be opened."""
+    try:
+        return host_lock(directory)
+    except OSError:
+        return None
+
+
+def _without_held(path: str, data: IrqCheckpointData) -> IrqCheckpointData:
+    """`data` less the IRQs another live daemon's checkpoint holds, with one line."""
+    held: dict[int, int] = {}
+    for other in sibling_checkpoints(path, data.boot_id):
+        if other.pid != data.pid and pid_alive(other.pid):
+            for irq in data.originals.keys() & other.originals.keys():
+                held.setdefault(irq, other.pid)
+    if not held:
+        return data
+    log.info(
+        "irq checkpoint shared %s",
+        format_fields(
+            path=path,
+            irqs=format_cpulist(held),
+            holders=",".join(str(pid) for pid in sorted(set(held.values()))),
+            action="leave them to the last instance using them",
+        ),
+    )  # fmt: skip
+    kept = {irq: cpus for irq, cpus in data.originals.items() if irq not in held}
+    return IrqCheckpointData(data.boot_id, data.pid, MappingProxyType(kept))
 
 
 def _online_cpus(fs: HostFS) -> frozenset[int] | None:

@@ -12,9 +12,11 @@ import contextlib
 import errno
 import os
 import re
+import shutil
 import socket
 import stat
 import subprocess
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -120,6 +122,8 @@ def user_can(path: str, mode: int, account: Account) -> bool | None:
         return os.access(path, mode, effective_ids=True)
     if os.geteuid() != 0:
         return None  # the shim cannot drop to it either: it exits 125 and says so
+    if threading.active_count() > 1:
+        return _user_can_exec(path, mode, account)
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child's exit code is the answer
         code = 3
@@ -133,6 +137,30 @@ def user_can(path: str, mode: int, account: Account) -> bool | None:
     _, status = os.waitpid(pid, 0)
     code = os.waitstatus_to_exitcode(status)
     return None if code not in (0, 1) else code == 0
+
+
+def _user_can_exec(path: str, mode: int, account: Account) -> bool | None:
+    """user_can from a process with threads (a reload): a bare fork(2) there may
+    copy a lock another thread holds, so test(1) is exec'd as the account instead
+    (subprocess's fork+exec runs no Python in the child). test -x/-r is access(2)
+    with the real ids, which the account's are (coreutils euidaccess)."""
+    flag = "-x" if mode == os.X_OK else "-r"
+    test = shutil.which("test", path="/usr/bin:/bin")
+    if test is None:
+        return None
+    try:
+        done = subprocess.run(
+            [test, flag, path],
+            env={},
+            user=account.uid,
+            group=account.gid,
+            extra_groups=list(account.groups),
+            timeout=MODULE_CHECK_TIMEOUT_S,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None  # the account cannot run test(1): as when it cannot be become
+    return None if done.returncode not in (0, 1) else done.returncode == 0
 
 
 def _user_problem(path: str, account: Account) -> str | None:

@@ -38,9 +38,13 @@ from supervisor.run import users
 from supervisor.run.fleet import Fleet
 from supervisor.run.runner import Runtime
 from supervisor.run.spec import ChildSpec, PlanSpecs
+from supervisor.service.preflight import check_processes
 from supervisor.service.status import ServiceStatus
 from supervisor.state import ReloadResult, ReloadVerdict, StateStore
 from supervisor.topology.discover import read_topology
+from supervisor.topology.model import Topology
+from supervisor.trees.kind_rules import rules_for
+from supervisor.trees.rank_source import bdf_ranks, rank_tables
 from supervisor.watch.loop import CheckLoop
 from supervisor.worker import SLOT_ENV
 
@@ -77,12 +81,40 @@ def restart_reasons(old: Config, new: Config) -> tuple[str, ...]:
         reasons.append("workers.rank_from")
     if old.irq != new.irq:
         reasons.append("[irq]")
+    if old.drift.cpuset_watch_s != new.drift.cpuset_watch_s:
+        # The fast watch's thread is started (or not) with its period at start.
+        reasons.append("drift.cpuset_watch_s")
+    reasons.extend(_adopter_reasons(old, new))
     return tuple(reasons)
 
 
-def process_change(old: Placement, new: Placement) -> str | None:
-    """Why `new` cannot replace `old` live (other processes planned), or None."""
+def _adopter_reasons(old: Config, new: Config) -> list[str]:
+    """What the adopter of engine-spawned workers (trees.adopt.Adopter) fixed at
+    start: the engine kind's rules (and the layout they read from the engine's
+    command) and the waiting warning's threshold. A change it would not apply is
+    refused, never reloaded `ok` and left unapplied."""
+    if old.engine is None or new.engine is None:
+        return []
+    reasons: list[str] = []
+    if old.engine.kind != new.engine.kind:
+        reasons.append(f"engine.kind ({old.engine.kind} -> {new.engine.kind})")
+    elif old.workers.spawned_by == "engine":
+        before = rules_for(old.engine.kind, old.engine.command, old.engine.env)
+        after = rules_for(new.engine.kind, new.engine.command, new.engine.env)
+        if before != after:
+            reasons.append("engine.command (the layout its kind reads from it)")
+    if old.workers.waiting_warning_s != new.workers.waiting_warning_s:
+        reasons.append("workers.waiting_warning_s")
+    return reasons
+
+
+def process_change(old: Placement, new: Placement, *, adopted: bool = False) -> str | None:
+    """Why `new` cannot replace `old` live (other processes planned), or None. With
+    `adopted` also a rank given other devices or another local rank: the adopter
+    names the engine's workers by tables it made from the plan at start."""
     if same_processes(old, new):
+        if adopted and (rank_tables(old), bdf_ranks(old)) != (rank_tables(new), bdf_ranks(new)):
+            return "the new plan gives the adopted ranks other devices or local ranks"
         return None
     before = len(old.ranks) + (old.engine is not None)
     after = len(new.ranks) + (new.engine is not None)
@@ -116,6 +148,23 @@ def respawn_keys(
         if (key == "engine" or not adopted)
         and (key not in old or _identity(old[key]) != _identity(spec))
     )
+
+
+def _specs_before(d: Reloadable, topology: Topology) -> Mapping[ProcKey, ChildSpec]:
+    """The specs to tell the config's changes by: the config in force planned on the
+    topology the reload read. A slot that moved only because the cpuset did (a write
+    the check loop has not re-planned for yet) is then re-bound in place by the
+    install's pass, as a cpuset re-plan would, not restarted; the specs in force
+    when the old config cannot be planned there."""
+    in_force = d.plan.config
+    try:
+        placement = plan(topology, in_force.placement)
+    except SupervisorError:
+        return d.specs.by_key()
+    if not same_processes(d.plan.placement, placement):
+        return d.specs.by_key()
+    holder = PlanInForce(in_force, topology, placement)
+    return PlanSpecs(holder, d.env, d.specs.python, d.specs.accounts).by_key()
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,10 +299,20 @@ class Reloader:
             options = discovery_options(config, d.env)
             topology = await loop.run_in_executor(executor, read_topology, d.fs, options)
             placement = plan(topology, config.placement)
-            change = process_change(d.plan.placement, placement)
+            adopted = config.workers.spawned_by == "engine"
+            change = process_change(d.plan.placement, placement, adopted=adopted)
             if change is not None:
                 return self._refused(path, digest, [change])
             accounts = users.resolve_accounts(config)
+            # What `run` refuses at start (each command as its account would exec
+            # it, each `python -m` module, argv + environment over E2BIG) is refused
+            # here too, before any process is touched: restarting healthy ranks into
+            # a command that cannot start is a crash loop the old config did not have.
+            problems = await loop.run_in_executor(
+                executor, check_processes, config, d.env, d.specs.python, placement
+            )
+            if problems:
+                raise ConfigError("; ".join(problems))
             # The token file again (same path: [api] itself needs a restart): how a
             # token is rotated. Unreadable, empty or open to others: invalid, old kept.
             token = None
@@ -271,8 +330,7 @@ class Reloader:
         new_specs = PlanSpecs(
             PlanInForce(config, topology, placement), d.env, d.specs.python, accounts
         )
-        adopted = config.workers.spawned_by == "engine"
-        respawn = respawn_keys(d.specs.by_key(), new_specs.by_key(), adopted=adopted)
+        respawn = respawn_keys(_specs_before(d, topology), new_specs.by_key(), adopted=adopted)
         moved = changed_keys(d.plan.placement, placement)
         # The runners, the tree keeper, the check loop and the API read the config at
         # each use from the plan holder, which `install` below replaces (restart

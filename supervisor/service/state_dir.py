@@ -32,22 +32,22 @@ def irq_checkpoint_name(instance: str) -> str:
     return lock_name(instance).removesuffix(".lock") + ".irqs.json"
 
 
-def irq_checkpoint_path(instance: str, env: Mapping[str, str]) -> str | None:
-    """The IRQ checkpoint file of `instance` in the first usable state dir; None (with
-    a warning: IRQ originals then live in memory only) when there is none."""
-    tried = []
-    for d in state_dirs(env):
+def irq_checkpoint_path(instance: str, env: Mapping[str, str]) -> str:
+    """The IRQ checkpoint file of `instance` in the first usable state dir; in the
+    first one tried when none is usable (its writes fail, so no IRQ is moved: an
+    original in memory only is lost to a SIGKILL; the start reports the capability)."""
+    tried = state_dirs(env)
+    for d in tried:
         if usable_dir(d):
             return os.path.join(d, irq_checkpoint_name(instance))
-        tried.append(d)
     log.warning(
         "state dir none %s",
-        format_fields(tried=",".join(tried), action="irq originals in memory only"),
+        format_fields(tried=",".join(tried), action="no irq is moved"),
     )
-    return None
+    return os.path.join(tried[0], irq_checkpoint_name(instance))
 
 
-def irq_checkpoint_for(instance: str, env: Mapping[str, str], fs: HostFS) -> IrqCheckpoint | None:
+def irq_checkpoint_for(instance: str, env: Mapping[str, str], fs: HostFS) -> IrqCheckpoint:
     """This start's IRQ checkpoint, after restoring one the last daemon left (call
     while holding the instance lock, before discovery). Blocking.
 
@@ -56,7 +56,5 @@ def irq_checkpoint_for(instance: str, env: Mapping[str, str], fs: HostFS) -> Irq
     first, and only then does this daemon read what it will keep as originals.
     """
     path = irq_checkpoint_path(instance, env)
-    if path is None:
-        return None
     restore_checkpoint(fs, path)
     return IrqCheckpoint(path, read_boot_id(fs))

@@ -66,6 +66,11 @@ class AllowedTrust:
         self._last: tuple[int, frozenset[int]] | None = None  # (changes, cpus) at the last read
         self._trusted = 0  # passes in a row that trusted it
 
+    def forget(self) -> None:
+        """The next pass reads the allowed set whatever the watch says (the set the
+        loop compares with was replaced: a plan made from an older read)."""
+        self._last = None
+
     def due(self, state: WatchState, cpus: frozenset[int]) -> bool:
         """True: read the allowed set this pass (and remember this as the last read)."""
         now = (state.changes, cpus)

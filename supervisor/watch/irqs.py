@@ -283,12 +283,16 @@ class IrqKeeper:
         # it once and stop trying for this run.
         self._off_reason = str(err)
         label = key_label(key)
+        why = (
+            "its original could not be kept in the IRQ checkpoint: nothing is moved"
+            if "checkpoint" in err.target
+            else "/proc/irq is read-only or we lack privilege"
+        )
         self._bind_failed(
             key,
             a,
             err,
-            f"{label}: IRQ binding off for this run: irq {a.irq}: {err.errno_name} "
-            "(/proc/irq is read-only or we lack privilege)",
+            f"{label}: IRQ binding off for this run: {err.target}: {err.errno_name} ({why})",
             "disable irq binding",
         )
 

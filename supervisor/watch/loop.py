@@ -255,6 +255,14 @@ class CheckLoop:
         Raises PlanError, changing nothing, when it plans other processes than run now."""
         async with self.lock:
             moved = await self._install(placement, topology, config=config)
+            # The allowed set this loop compares the live one with is the plan's own:
+            # a reload reads its topology before it takes the lock, so a cpuset write
+            # a pass has re-planned for meanwhile would otherwise match the remembered
+            # set and leave this older plan in force for good (issue 30 item 4). The
+            # pass below reads the live set (trusting no earlier read) and re-plans
+            # when it differs.
+            self.allowed = allowed_of(topology)
+            self.allowed_trust.forget()
             self.wake.set()
             return await self._timed_pass("check", None, moved)
 

@@ -14,15 +14,18 @@ import pytest
 
 from supervisor.bind.irq import IrqBinder
 from supervisor.bind.irq_checkpoint import (
-    CheckpointError,
+    CheckpointUnwritable,
     IrqCheckpoint,
+    restore_checkpoint,
+)
+from supervisor.bind.irq_checkpoint_data import (
+    CheckpointError,
     IrqCheckpointData,
     _checksum,
     format_checkpoint,
     misfit_fields,
     parse_checkpoint,
     plan_restore,
-    restore_checkpoint,
 )
 from supervisor.hostfs import HostFS
 from supervisor.service.state_dir import irq_checkpoint_name, irq_checkpoint_path, state_dirs
@@ -160,16 +163,14 @@ def test_checkpoint_file_adds_only_new_irqs_and_goes_when_empty(tmp_path: Path) 
     assert not path.exists()
 
 
-def test_an_unwritable_state_dir_is_one_warning(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_an_unwritable_state_dir_keeps_nothing_and_says_why(tmp_path: Path) -> None:
+    # Issue 30 item 7: an original kept in memory only is lost to a SIGKILL, so
+    # `add` refuses (the binder then moves no IRQ) instead of warning and going on.
     cp = IrqCheckpoint(str(tmp_path / "missing" / "x.irqs.json"), BOOT)
-    with caplog.at_level(logging.WARNING):
+    with pytest.raises(CheckpointUnwritable, match=r"missing/x\.irqs\.json"):
         cp.add({41: {0}})
-        cp.add({42: {0}})
-    lines = [r.getMessage() for r in caplog.records if "checkpoint" in r.getMessage()]
-    assert len(lines) == 1 and lines[0].startswith("irq checkpoint write failed path=")
-    assert 41 in cp and 42 in cp  # kept in memory
+    assert 41 not in cp
+    assert cp.probe() is not None and "missing" in (cp.probe() or "")
 
 
 def test_state_dir_and_name() -> None:
@@ -323,3 +324,49 @@ def test_a_checkpoint_path_that_is_no_file_is_one_line_and_left(
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and lines[0].startswith(f"irq checkpoint unreadable path={path}")
     assert path.is_dir() and _affinities(fs, 41) == {41: "2"}
+
+
+# -- the originals are the host's: instances of one host share them (issue 30 item 7) ----
+
+
+def test_two_binders_of_one_host_keep_the_hosts_original_and_the_last_restores(
+    tmp_path: Path,
+) -> None:
+    fs = _host(tmp_path, {41: "0-3"})
+    state = tmp_path / "state"
+    state.mkdir()
+    # Two live daemons' checkpoints in one state directory (this process and its parent).
+    a = IrqBinder(fs, IrqCheckpoint(str(state / "a.irqs.json"), BOOT, pid=os.getppid()))
+    b = IrqBinder(fs, IrqCheckpoint(str(state / "b.irqs.json"), BOOT, pid=os.getpid()))
+    a.bind(41, {1})
+    b.bind(41, {2})  # reads "1", A's: the host's original is A's record of it
+    assert dict(parse_checkpoint((state / "b.irqs.json").read_text()).originals) == {
+        41: frozenset(range(4))
+    }
+    assert a.restore_all() == [(41, None)]  # B still holds it: A writes nothing
+    assert _affinities(fs, 41) == {41: "2"}
+    assert not (state / "a.irqs.json").exists()
+    assert b.restore_all() == [(41, None)]  # the last user writes the host's value
+    assert _affinities(fs, 41) == {41: "0-3"}
+    assert not (state / "b.irqs.json").exists()
+
+
+def test_a_dead_daemons_checkpoint_leaves_what_a_live_one_holds(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The guardian (or the next start) restores a killed daemon's IRQs, except one
+    # another live instance still binds: that one writes the original at its end.
+    fs = _host(tmp_path, {41: "2", 42: "2"})
+    state = tmp_path / "state"
+    state.mkdir()
+    dead = IrqCheckpointData(BOOT, 2**22 + 1, {41: frozenset({0, 1}), 42: frozenset({0, 1})})
+    (state / "dead.irqs.json").write_text(format_checkpoint(dead))
+    live = IrqCheckpointData(BOOT, os.getpid(), {41: frozenset({0, 1})})
+    (state / "live.irqs.json").write_text(format_checkpoint(live))
+    with caplog.at_level(logging.INFO, logger="placement_supervisor"):
+        report = restore_checkpoint(fs, str(state / "dead.irqs.json"))
+    assert report is not None and report.restored == (42,)
+    assert _affinities(fs, 41, 42) == {41: "2", 42: "0-1"}
+    shared = [r.getMessage() for r in caplog.records if "shared" in r.getMessage()]
+    assert len(shared) == 1 and f"irqs=41 holders={os.getpid()}" in shared[0], shared
+    assert not (state / "dead.irqs.json").exists()

@@ -112,3 +112,62 @@ def test_the_digest_is_the_sha256_of_the_file_bytes(tmp_path: Path) -> None:
     path.write_text('cpu_ranks = 2\n[workers]\ncommand = ["w"]\n')
     cfg, digest = load_config_digest(str(path))
     assert cfg.cpu_ranks == 2 and digest == hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# -- what the running daemon fixed at start: refused, never reloaded `ok` (issue 30 item 5) --
+
+
+def test_an_engine_kind_change_is_refused() -> None:
+    assert restart_reasons(config(), config(engine={"kind": "torchrun"})) == (
+        "engine.kind (custom -> torchrun)",
+    )
+
+
+def test_the_fast_cpuset_watch_period_is_refused() -> None:
+    assert restart_reasons(config(), config(drift={"cpuset_watch_s": 0.0})) == (
+        "drift.cpuset_watch_s",
+    )
+
+
+def _adopted(engine: list[str], **workers: Any) -> Any:
+    doc = {
+        **BASE,
+        "engine": {"command": engine},
+        "workers": {"spawned_by": "engine", **workers},
+    }
+    return parse_config(doc, "c.toml")
+
+
+def test_what_the_adopter_reads_from_the_engine_command_is_refused() -> None:
+    old = _adopted(["vllm", "serve", "m", "--tensor-parallel-size", "2"])
+    new = _adopted(["vllm", "serve", "m", "--tensor-parallel-size", "1"])
+    assert restart_reasons(old, new) == ("engine.command (the layout its kind reads from it)",)
+    # A flag the layout does not read is applied (the engine restarts with it).
+    same = _adopted(["vllm", "serve", "m", "--tensor-parallel-size", "2", "--port", "9"])
+    assert restart_reasons(old, same) == ()
+
+
+def test_the_adopters_waiting_warning_is_refused() -> None:
+    old = _adopted(["vllm", "serve", "m"])
+    new = _adopted(["vllm", "serve", "m"], waiting_warning_s=5.0)
+    assert restart_reasons(old, new) == ("workers.waiting_warning_s",)
+
+
+def test_adopted_ranks_given_other_local_ranks_are_refused(tmp_path: Path) -> None:
+    # The adopter names the engine's workers by (local rank, device) tables made
+    # from the plan at start: a plan that renames the ranks cannot go in force live.
+    fs = HostFS(str(no_accel_2node(tmp_path)))
+    placement = plan(read_topology(fs, DiscoveryOptions(cpu_ranks=2)), config().placement)
+    first, second = placement.ranks
+    swapped = replace(
+        placement,
+        ranks=(
+            replace(first, local_rank=second.local_rank),
+            replace(second, local_rank=first.local_rank),
+        ),
+    )
+    assert process_change(placement, swapped) is None  # spawned workers: applied
+    assert process_change(placement, swapped, adopted=True) == (
+        "the new plan gives the adopted ranks other devices or local ranks"
+    )
+    assert process_change(placement, placement, adopted=True) is None

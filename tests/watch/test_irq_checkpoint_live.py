@@ -10,20 +10,18 @@ a finalizer, even when it fails half-way.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from supervisor.bind.irq_checkpoint import (
-    IrqCheckpointData,
-    format_checkpoint,
-    read_boot_id,
-    restore_checkpoint,
-)
+from supervisor.bind.irq_checkpoint import read_boot_id, restore_checkpoint
+from supervisor.bind.irq_checkpoint_data import IrqCheckpointData, format_checkpoint
 from supervisor.cpulist import format_cpulist, parse_cpulist
 from supervisor.hostfs import HostFS
 from supervisor.trees.guardian import GUARDIAN_TAG, KILL_ROUNDS_S
@@ -230,3 +228,68 @@ def test_a_checkpoint_that_no_longer_fits_is_applied_as_far_as_it_fits(
     assert len(misfit) == 1, misfit
     assert f"irqs_gone={absent}" in misfit[0] and f"cpus_offline={offline}" in misfit[0]
     assert not path.exists()
+
+
+# -- issue 30 item 7: the originals are the host's, not one instance's -------------------
+
+
+def _two(tmp_path: Path) -> tuple[Path, dict[str, str], dict[str, str]]:
+    """One config, two instances sharing one state directory (as two units of one host)."""
+    state = tmp_path / "state"
+    env_a = daemon_env(**{INSTANCE_ENV: f"irqa-{os.getpid()}", "STATE_DIRECTORY": str(state)})
+    env_b = daemon_env(**{INSTANCE_ENV: f"irqb-{os.getpid()}", "STATE_DIRECTORY": str(state)})
+    return _config(tmp_path), env_a, env_b
+
+
+@pytest.mark.parametrize("first_to_stop", ["a", "b"])
+def test_two_instances_on_one_device_leave_the_hosts_values_in_any_stop_order(
+    tmp_path: Path, originals: dict[int, str], first_to_stop: str
+) -> None:
+    """A binds the device's IRQs, B starts and binds them too (B reads A's value);
+    both stop cleanly, in either order: the host's own values come back (before,
+    B recorded A's moved value as its original and, stopping last, wrote it)."""
+    config, env_a, env_b = _two(tmp_path)
+    with DaemonProcess(config, tmp_path / "a.log", env=env_a) as a:
+        cpus = poll(lambda: _bound(a, originals), timeout_s=60, what="A's IRQs bound")
+        _moved(originals, cpus)
+        # B starts once A has moved them: what B reads first is A's value.
+        with DaemonProcess(config, tmp_path / "b.log", env=env_b) as b:
+            poll(lambda: _bound(b, originals), timeout_s=60, what="B's IRQs bound")
+            first, last = (a, b) if first_to_stop == "a" else (b, a)
+            assert first.stop() == 0, first.tail()
+            assert last.stop() == 0, last.tail()
+    assert {irq: affinity(irq) for irq in originals} == originals, (a.tail(), b.tail())
+    assert list((tmp_path / "state").glob("*.irqs.json")) == []  # both checkpoints gone
+
+
+def test_a_full_state_dir_moves_no_irq_and_reports_the_capability(
+    tmp_path: Path, originals: dict[int, str]
+) -> None:
+    """A state directory with no room: the checkpoint cannot be written, so no IRQ
+    is moved (before: bound with the originals in memory only, one warning), and
+    /placement's irq capability says why."""
+    state = tmp_path / "state"
+    state.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k,mode=0700", "tmpfs", str(state)],
+                   check=True)  # fmt: skip
+    try:
+        fd = os.open(state / "fill", os.O_WRONLY | os.O_CREAT, 0o600)
+        try:  # the file system full: written until ENOSPC
+            with contextlib.suppress(OSError):
+                while os.write(fd, b"\0" * 4096):
+                    pass
+        finally:
+            os.close(fd)
+        env = daemon_env(**{INSTANCE_ENV: f"irqfull-{os.getpid()}", "STATE_DIRECTORY": str(state)})
+        with DaemonProcess(_config(tmp_path), tmp_path / "d.log", env=env) as d:
+            doc = poll(d.running, timeout_s=60, what="the rank running")
+            cap = doc["supervisor"]["capabilities"]["irq"]
+            assert cap["available"] is False and "irq checkpoint cannot be written" in cap["reason"]
+            # A few passes of the check loop (enforce would re-bind): nothing moved.
+            checks = d.get("/healthz")["checks"]
+            poll(lambda: d.get("/healthz")["checks"] >= checks + 3, 30, what="three passes")
+            assert {irq: affinity(irq) for irq in originals} == originals, d.tail()
+            assert d.stop() == 0, d.tail()
+    finally:
+        subprocess.run(["umount", str(state)], check=False)
+    assert {irq: affinity(irq) for irq in originals} == originals
