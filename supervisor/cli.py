@@ -57,6 +57,13 @@ exit codes:
   {EXIT_NOT_READY}  the daemon answered but is not ready (starting or loading, stopping,
      backoff, failed, stopped, or not bound as planned); the placement is printed anyway
 """
+# `check --help`'s epilog; README "Exit codes" says the same.
+CHECK_EXIT_CODES = f"""\
+exit codes:
+  {EXIT_OK}  everything run probes is present
+  {EXIT_CONFIG}  --config unreadable or invalid
+  {EXIT_NOT_READY}  something is missing: run starts without it, at the cost printed
+"""
 # `reload --help`'s epilog; README "Exit codes" says the same.
 RELOAD_EXIT_CODES = f"""\
 exit codes:
@@ -189,6 +196,16 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return EXIT_CONFIG if problems else 0
 
 
+def _cmd_check(args: argparse.Namespace) -> int:
+    # What `run` probes at start, probed the same way now (nothing left changed).
+    from supervisor.service.check import render_findings, run_checks  # noqa: PLC0415
+
+    config = load_config(args.config) if args.config is not None else None
+    findings = run_checks(HostFS("/"), config)
+    print(render_findings(findings))
+    return EXIT_NOT_READY if any(not f.ok for f in findings) else EXIT_OK
+
+
 def _cmd_snapshot(args: argparse.Namespace) -> int:
     # With --config, the devices it names (`devices = [...]`) are captured too,
     # so that `plan --root OUT --config FILE` reproduces the plan.
@@ -266,6 +283,21 @@ def build_parser() -> argparse.ArgumentParser:
         "(e.g. on a host where the service already runs and holds its ports)",
     )
     p.set_defaults(func=_cmd_plan)
+
+    p = sub.add_parser(
+        "check",
+        help="probe what run would probe at start: one line each, ok or missing",
+        description="Probe, on this host and in this container, what run probes at start "
+        "(mempolicy, a writable cgroup subtree, /proc/irq, the proc connector, sock_diag, "
+        "CAP_SYS_NICE, kernel.numa_balancing): one line each, ok, or missing with what it "
+        "costs and how to get it. Nothing is left changed.",
+        epilog=CHECK_EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--config", metavar="FILE", help='what the config wants (cgroup = "off", [irq] enabled)'
+    )
+    p.set_defaults(func=_cmd_check)
 
     p = sub.add_parser("snapshot", help="copy every file discovery reads into OUT")
     p.add_argument("out", metavar="OUT", help="directory to create")
