@@ -46,6 +46,7 @@ from supervisor.topology.render import render_topology_text, topology_to_doc
 from supervisor.topology.snapshot import take_snapshot
 
 PROG = "placement-supervisor"
+LOG_LEVELS = ("debug", "info", "warning", "error")
 EXIT_INTERNAL = 1
 EXIT_INTERRUPTED = 130
 # `status --help`'s epilog; README "Exit codes" says the same.
@@ -226,6 +227,14 @@ def _cmd_snapshot(args: argparse.Namespace) -> int:
 def _run_daemon(args: argparse.Namespace) -> int:
     from supervisor.start import run_command  # noqa: PLC0415
 
+    if args.demo:
+        # The demo config ships inside the package (pyproject package-data), so
+        # `run --demo` works from any directory after a plain `pip install .`.
+        from importlib.resources import as_file, files  # noqa: PLC0415
+
+        with as_file(files("supervisor.demo").joinpath("demo.toml")) as path:
+            args.config = str(path)
+            return run_command(args)
     return run_command(args)
 
 
@@ -246,6 +255,16 @@ def _listen(value: str) -> str:
         return check_listen("--listen", value)
     except ConfigError as err:
         raise argparse.ArgumentTypeError(str(err).removeprefix("--listen: ")) from None
+
+
+def _seconds(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not 0.1 <= seconds <= 3600:
+        raise argparse.ArgumentTypeError(f"{value!r}: seconds from 0.1 to 3600")
+    return seconds
 
 
 def _add_host_arguments(p: argparse.ArgumentParser) -> None:
@@ -306,8 +325,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_snapshot)
 
     p = sub.add_parser("run", help="run the supervisor daemon")
-    p.add_argument("--config", required=True, help="TOML config")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--config", help="TOML config")
+    which.add_argument(
+        "--demo",
+        action="store_true",
+        help="run the packaged demo (an engine and two workers, no GPU needed; "
+        "the config is supervisor/demo/demo.toml)",
+    )
     p.add_argument("--listen", type=_listen, help="HOST:PORT or unix:PATH for the API")
+    p.add_argument(
+        "--log-level",
+        choices=LOG_LEVELS,
+        default="info",
+        help="the least severe log line written (default info; warning keeps only what needs "
+        "a look; debug adds reaped orphans and supervision tracebacks)",
+    )
     p.set_defaults(func=_run_daemon)
 
     p = sub.add_parser(
@@ -322,6 +355,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--config", metavar="FILE", help="find the daemon where this config's [api] listens"
     )
     p.add_argument("--json", action="store_true", help="print the placement document")
+    p.add_argument(
+        "--watch",
+        nargs="?",
+        type=_seconds,
+        const=2.0,
+        metavar="SECONDS",
+        help="print it again every SECONDS (2) until interrupted",
+    )
     p.set_defaults(func=_status)
 
     p = sub.add_parser(
