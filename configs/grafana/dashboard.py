@@ -220,13 +220,19 @@ def health() -> Iterator[Panel]:
         statetimeline.Panel()
         .title("Process state")
         .description(
-            "Which state each process is in (starting, running, stopping, backoff, failed, "
-            "stopped, waiting)."
+            "The processes not running, and which state each is in (starting, stopping, "
+            "backoff, failed, stopped, waiting) while it is: an empty panel is every "
+            "process running."
         )
         .datasource(DATASOURCE)
         .with_target(
             query(
-                agg("max", ("rank", "state"), f"placement_process_state{{{HOST_RANK}}}") + " == 1",
+                agg(
+                    "max",
+                    ("rank", "state"),
+                    f'placement_process_state{{{HOST_RANK}, state!="running"}}',
+                )
+                + " == 1",
                 "{{instance}} {{rank}} {{state}}",
             )
         )
@@ -238,11 +244,12 @@ def health() -> Iterator[Panel]:
     )
     yield (
         graph(
-            "Up and bound",
-            "placement_up: the process runs; placement_bound: every planned bind applied "
-            "and read back.",
-            query(f"placement_up{{{HOST_RANK}}}", "up {{instance}} {{rank}}"),
-            query(f"placement_bound{{{HOST_RANK}}}", "bound {{instance}} {{rank}}", "B"),
+            "Down or unbound",
+            "Only the processes that are not up (placement_up 0: not running) or not bound "
+            "(placement_bound 0: a planned bind not applied or not read back), while they "
+            "are not: an empty panel is a healthy fleet.",
+            query(f"placement_up{{{HOST_RANK}}} == 0", "down {{instance}} {{rank}}"),
+            query(f"placement_bound{{{HOST_RANK}}} == 0", "unbound {{instance}} {{rank}}", "B"),
         )
         .span(12)
         .min(0)
@@ -332,7 +339,8 @@ def memory_locality() -> Iterator[Panel]:
     yield (
         graph(
             "Memory by NUMA node",
-            "Resident memory of each process per NUMA node.",
+            "Resident memory of each process per NUMA node (a line per rank and node: "
+            "choose a host).",
             query(
                 agg("sum", ("rank", "node"), f"placement_memory_bytes{{{HOST_RANK}}}"),
                 "{{instance}} rank {{rank}} node {{node}}",
@@ -514,7 +522,8 @@ def processes() -> Iterator[Panel]:
     )
     yield graph(
         "Threads per role",
-        "Threads the last check found in each process, by role.",
+        "Threads the last check found in each process, by role (a line per rank and role: "
+        "choose a host).",
         query(
             agg("sum", ("rank", "role"), f"placement_threads{{{HOST_RANK}}}"),
             "{{instance}} rank {{rank}} {{role}}",
@@ -525,7 +534,8 @@ def processes() -> Iterator[Panel]:
         .title("Plan and memory policy")
         .description(
             "CPUs the plan gives each role, and the memory-policy step its process got "
-            "(bind, preferred, none; empty until the process reports one)."
+            "(bind, preferred, none; empty until the process reports one): a row per rank "
+            "and role, choose a host."
         )
         .datasource(DATASOURCE)
         .with_target(table_query(PLAN_EXPR))
@@ -572,18 +582,24 @@ MISSING_CAPABILITIES = (
     f"placement_capability{{{HOST}}} == 0"
     f" and on(instance, name) placement_capability_wanted{{{HOST}}} == 1"
 )
-# Hosts sorted by the config's hash: a host on another file stands out of the run.
-CONFIG_HASHES = f"sort_desc(placement_config_info{{{HOST}}})"
+CONFIG_HASHES = f"placement_config_info{{{HOST}}}"
 
 
 def config_and_capabilities() -> Iterator[Panel]:
-    yield host_table(
-        "Config in force per host",
-        "The config file each host runs and its sha256 (placement_config_info): a host "
-        "whose hash differs from the others runs another file.",
-        CONFIG_HASHES,
-        {"sha256": "sha256", "path": "path"},
-    ).span(8)
+    # Sorted by the hash: a host on another file stands out of the run of the others.
+    yield (
+        host_table(
+            "Config in force per host",
+            "The config file each host runs and its sha256 (placement_config_info), sorted "
+            "by the hash: a host whose hash differs from the others runs another file.",
+            CONFIG_HASHES,
+            {"sha256": "sha256", "path": "path"},
+        )
+        .with_transformation(
+            dm.DataTransformerConfig(id_val="sortBy", options={"sort": [{"field": "sha256"}]})
+        )
+        .span(8)
+    )
     yield (
         graph(
             "Config reloads",
