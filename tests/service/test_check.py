@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.daemon_support import REPO
+from tests.support.daemon_support import REPO, DaemonProcess, daemon_env, poll, to_toml
 
 PROBES = (
     "mempolicy",
@@ -109,3 +109,28 @@ def test_check_bad_config_is_one_line_exit_2(tmp_path: Path) -> None:
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and str(config) in lines[0] and "cgroup" in lines[0], proc.stderr
+
+
+def test_check_says_what_a_daemon_under_the_same_filter_finds(tmp_path: Path) -> None:
+    """`check` and `run` under the runtime's seccomp profile agree on mempolicy (a real
+    daemon's /placement capabilities beside check's line)."""
+    config = tmp_path / "c.toml"
+    doc = {
+        "cpu_ranks": 1,
+        "cgroup": "off",
+        "stop_timeout_s": 2,
+        "workers": {"command": ["python", "-c", "import time; time.sleep(3600)", "{rank}"]},
+        "placement": {"rank_roles": {}, "on_shortage": "share"},
+        "irq": {"enabled": False},
+    }
+    config.write_text(to_toml(doc))
+    lines = findings(check("--config", str(config), prefix=seccomp("memory")))
+    with DaemonProcess(
+        config, tmp_path / "d.log", env=daemon_env(), prefix=seccomp("memory")
+    ) as daemon:
+        placement = poll(daemon.running, timeout_s=60, what="the worker running")
+        caps = placement["supervisor"]["capabilities"]
+    assert caps["mempolicy"]["available"] is False
+    assert lines["mempolicy"].startswith("missing  mempolicy: ")
+    assert caps["mempolicy"]["reason"] in lines["mempolicy"], (caps, lines["mempolicy"])
+    assert lines["cgroup"].startswith("ok") and caps["cgroup"]["wanted"] is False
