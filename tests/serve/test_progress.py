@@ -143,8 +143,8 @@ def test_status_watch_redraws_until_interrupted(
     assert frames > 3
     assert watch.returncode == 130 and "Traceback" not in err, err
     # once ready, the loading is gone from /readyz
-    code, doc = readyz(daemon.port)
-    assert code == 200 and all(p["loading"] is None for p in doc["processes"]), doc
+    _, doc = poll(lambda: (r := readyz(daemon.port))[0] == 200 and r, 60, what="ready")
+    assert all(p["loading"] is None for p in doc["processes"]), doc
 
 
 def test_log_level_warning_keeps_info_lines_out(
