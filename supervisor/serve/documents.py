@@ -138,13 +138,24 @@ def readyz_doc(snap: Snapshot, now: float | None = None) -> dict[str, Any]:
     return {"status": 200, "ready": True, "processes": processes}
 
 
+def down_since(snap: Snapshot, status: ProcessStatus) -> float | None:
+    """When `status` left running (or first got another state); the daemon's start for
+    a status published before the store kept it (a worker waiting from the start)."""
+    if status.state == "running":
+        return None
+    return status.down_since or snap.started_at or None
+
+
 def state_doc(snap: Snapshot, key: ProcKey, now: float) -> dict[str, Any]:
-    """One process's state for /readyz: {"process", "state", "loading"}."""
+    """One process's state for /readyz: {"process", "state", "down_s", "loading"}
+    (`down_s`: seconds since it left running, or since its first start; null while running)."""
     status = snap.processes.get(key)
     loading = None if status is None or status.loading is None else status.loading
+    since = None if status is None else down_since(snap, status)
     return {
         "process": key_label(key),
         "state": "not started" if status is None else status.state,
+        "down_s": None if since is None else round(max(0.0, now - since), 1),
         "loading": None if loading is None else loading.to_doc(now),
     }
 
@@ -211,6 +222,7 @@ def process_doc(snap: Snapshot, key: ProcKey, now: float | None = None) -> dict[
     return {
         "pid": status.pid,
         "state": status.state,
+        "down_since": down_since(snap, status),  # unix time it left running; null: runs
         # While the engine's probe waits: the probe, elapsed_s of timeout_s, its last result.
         "loading": None if loading is None else loading.to_doc(time.time() if now is None else now),
         "bound": status.bound,

@@ -117,6 +117,9 @@ def _state(entry: Mapping[str, Any]) -> str:
         return f"{state}(exit {entry['exit_code']})"
     if state == "running" and not entry.get("bound", True):
         return "running(unbound)"
+    since = entry.get("down_since")
+    if state in ("starting", "waiting", "stopping") and isinstance(since, int | float):
+        return f"{state}({max(0.0, time.time() - since):.0f}s)"  # how long so far
     return state
 
 

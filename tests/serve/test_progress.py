@@ -102,12 +102,18 @@ def test_readyz_placement_and_status_show_the_engine_loading(
     assert engine["loading"]["last"] == f"nothing listens on port {engine_port}", engine
     reason = next(r for r in doc["reasons"] if r.startswith("engine: "))
     assert re.fullmatch(rf"engine: loading \d+s of 120s, {probe}: .+", reason), reason
+    # the worker waits for the engine, and says for how long
+    worker = next(p for p in doc["processes"] if p["process"] == "0")
+    assert worker["state"] in ("waiting", "starting") and worker["down_s"] >= 1, worker
+    assert engine["down_s"] >= 1 and engine["loading"]["elapsed_s"] <= engine["down_s"] + 1
     placement = daemon.placement()
     assert placement is not None and placement["engine"]["loading"]["probe"] == probe
     proc = run_supervisor("status", "--listen", f"127.0.0.1:{daemon.port}")
     assert proc.returncode == 4, proc.stdout + proc.stderr
     (row,) = [line for line in proc.stdout.splitlines() if line.startswith("engine ")]
     assert re.search(r"loading\(\d+s/120s\)", row), proc.stdout
+    (worker_row,) = [line for line in proc.stdout.splitlines() if line.startswith("0 ")]
+    assert re.search(r" (waiting|starting)\(\d+s\) ", worker_row), proc.stdout
     assert "not ready: engine: loading " in proc.stdout and probe in proc.stdout, proc.stdout
 
 
