@@ -46,6 +46,7 @@ from supervisor.topology.render import render_topology_text, topology_to_doc
 from supervisor.topology.snapshot import take_snapshot
 
 PROG = "placement-supervisor"
+LOG_LEVELS = ("debug", "info", "warning", "error")
 EXIT_INTERNAL = 1
 EXIT_INTERRUPTED = 130
 # `status --help`'s epilog; README "Exit codes" says the same.
@@ -56,6 +57,13 @@ exit codes:
   {EXIT_CONFIG}  bad --listen, or --config unreadable or invalid
   {EXIT_NOT_READY}  the daemon answered but is not ready (starting or loading, stopping,
      backoff, failed, stopped, or not bound as planned); the placement is printed anyway
+"""
+# `check --help`'s epilog; README "Exit codes" says the same.
+CHECK_EXIT_CODES = f"""\
+exit codes:
+  {EXIT_OK}  everything run probes is present
+  {EXIT_CONFIG}  --config unreadable or invalid
+  {EXIT_NOT_READY}  something is missing: run starts without it, at the cost printed
 """
 # `reload --help`'s epilog; README "Exit codes" says the same.
 RELOAD_EXIT_CODES = f"""\
@@ -189,6 +197,16 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return EXIT_CONFIG if problems else 0
 
 
+def _cmd_check(args: argparse.Namespace) -> int:
+    # What `run` probes at start, probed the same way now (nothing left changed).
+    from supervisor.service.check import render_findings, run_checks  # noqa: PLC0415
+
+    config = load_config(args.config) if args.config is not None else None
+    findings = run_checks(HostFS("/"), config)
+    print(render_findings(findings))
+    return EXIT_NOT_READY if any(not f.ok for f in findings) else EXIT_OK
+
+
 def _cmd_snapshot(args: argparse.Namespace) -> int:
     # With --config, the devices it names (`devices = [...]`) are captured too,
     # so that `plan --root OUT --config FILE` reproduces the plan.
@@ -209,6 +227,14 @@ def _cmd_snapshot(args: argparse.Namespace) -> int:
 def _run_daemon(args: argparse.Namespace) -> int:
     from supervisor.start import run_command  # noqa: PLC0415
 
+    if args.demo:
+        # The demo config ships inside the package (pyproject package-data), so
+        # `run --demo` works from any directory after a plain `pip install .`.
+        from importlib.resources import as_file, files  # noqa: PLC0415
+
+        with as_file(files("supervisor.demo").joinpath("demo.toml")) as path:
+            args.config = str(path)
+            return run_command(args)
     return run_command(args)
 
 
@@ -229,6 +255,16 @@ def _listen(value: str) -> str:
         return check_listen("--listen", value)
     except ConfigError as err:
         raise argparse.ArgumentTypeError(str(err).removeprefix("--listen: ")) from None
+
+
+def _seconds(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not 0.1 <= seconds <= 3600:
+        raise argparse.ArgumentTypeError(f"{value!r}: seconds from 0.1 to 3600")
+    return seconds
 
 
 def _add_host_arguments(p: argparse.ArgumentParser) -> None:
@@ -267,6 +303,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_plan)
 
+    p = sub.add_parser(
+        "check",
+        help="probe what run would probe at start: one line each, ok or missing",
+        description="Probe, on this host and in this container, what run probes at start "
+        "(mempolicy, a writable cgroup subtree, /proc/irq, the proc connector, sock_diag, "
+        "CAP_SYS_NICE, kernel.numa_balancing): one line each, ok, or missing with what it "
+        "costs and how to get it. Nothing is left changed.",
+        epilog=CHECK_EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--config", metavar="FILE", help='what the config wants (cgroup = "off", [irq] enabled)'
+    )
+    p.set_defaults(func=_cmd_check)
+
     p = sub.add_parser("snapshot", help="copy every file discovery reads into OUT")
     p.add_argument("out", metavar="OUT", help="directory to create")
     _add_host_arguments(p)
@@ -274,8 +325,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_snapshot)
 
     p = sub.add_parser("run", help="run the supervisor daemon")
-    p.add_argument("--config", required=True, help="TOML config")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--config", help="TOML config")
+    which.add_argument(
+        "--demo",
+        action="store_true",
+        help="run the packaged demo (an engine and two workers, no GPU needed; "
+        "the config is supervisor/demo/demo.toml)",
+    )
     p.add_argument("--listen", type=_listen, help="HOST:PORT or unix:PATH for the API")
+    p.add_argument(
+        "--log-level",
+        choices=LOG_LEVELS,
+        default="info",
+        help="the least severe log line written (default info; warning keeps only what needs "
+        "a look; debug adds reaped orphans and supervision tracebacks)",
+    )
     p.set_defaults(func=_run_daemon)
 
     p = sub.add_parser(
@@ -290,6 +355,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--config", metavar="FILE", help="find the daemon where this config's [api] listens"
     )
     p.add_argument("--json", action="store_true", help="print the placement document")
+    p.add_argument(
+        "--watch",
+        nargs="?",
+        type=_seconds,
+        const=2.0,
+        metavar="SECONDS",
+        help="print it again every SECONDS (2) until interrupted",
+    )
     p.set_defaults(func=_status)
 
     p = sub.add_parser(

@@ -45,7 +45,8 @@ def run_command(args: argparse.Namespace) -> int:
     raised as `SupervisorError` for cli.py to print once and exit with.
     """
     env = dict(os.environ)
-    setup_logging(env)
+    level = str(getattr(args, "log_level", None) or "info").upper()
+    setup_logging(env, level=logging.getLevelNamesMapping()[level])
     # From here to the exit a HUP is noted or reloads, never a death (a Python
     # handler: unlike SIG_IGN, exec(2) does not pass it on to children).
     hangups = Hangups().install()

@@ -137,6 +137,34 @@ class ReloadVerdict:
 
 
 @dataclass(frozen=True, slots=True)
+class Loading:
+    """The engine while its `[ready]` probe waits: what is probed, since when, for how
+    long at most, and the last attempt's result (None before the first)."""
+
+    probe: str  # "tcp 127.0.0.1:8000" (supervisor.run.probe.describe_probe)
+    since: float  # unix time the probe started
+    timeout_s: float
+    last: str | None = None
+
+    def elapsed_s(self, now: float) -> float:
+        return max(0.0, now - self.since)
+
+    def to_doc(self, now: float) -> dict[str, Any]:
+        return {
+            "probe": self.probe,
+            "since": self.since,
+            "elapsed_s": round(self.elapsed_s(now), 1),
+            "timeout_s": self.timeout_s,
+            "last": self.last,
+        }
+
+    def summary(self, now: float) -> str:
+        """ "loading 12s of 600s, tcp 127.0.0.1:8000: connection refused"."""
+        last = self.last or "not checked yet"
+        return f"loading {self.elapsed_s(now):.0f}s of {self.timeout_s:g}s, {self.probe}: {last}"
+
+
+@dataclass(frozen=True, slots=True)
 class ProcessStatus:
     """One supervised process (the engine or a rank's worker)."""
 
@@ -159,6 +187,7 @@ class ProcessStatus:
     # while it runs (and before its first status: the daemon's start then).
     # Kept across starting/backoff/starting, so a load that keeps failing ages.
     down_since: float | None = None
+    loading: Loading | None = None  # while the engine's readiness probe waits
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,8 +29,13 @@ from grafana_foundation_sdk.models import prometheus as pm
 
 UID = "placement-supervisor"
 DATASOURCE = dm.DataSourceRef(type_val="prometheus", uid="${datasource}")
-HOST = 'instance=~"$host"'
-HOST_RANK = 'instance=~"$host", rank=~"$rank"'
+# `node`: the Kubernetes node a pod runs on (the PodMonitor's relabeling); a pod's
+# IP, its `instance`, changes at each Recreate. Off Kubernetes there is no `node`
+# label: the variable's "All" is ".*", which matches its absence.
+HOST = 'instance=~"$host", node=~"$node"'
+HOST_RANK = 'instance=~"$host", node=~"$node", rank=~"$rank"'
+WORST_SERIES = 10  # counter panels: the series with the most over the range
+LOWEST = 5  # the local memory ratio graph: the lowest host/rank pairs over the range
 
 Panel = Builder[dm.Panel]
 
@@ -104,48 +109,62 @@ def increase(
     return f"increase({metric}{{{selector}}}[{window}]{at})"
 
 
+def nonzero_ranked(metric: str, labels: Sequence[str], selector: str = HOST_RANK) -> str:
+    """A counter's increase per series, only where it is not 0, and only the
+    WORST_SERIES series with the most over the dashboard's range (`@ end()` ranks once
+    for the whole range, rather than a new top list per step)."""
+    on = ", ".join(("instance", *labels))
+    now = agg("sum", labels, increase(metric, selector))
+    total = agg("sum", labels, increase(metric, selector, "$__range", " @ end()"))
+    return f"{now} > 0 and on({on}) topk({WORST_SERIES}, {total} > 0)"
+
+
+def ranked_legend() -> cb.VizLegendOptions:
+    """A table legend sorted by each series' total: the worst first."""
+    return (
+        cb.VizLegendOptions()
+        .display_mode(common.LegendDisplayMode.TABLE)
+        .placement(common.LegendPlacement.BOTTOM)
+        .show_legend(True)
+        .calcs(["sum", "max"])
+        .sort_by("Total")
+        .sort_desc(True)
+    )
+
+
 # -- rows --------------------------------------------------------------------------------
 
 
+# The stat panels sum over the hosts chosen (one or two tiles, however many hosts):
+# the graphs and tables below say which host.
 def health() -> Iterator[Panel]:
     yield (
         stat_panel(
-            "Ready",
-            "1 when every process is running and bound as planned (GET /readyz).",
-            query(f"placement_ready{{{HOST}}}", "{{instance}}"),
+            "Hosts not ready",
+            "Hosts where some process is not running and bound as planned (GET /readyz "
+            "answers 503); 0: every host chosen is ready.",
+            query(f"sum(1 - placement_ready{{{HOST}}})", "not ready"),
         )
         .span(4)
         .color_mode(common.BigValueColorMode.BACKGROUND)
-        .thresholds(steps((None, "red"), (1, "green")))
-        .mappings(
-            [
-                dm.ValueMap(
-                    options={
-                        "0": dm.ValueMappingResult(text="NOT READY"),
-                        "1": dm.ValueMappingResult(text="ready"),
-                    }
-                )
-            ]
-        )
+        .thresholds(steps((None, "green"), (1, "red")))
+        .mappings([dm.ValueMap(options={"0": dm.ValueMappingResult(text="all ready")})])
     )
     yield stat_panel(
         "Processes running",
-        "Supervised processes running / planned (engine + ranks).",
-        query(agg("sum", (), f"placement_up{{{HOST}}}"), "running {{instance}}"),
-        query(agg("count", (), f"placement_up{{{HOST}}}"), "planned {{instance}}", "B"),
+        "Supervised processes running / planned (engine + ranks), on all hosts chosen.",
+        query(f"sum(placement_up{{{HOST}}})", "running"),
+        query(f"count(placement_up{{{HOST}}})", "planned", "B"),
     ).span(4)
     yield (
         stat_panel(
             "Bind failures in range",
             "Binds the kernel refused (thread, memory, IRQ, cgroup) over the dashboard's "
             "time range, for the processes and the supervisor's own binds.",
+            query(f"sum({increase('placement_bind_failures_total', HOST, '$__range')})", "ranks"),
             query(
-                agg("sum", (), increase("placement_bind_failures_total", HOST, "$__range")),
-                "ranks {{instance}}",
-            ),
-            query(
-                agg("sum", (), increase("placement_host_bind_failures_total", HOST, "$__range")),
-                "supervisor {{instance}}",
+                f"sum({increase('placement_host_bind_failures_total', HOST, '$__range')})",
+                "supervisor",
                 "B",
             ),
         )
@@ -156,9 +175,9 @@ def health() -> Iterator[Panel]:
     yield (
         stat_panel(
             "Last check age",
-            "Seconds since the last placement check finished "
-            "(alert PlacementChecksStalled above 60 s).",
-            query(f"time() - placement_last_check_timestamp_seconds{{{HOST}}}", "{{instance}}"),
+            "Seconds since the last placement check finished, on the host that is "
+            "longest without one (alert PlacementChecksStalled above 60 s).",
+            query(f"max(time() - placement_last_check_timestamp_seconds{{{HOST}}})", "oldest"),
         )
         .span(4)
         .unit("s")
@@ -169,10 +188,7 @@ def health() -> Iterator[Panel]:
         stat_panel(
             "Restarts in range",
             "Restarts of the engine and workers by the supervisor over the time range.",
-            query(
-                agg("sum", (), increase("placement_restarts_total", HOST, "$__range")),
-                "{{instance}}",
-            ),
+            query(f"sum({increase('placement_restarts_total', HOST, '$__range')})", "restarts"),
         )
         .span(4)
         .color_mode(common.BigValueColorMode.BACKGROUND)
@@ -181,43 +197,42 @@ def health() -> Iterator[Panel]:
     yield (
         stat_panel(
             "Config in force",
-            "0 when the config file on disk is the one in force and the last reload applied; "
-            "1 or 2 when the last reload was refused or invalid, or the file on disk differs "
-            "(an edit not reloaded): alert PlacementConfigNotApplied after 10 minutes.",
+            "Hosts whose last reload was refused or invalid, or whose config file on disk "
+            "differs from the one in force (an edit not reloaded): alert "
+            "PlacementConfigNotApplied after 10 minutes. 0: every host runs its file.",
             query(
+                "sum(clamp_max("
                 f"(1 - min by (instance) (placement_config_last_reload_successful{{{HOST}}}))"
                 " + on(instance) ("
                 f"count by (instance) (placement_config_on_disk_info{{{HOST}}}"
                 f" unless on(instance, job, sha256) placement_config_info{{{HOST}}})"
-                f" or on(instance) (0 * count by (instance) (placement_config_info{{{HOST}}})))",
-                "{{instance}}",
+                f" or on(instance) (0 * count by (instance) (placement_config_info{{{HOST}}})))"
+                ", 1))",
+                "hosts not applied",
             ),
         )
         .span(4)
         .color_mode(common.BigValueColorMode.BACKGROUND)
         .thresholds(steps((None, "green"), (1, "red")))
-        .mappings(
-            [
-                dm.ValueMap(options={"0": dm.ValueMappingResult(text="in force")}),
-                dm.RangeMap(
-                    options=dm.DashboardRangeMapOptions(
-                        from_val=1, to=2, result=dm.ValueMappingResult(text="NOT APPLIED")
-                    )
-                ),
-            ]
-        )
+        .mappings([dm.ValueMap(options={"0": dm.ValueMappingResult(text="all in force")})])
     )
     yield (
         statetimeline.Panel()
         .title("Process state")
         .description(
-            "Which state each process is in (starting, running, stopping, backoff, failed, "
-            "stopped, waiting)."
+            "The processes not running, and which state each is in (starting, stopping, "
+            "backoff, failed, stopped, waiting) while it is: an empty panel is every "
+            "process running."
         )
         .datasource(DATASOURCE)
         .with_target(
             query(
-                agg("max", ("rank", "state"), f"placement_process_state{{{HOST_RANK}}}") + " == 1",
+                agg(
+                    "max",
+                    ("rank", "state"),
+                    f'placement_process_state{{{HOST_RANK}, state!="running"}}',
+                )
+                + " == 1",
                 "{{instance}} {{rank}} {{state}}",
             )
         )
@@ -229,11 +244,12 @@ def health() -> Iterator[Panel]:
     )
     yield (
         graph(
-            "Up and bound",
-            "placement_up: the process runs; placement_bound: every planned bind applied "
-            "and read back.",
-            query(f"placement_up{{{HOST_RANK}}}", "up {{instance}} {{rank}}"),
-            query(f"placement_bound{{{HOST_RANK}}}", "bound {{instance}} {{rank}}", "B"),
+            "Down or unbound",
+            "Only the processes that are not up (placement_up 0: not running) or not bound "
+            "(placement_bound 0: a planned bind not applied or not read back), while they "
+            "are not: an empty panel is a healthy fleet.",
+            query(f"placement_up{{{HOST_RANK}}} == 0", "down {{instance}} {{rank}}"),
+            query(f"placement_bound{{{HOST_RANK}}} == 0", "unbound {{instance}} {{rank}}", "B"),
         )
         .span(12)
         .min(0)
@@ -241,21 +257,31 @@ def health() -> Iterator[Panel]:
     )
 
 
+RATIO = f"placement_local_memory_ratio{{{HOST_RANK}}}"
+# The LOWEST host/rank pairs by their lowest ratio over the range (ranked once, at
+# its end), drawn at every step; and the thresholds of their hosts.
+LOWEST_RATIO_EXPR = (
+    f"{RATIO} and on(instance, rank) bottomk({LOWEST}, min_over_time({RATIO}[$__range] @ end()))"
+)
+LOWEST_THRESHOLD_EXPR = (
+    f"max by (instance) (placement_local_memory_ratio_threshold{{{HOST}}})"
+    f" and on(instance) bottomk({LOWEST}, min_over_time({RATIO}[$__range] @ end()))"
+)
+LOWEST_TABLE_EXPR = f"sort(bottomk({WORST_SERIES}, {RATIO}))"
+
+
 def memory_locality() -> Iterator[Panel]:
     yield (
         graph(
-            "Local memory ratio",
-            "Resident memory on the planned NUMA nodes / all resident memory, with each "
-            "host's configured threshold (dashed). Alert PlacementLocalMemoryLow when a "
-            "rank stays below its host's threshold for 5 minutes.",
-            query(f"placement_local_memory_ratio{{{HOST_RANK}}}", "{{instance}} rank {{rank}}"),
-            query(
-                f"placement_local_memory_ratio_threshold{{{HOST}}}",
-                "{{instance}} threshold",
-                "B",
-            ),
+            f"Local memory ratio: the lowest {LOWEST}",
+            "Resident memory on the planned NUMA nodes / all resident memory, of the "
+            f"{LOWEST} host/rank pairs lowest over the time range, with their hosts' "
+            "configured thresholds (dashed). Alert PlacementLocalMemoryLow when a rank stays "
+            "below its host's threshold for 5 minutes.",
+            query(LOWEST_RATIO_EXPR, "{{instance}} rank {{rank}}"),
+            query(LOWEST_THRESHOLD_EXPR, "{{instance}} threshold", "B"),
         )
-        .span(10)
+        .span(12)
         .unit("percentunit")
         .min(0)
         .max(1)
@@ -270,12 +296,41 @@ def memory_locality() -> Iterator[Panel]:
         )
     )
     yield (
+        table.Panel()
+        .title("Lowest local memory ratio now")
+        .description(
+            f"The {WORST_SERIES} host/rank pairs with the lowest local memory ratio now, "
+            "lowest first."
+        )
+        .datasource(DATASOURCE)
+        .with_target(table_query(LOWEST_TABLE_EXPR))
+        .with_transformation(
+            dm.DataTransformerConfig(
+                id_val="organize",
+                options={
+                    "excludeByName": {"Time": True, "__name__": True, "job": True},
+                    "indexByName": {"instance": 0, "rank": 1, "Value": 2},
+                    "renameByName": {"instance": "host", "Value": "local memory ratio"},
+                },
+            )
+        )
+        .with_transformation(
+            dm.DataTransformerConfig(
+                id_val="sortBy", options={"sort": [{"field": "local memory ratio"}]}
+            )
+        )
+        .height(8)
+        .span(8)
+        .unit("percentunit")
+    )
+    yield (
         stat_panel(
             "Local memory threshold",
-            "drift.local_memory_threshold of each host's config: a ratio below it is a "
-            "memory_locality finding (re-bound where drift.policy.memory_locality is "
-            "enforce).",
-            query(f"placement_local_memory_ratio_threshold{{{HOST}}}", "{{instance}}"),
+            "drift.local_memory_threshold of the hosts' configs, lowest and highest: a ratio "
+            "below it is a memory_locality finding (re-bound where "
+            "drift.policy.memory_locality is enforce).",
+            query(f"min(placement_local_memory_ratio_threshold{{{HOST}}})", "lowest"),
+            query(f"max(placement_local_memory_ratio_threshold{{{HOST}}})", "highest", "B"),
         )
         .span(4)
         .height(8)
@@ -284,7 +339,8 @@ def memory_locality() -> Iterator[Panel]:
     yield (
         graph(
             "Memory by NUMA node",
-            "Resident memory of each process per NUMA node.",
+            "Resident memory of each process per NUMA node (a line per rank and node: "
+            "choose a host).",
             query(
                 agg("sum", ("rank", "node"), f"placement_memory_bytes{{{HOST_RANK}}}"),
                 "{{instance}} rank {{rank}} node {{node}}",
@@ -329,15 +385,7 @@ def binding_and_drift() -> Iterator[Panel]:
             query(BIND_FAILURES_EXPR, "{{instance}} rank {{rank}} {{target}} {{reason}}"),
         )
         .span(8)
-        .legend(
-            cb.VizLegendOptions()
-            .display_mode(common.LegendDisplayMode.TABLE)
-            .placement(common.LegendPlacement.BOTTOM)
-            .show_legend(True)
-            .calcs(["sum", "max"])
-            .sort_by("Total")
-            .sort_desc(True)
-        )
+        .legend(ranked_legend())
     )
     yield (
         table.Panel()
@@ -367,46 +415,76 @@ def binding_and_drift() -> Iterator[Panel]:
         .height(8)
         .span(8)
     )
-    yield graph(
-        "Drift events",
-        "Differences between plan and live state found by the checks.",
-        query(
-            agg("sum", ("rank", "kind"), increase("placement_drift_events_total")),
-            "{{instance}} rank {{rank}} {{kind}}",
-        ),
-    ).span(8)
-    yield graph(
-        "Current drift findings",
-        "Findings standing now (alert PlacementDriftPersists after 10 minutes).",
-        query(
-            agg("sum", ("rank", "kind"), f"placement_drift_findings{{{HOST_RANK}}}"),
-            "{{instance}} rank {{rank}} {{kind}}",
-        ),
-    ).span(8)
-    yield graph(
-        "Re-binds",
-        "Re-binds applied by reason: the drift kind corrected (thread_affinity, "
-        "memory_locality, irq_affinity), thread_role (a new thread put in its role), "
-        "cpuset_changed, api.",
-        query(
-            agg("sum", ("rank", "reason"), increase("placement_rebinds_total")),
-            "{{instance}} rank {{rank}} {{reason}}",
-        ),
-    ).span(8)
-    yield graph(
-        "Cpuset changes",
-        "Changes of the supervisor's allowed cpuset (each one re-plans).",
-        query(increase("placement_cpuset_changes_total", HOST), "{{instance}}"),
-    ).span(8)
-    yield graph(
-        "Supervisor bind failures",
-        "Binds of the supervisor's own the kernel refused: its instance cgroup and the "
-        "IRQ re-plan after a cpuset change (no rank: placement_host_bind_failures_total).",
-        query(
-            agg("sum", ("target", "reason"), increase("placement_host_bind_failures_total", HOST)),
-            "{{instance}} {{target}} {{reason}}",
-        ),
-    ).span(8)
+    # Counters pre-initialised at 0 for every rank and kind/reason: only what is not 0,
+    # the WORST_SERIES most first (nonzero_ranked).
+    yield (
+        graph(
+            "Drift events",
+            "Differences between plan and live state found by the checks: series not 0 only, "
+            f"the {WORST_SERIES} with the most over the time range.",
+            query(
+                nonzero_ranked("placement_drift_events_total", ("rank", "kind")),
+                "{{instance}} rank {{rank}} {{kind}}",
+            ),
+        )
+        .span(8)
+        .legend(ranked_legend())
+    )
+    findings = f"placement_drift_findings{{{HOST_RANK}}}"
+    yield (
+        graph(
+            "Current drift findings",
+            "Findings standing now (alert PlacementDriftPersists after 10 minutes): series not "
+            f"0 only, the {WORST_SERIES} with the most at any time in the range.",
+            query(
+                agg("sum", ("rank", "kind"), findings)
+                + f" > 0 and on(instance, rank, kind) topk({WORST_SERIES}, "
+                + agg("sum", ("rank", "kind"), f"max_over_time({findings}[$__range] @ end())")
+                + " > 0)",
+                "{{instance}} rank {{rank}} {{kind}}",
+            ),
+        )
+        .span(8)
+        .legend(ranked_legend())
+    )
+    yield (
+        graph(
+            "Re-binds",
+            "Re-binds applied by reason: the drift kind corrected (thread_affinity, "
+            "memory_locality, irq_affinity), thread_role (a new thread put in its role), "
+            f"cpuset_changed, api: series not 0 only, the {WORST_SERIES} with the most.",
+            query(
+                nonzero_ranked("placement_rebinds_total", ("rank", "reason")),
+                "{{instance}} rank {{rank}} {{reason}}",
+            ),
+        )
+        .span(8)
+        .legend(ranked_legend())
+    )
+    yield (
+        graph(
+            "Cpuset changes",
+            "Changes of the supervisor's allowed cpuset (each one re-plans): hosts with any, "
+            f"the {WORST_SERIES} with the most.",
+            query(nonzero_ranked("placement_cpuset_changes_total", (), HOST), "{{instance}}"),
+        )
+        .span(8)
+        .legend(ranked_legend())
+    )
+    yield (
+        graph(
+            "Supervisor bind failures",
+            "The supervisor's own binds that the kernel refused: its instance cgroup and the "
+            "IRQ re-plan after a cpuset change (no rank: placement_host_bind_failures_total): "
+            f"series not 0 only, the {WORST_SERIES} with the most.",
+            query(
+                nonzero_ranked("placement_host_bind_failures_total", ("target", "reason"), HOST),
+                "{{instance}} {{target}} {{reason}}",
+            ),
+        )
+        .span(8)
+        .legend(ranked_legend())
+    )
 
 
 # The plan table's one query: CPUs per role, left-joined on (instance, rank) with
@@ -421,26 +499,31 @@ PLAN_EXPR = (
 
 
 def processes() -> Iterator[Panel]:
-    yield graph(
-        "Restarts",
-        "Restarts by the supervisor (alert PlacementRankCrashLooping at 3 in 15 minutes).",
-        query(
-            agg("sum", ("rank",), increase("placement_restarts_total")),
-            "{{instance}} rank {{rank}}",
-        ),
-    ).span(8)
+    yield (
+        graph(
+            "Restarts",
+            "Restarts by the supervisor (alert PlacementRankCrashLooping at 3 in 15 minutes): "
+            f"processes with any, the {WORST_SERIES} with the most.",
+            query(
+                nonzero_ranked("placement_restarts_total", ("rank",)), "{{instance}} rank {{rank}}"
+            ),
+        )
+        .span(8)
+        .legend(ranked_legend())
+    )
     yield (
         graph(
             "Restart backoff",
-            "Delay before the next start while a process is in backoff.",
-            query(f"placement_backoff_seconds{{{HOST_RANK}}}", "{{instance}} rank {{rank}}"),
+            "Delay before the next start while a process is in backoff (only those).",
+            query(f"placement_backoff_seconds{{{HOST_RANK}}} > 0", "{{instance}} rank {{rank}}"),
         )
         .span(8)
         .unit("s")
     )
     yield graph(
         "Threads per role",
-        "Threads the last check found in each process, by role.",
+        "Threads the last check found in each process, by role (a line per rank and role: "
+        "choose a host).",
         query(
             agg("sum", ("rank", "role"), f"placement_threads{{{HOST_RANK}}}"),
             "{{instance}} rank {{rank}} {{role}}",
@@ -451,7 +534,8 @@ def processes() -> Iterator[Panel]:
         .title("Plan and memory policy")
         .description(
             "CPUs the plan gives each role, and the memory-policy step its process got "
-            "(bind, preferred, none; empty until the process reports one)."
+            "(bind, preferred, none; empty until the process reports one): a row per rank "
+            "and role, choose a host."
         )
         .datasource(DATASOURCE)
         .with_target(table_query(PLAN_EXPR))
@@ -468,6 +552,76 @@ def processes() -> Iterator[Panel]:
         .height(8)
         .span(24)
     )
+
+
+def host_table(title: str, description: str, expr: str, columns: dict[str, str]) -> Panel:
+    """An instant table of `expr`'s series, one row each: host, then `columns` (label: heading)."""
+    order = {"instance": 0, **{label: i + 1 for i, label in enumerate(columns)}}
+    return (
+        table.Panel()
+        .title(title)
+        .description(description)
+        .datasource(DATASOURCE)
+        .with_target(table_query(expr))
+        .with_transformation(
+            dm.DataTransformerConfig(
+                id_val="organize",
+                options={
+                    "excludeByName": {"Time": True, "Value": True, "__name__": True, "job": True},
+                    "indexByName": order,
+                    "renameByName": {"instance": "host", **columns},
+                },
+            )
+        )
+        .height(8)
+    )
+
+
+# A capability the host denies while the config wants it (placement_capability_wanted).
+MISSING_CAPABILITIES = (
+    f"placement_capability{{{HOST}}} == 0"
+    f" and on(instance, name) placement_capability_wanted{{{HOST}}} == 1"
+)
+CONFIG_HASHES = f"placement_config_info{{{HOST}}}"
+
+
+def config_and_capabilities() -> Iterator[Panel]:
+    # Sorted by the hash: a host on another file stands out of the run of the others.
+    yield (
+        host_table(
+            "Config in force per host",
+            "The config file each host runs and its sha256 (placement_config_info), sorted "
+            "by the hash: a host whose hash differs from the others runs another file.",
+            CONFIG_HASHES,
+            {"sha256": "sha256", "path": "path"},
+        )
+        .with_transformation(
+            dm.DataTransformerConfig(id_val="sortBy", options={"sort": [{"field": "sha256"}]})
+        )
+        .span(8)
+    )
+    yield (
+        graph(
+            "Config reloads",
+            "Reloads by result (ok, invalid, refused): hosts with any, the "
+            f"{WORST_SERIES} with the most over the time range.",
+            query(
+                nonzero_ranked("placement_config_reloads_total", ("result",), HOST),
+                "{{instance}} {{result}}",
+            ),
+        )
+        .span(8)
+        .legend(ranked_legend())
+    )
+    yield host_table(
+        "Missing capabilities",
+        "What a host does not let the supervisor bind though the config wants it "
+        "(mempolicy, cgroup, irq; probed at start; alert PlacementCapabilityMissing): one "
+        "row per host and capability, none when nothing is missing. "
+        "`placement-supervisor check` says what each costs and how to get it.",
+        MISSING_CAPABILITIES,
+        {"name": "capability"},
+    ).span(8)
 
 
 def checks() -> Iterator[Panel]:
@@ -504,6 +658,7 @@ ROWS = (
     ("Memory locality", memory_locality),
     ("Binding and drift", binding_and_drift),
     ("Processes", processes),
+    ("Config and capabilities", config_and_capabilities),
     ("Checks", checks),
 )
 
@@ -522,7 +677,12 @@ def variables() -> list[Builder[dm.VariableModel]]:
 
     return [
         db.DatasourceVariable("datasource").label("Data source").type("prometheus"),
-        label_values("host", "instance", "placement_info")
+        # Kubernetes: the node stays when a Recreate gives the pod a new IP (instance).
+        label_values("node", "node", "placement_info")
+        .label("Node")
+        .all_value(".*")
+        .sort(dm.VariableSort.ALPHABETICAL_ASC),
+        label_values("host", "instance", 'placement_info{node=~"$node"}')
         .label("Host")
         .sort(dm.VariableSort.ALPHABETICAL_ASC),
         label_values("rank", "rank", f"placement_up{{{HOST}}}")

@@ -38,14 +38,17 @@ def render_plan_table(placement: Placement, topology: Topology | None = None) ->
 
     Columns: rank, device, bdf, node (the device's NUMA node), cpu-nodes (the
     nodes of the planned CPUs; with a topology), cpus, mems, one column per
-    role, strategy, and l3 (each rank's L3 domains by lowest CPU) where known.
+    role, strategy, l3 (each rank's L3 domains by lowest CPU) where known, and
+    irqs (the IRQ numbers the rank's irq CPUs take) where the plan binds any.
     """
     roles = _role_names(placement)
     l3 = any(r.l3_domains for r in placement.ranks)
+    irqs = placement.has_irqs
     header = ["rank", "device", "bdf", "node"]
     if topology is not None:
         header.append("cpu-nodes")
     header += ["cpus", "mems", *roles, "strategy", *(["l3"] if l3 else [])]
+    header += ["irqs"] if irqs else []
     rows: list[list[str]] = []
     for r in placement.ranks:
         devices = r.all_devices
@@ -62,6 +65,8 @@ def render_plan_table(placement: Placement, topology: Topology | None = None) ->
         row.append(r.strategy)
         if l3:
             row.append(",".join(str(n) for n in r.l3_domains) or "-")
+        if irqs:
+            row.append(format_cpulist(a.irq for a in r.irqs) or "-")
         rows.append(row)
     if placement.engine is not None:
         e = placement.engine
@@ -70,7 +75,7 @@ def render_plan_table(placement: Placement, topology: Topology | None = None) ->
             row.append(_cpu_nodes(topology, e.cpus))
         row += [format_cpulist(e.cpus), format_cpulist(e.mems)]
         row += [format_cpulist(e.roles.get(role, ())) or "-" for role in roles]
-        row += ["-"] * (1 + l3)
+        row += ["-"] * (1 + l3 + irqs)
         rows.append(row)
     widths = [max(len(line[i]) for line in [header, *rows]) for i in range(len(header))]
     lines = [

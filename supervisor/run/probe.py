@@ -7,6 +7,8 @@ to the engine's process tree (`supervisor.run.listeners`), and `progress` is
 called every PROGRESS_INTERVAL_S with the time waited and the last failure.
 A check that raises (EMFILE, a /proc read that fails) is "not ready yet",
 retried until the timeout like any other failure, and logged once.
+`await_ready` is the engine runner's wait on it (supervisor.run.runner), which
+keeps the engine's `ProcessStatus.loading` while it waits.
 """
 
 from __future__ import annotations
@@ -17,14 +19,19 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
 
 import aiohttp
 
 from supervisor.config import ReadyProbe
+from supervisor.events import Recorder
 from supervisor.hostfs import HostFS
 from supervisor.logs import LOGGER_NAME, format_fields
+from supervisor.plan.keys import ProcKey
 from supervisor.run.listeners import check_listener_owner
+from supervisor.run.procs import ChildProcess, first_of
+from supervisor.state import Loading, ProcessStatus
 
 log = logging.getLogger(f"{LOGGER_NAME}.probe")
 
@@ -110,6 +117,7 @@ async def wait_ready(
     owner: tuple[HostFS, int] | None = None,
     progress: Progress | None = None,
     progress_interval_s: float = PROGRESS_INTERVAL_S,
+    attempted: Callable[[str], None] | None = None,
     label: str = "engine",
 ) -> ProbeResult:
     """Poll `probe` until it passes, `probe.timeout_s` passes, or `alive()` is False.
@@ -118,6 +126,7 @@ async def wait_ready(
     An exception from a check is a failed attempt, never the end of the wait:
     a transient error (EMFILE, a racing /proc read) must not fail an engine
     that is loading fine. The first one is logged (`label` names the rank).
+    `attempted` is called with each failed attempt's result.
     """
     started = time.monotonic()
     deadline = started + probe.timeout_s
@@ -158,6 +167,8 @@ async def wait_ready(
             if failure is None:
                 return ProbeResult(True, describe_probe(probe), now - started)
             detail = failure
+            if attempted is not None:
+                attempted(detail)
             if now >= deadline:
                 return ProbeResult(False, f"timed out: {detail}", now - started)
             if progress is not None and now >= next_progress:
@@ -167,3 +178,115 @@ async def wait_ready(
     finally:
         if session is not None:
             await session.close()
+
+
+# -- the engine runner's wait ------------------------------------------------------------
+
+
+class EngineRunner(Protocol):
+    """What `await_ready` needs of the engine's runner (supervisor.run.runner.Runner)."""
+
+    key: ProcKey
+    label: str
+    waiting: str | None  # while the probe waits: "engine loading: ..." (STATUS=)
+    interrupt: asyncio.Event
+    recorder: Recorder
+
+    @property
+    def status(self) -> ProcessStatus: ...
+
+    def set_status(self, **changes: Any) -> ProcessStatus: ...
+
+    def mark_running(self, child: ChildProcess) -> None: ...
+
+
+async def await_ready(
+    runner: EngineRunner,
+    probe: ReadyProbe,
+    child: ChildProcess,
+    exit_future: asyncio.Future[int],
+    *,
+    fs: HostFS,
+    on_state_change: Callable[[], None] | None,
+) -> bool:
+    """Wait until the engine's probe passes; True when ready or exited.
+
+    While it waits, the engine's status holds `loading` (the probe, since when,
+    the timeout, the last attempt's result: /placement, /readyz, `status`), and
+    every PROGRESS_INTERVAL_S `runner.waiting` (STATUS=) and a log line say how long.
+    """
+    described = describe_probe(probe)
+    runner.set_status(loading=Loading(described, time.time(), probe.timeout_s))
+
+    def attempted(detail: str) -> None:
+        # Each failed attempt (every POLL_INTERVAL_S): stored when it says something new.
+        loading = runner.status.loading
+        if loading is not None and loading.last != detail:
+            runner.set_status(loading=replace(loading, last=detail))
+
+    def progress(waited_s: float, detail: str) -> None:
+        runner.waiting = (
+            f"{runner.label} loading: {described} not ready after "
+            f"{waited_s:.0f}s of {probe.timeout_s:g}s ({detail})"
+        )
+        log.info(
+            "waiting for readiness %s",
+            format_fields(
+                rank=runner.label,
+                pid=child.pid,
+                probe=described,
+                elapsed_s=f"{waited_s:.0f}",
+                timeout_s=f"{probe.timeout_s:g}",
+                last=detail,
+                action="wait",
+            ),
+        )
+        if on_state_change is not None:
+            on_state_change()
+
+    probe_task = asyncio.ensure_future(
+        wait_ready(
+            probe,
+            lambda: not exit_future.done(),
+            # The listener must be the engine's own (not a leftover's).
+            owner=(fs, child.pid) if fs.is_live else None,
+            progress=progress,
+            attempted=attempted,
+            label=runner.label,
+        )
+    )
+    try:
+        await first_of(probe_task, exit_future, runner.interrupt.wait())
+    finally:
+        runner.waiting = None
+        runner.set_status(loading=None)
+    if not probe_task.done():
+        probe_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await probe_task
+        return True  # exited, or interrupted: the caller's wait handles it
+    result = probe_task.result()
+    if result.ready:
+        runner.recorder.note(
+            "ready",
+            runner.key,
+            f"{runner.label}: ready ({result.detail}) after {result.waited_s:.1f}s",
+            log_message="ready",
+            probe=result.detail,
+            waited_s=round(result.waited_s, 3),
+        )
+        runner.mark_running(child)
+        return True
+    if exit_future.done():
+        return True
+    runner.recorder.note(
+        "ready_failed",
+        runner.key,
+        f"{runner.label}: readiness probe {described} failed: {result.detail}",
+        log_message="ready probe failed",
+        level=logging.ERROR,
+        probe=described,
+        detail=result.detail,
+        action="stop",
+    )
+    return False

@@ -39,7 +39,7 @@ from supervisor.plan.keys import ProcKey, key_label
 from supervisor.plan.placement import Slot
 from supervisor.procfs.stat import read_proc_stat
 from supervisor.run import restart
-from supervisor.run.probe import describe_probe, wait_ready
+from supervisor.run.probe import await_ready
 from supervisor.run.procs import ChildProcess, first_of, read_until_eof, spawn
 from supervisor.run.restart import RestartDecision, RestartHistory, RunOutcome, decide_restart
 from supervisor.run.spec import ChildSpec, SpecOf
@@ -378,71 +378,8 @@ class Runner:
         if probe is None:
             self.mark_running(child)
             return True
-
-        def progress(waited_s: float, detail: str) -> None:
-            self.waiting = (
-                f"{self.label} loading: {describe_probe(probe)} not ready after "
-                f"{waited_s:.0f}s of {probe.timeout_s:g}s ({detail})"
-            )
-            log.info(
-                "waiting for readiness %s",
-                format_fields(
-                    rank=self.label,
-                    pid=child.pid,
-                    probe=describe_probe(probe),
-                    elapsed_s=f"{waited_s:.0f}",
-                    timeout_s=f"{probe.timeout_s:g}",
-                    last=detail,
-                    action="wait",
-                ),
-            )
-            if self.rt.on_state_change is not None:
-                self.rt.on_state_change()
-
-        probe_task = asyncio.ensure_future(
-            wait_ready(
-                probe,
-                lambda: not exit_future.done(),
-                # The listener must be the engine's own (not a leftover's).
-                owner=(self.rt.fs, child.pid) if self.rt.fs.is_live else None,
-                progress=progress,
-                label=self.label,
-            )
-        )
-        try:
-            await first_of(probe_task, exit_future, self.interrupt.wait())
-        finally:
-            self.waiting = None
-        if not probe_task.done():
-            probe_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await probe_task
-            return True  # exited, or interrupted: the caller's wait handles it
-        result = probe_task.result()
-        if result.ready:
-            self.recorder.note(
-                "ready",
-                self.key,
-                f"{self.label}: ready ({result.detail}) after {result.waited_s:.1f}s",
-                log_message="ready",
-                probe=result.detail,
-                waited_s=round(result.waited_s, 3),
-            )
-            self.mark_running(child)
-            return True
-        if exit_future.done():
-            return True
-        self.recorder.note(
-            "ready_failed",
-            self.key,
-            f"{self.label}: readiness probe {describe_probe(probe)} failed: {result.detail}",
-            log_message="ready probe failed",
-            level=logging.ERROR,
-            probe=describe_probe(probe),
-            detail=result.detail,
-            action="stop",
-        )
-        return False
+        fs, notify = self.rt.fs, self.rt.on_state_change
+        return await await_ready(self, probe, child, exit_future, fs=fs, on_state_change=notify)
 
     def mark_running(self, child: ChildProcess) -> None:
         self.set_status(state="running")

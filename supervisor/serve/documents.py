@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -55,13 +56,18 @@ def process_keys(placement: Placement) -> tuple[ProcKey, ...]:
 
 
 def readiness(
-    placement: Placement, processes: Mapping[ProcKey, ProcessStatus], stopping: bool
+    placement: Placement,
+    processes: Mapping[ProcKey, ProcessStatus],
+    stopping: bool,
+    now: float | None = None,
 ) -> list[str]:
     """Why the daemon is not ready ([] when it is), from the three things that decide it.
 
     Stricter than `Snapshot.ready` alone: a planned process that has no status
     yet is not ready either. The metric `placement_ready` calls this with its
-    declared inputs; everything else calls `not_ready_reasons(snap)`.
+    declared inputs; everything else calls `not_ready_reasons(snap)`. With `now`,
+    a loading engine's reason says how long it has waited, of how long, and what
+    its probe's last attempt found.
     """
     if stopping:
         return ["the supervisor is stopping"]
@@ -70,6 +76,8 @@ def readiness(
         status = processes.get(key)
         if status is None:
             reasons.append(f"{key_label(key)}: not started yet")
+        elif status.state != "running" and status.loading is not None and now is not None:
+            reasons.append(f"{key_label(key)}: {status.loading.summary(now)}")
         elif status.state != "running":
             reasons.append(f"{key_label(key)}: {status.state}")
         elif not status.bound:
@@ -81,9 +89,9 @@ def readiness(
     return reasons
 
 
-def not_ready_reasons(snap: Snapshot) -> list[str]:
+def not_ready_reasons(snap: Snapshot, now: float | None = None) -> list[str]:
     """What /readyz and placement_ready say: [] when every process runs bound."""
-    return readiness(snap.placement, snap.processes, snap.stopping)
+    return readiness(snap.placement, snap.processes, snap.stopping, now)
 
 
 def healthz_doc(
@@ -114,12 +122,42 @@ def healthz_doc(
     return doc
 
 
-def readyz_doc(snap: Snapshot) -> dict[str, Any]:
-    """GET /readyz: `status` 503 with the reasons while not ready."""
-    reasons = not_ready_reasons(snap)
+def readyz_doc(snap: Snapshot, now: float | None = None) -> dict[str, Any]:
+    """GET /readyz: `status` 503 with the reasons while not ready, and each process's
+    state (a loading engine's with its elapsed time, timeout and last probe result)."""
+    now = time.time() if now is None else now
+    reasons = not_ready_reasons(snap, now)
+    processes = [state_doc(snap, key, now) for key in process_keys(snap.placement)]
     if reasons:
-        return {"status": 503, "error": "not ready: " + "; ".join(reasons), "reasons": reasons}
-    return {"status": 200, "ready": True}
+        return {
+            "status": 503,
+            "error": "not ready: " + "; ".join(reasons),
+            "reasons": reasons,
+            "processes": processes,
+        }
+    return {"status": 200, "ready": True, "processes": processes}
+
+
+def down_since(snap: Snapshot, status: ProcessStatus) -> float | None:
+    """When `status` left running (or first got another state); the daemon's start for
+    a status published before the store kept it (a worker waiting from the start)."""
+    if status.state == "running":
+        return None
+    return status.down_since or snap.started_at or None
+
+
+def state_doc(snap: Snapshot, key: ProcKey, now: float) -> dict[str, Any]:
+    """One process's state for /readyz: {"process", "state", "down_s", "loading"}
+    (`down_s`: seconds since it left running, or since its first start; null while running)."""
+    status = snap.processes.get(key)
+    loading = None if status is None or status.loading is None else status.loading
+    since = None if status is None else down_since(snap, status)
+    return {
+        "process": key_label(key),
+        "state": "not started" if status is None else status.state,
+        "down_s": None if since is None else round(max(0.0, now - since), 1),
+        "loading": None if loading is None else loading.to_doc(now),
+    }
 
 
 # -- /placement ----------------------------------------------------------------------
@@ -177,12 +215,16 @@ def _has_irqs(placement: Placement, key: ProcKey) -> bool:
     return any(r.rank == key and r.irqs for r in placement.ranks)
 
 
-def process_doc(snap: Snapshot, key: ProcKey) -> dict[str, Any]:
+def process_doc(snap: Snapshot, key: ProcKey, now: float | None = None) -> dict[str, Any]:
     """What /placement adds to the plan entry of one process."""
     status = snap.processes.get(key) or ProcessStatus(key)
+    loading = status.loading
     return {
         "pid": status.pid,
         "state": status.state,
+        "down_since": down_since(snap, status),  # unix time it left running; null: runs
+        # While the engine's probe waits: the probe, elapsed_s of timeout_s, its last result.
+        "loading": None if loading is None else loading.to_doc(time.time() if now is None else now),
         "bound": status.bound,
         "cpus_bound": status.cpus_bound,
         "not_bound": not_bound(snap, key, status),
@@ -199,9 +241,9 @@ def process_doc(snap: Snapshot, key: ProcKey) -> dict[str, Any]:
     }
 
 
-def supervisor_doc(snap: Snapshot) -> dict[str, Any]:
+def supervisor_doc(snap: Snapshot, now: float | None = None) -> dict[str, Any]:
     """The `supervisor` object of /placement: the daemon itself."""
-    reasons = not_ready_reasons(snap)
+    reasons = not_ready_reasons(snap, time.time() if now is None else now)
     return {
         "version": __version__,
         "accelerator": snap.accelerator_kind,
@@ -261,7 +303,15 @@ class PlacementRenderer:
         self._frame: tuple[object, bytes, bytes] | None = None  # placement, head, tail
         self._last: tuple[Snapshot, bytes] | None = None
 
-    def _process(self, snap: Snapshot, key: ProcKey, planned: Slot | RankPlacement) -> bytes:
+    def _process(
+        self, snap: Snapshot, key: ProcKey, planned: Slot | RankPlacement, now: float
+    ) -> bytes:
+        status = snap.processes.get(key)
+        if status is not None and status.loading is not None:
+            # Its elapsed time moves with the clock, not with the snapshot: never reused.
+            doc = planned.to_doc()
+            doc.update(process_doc(snap, key, now))
+            return dumps(doc)
         identity = (
             planned,
             snap.processes.get(key),
@@ -273,7 +323,7 @@ class PlacementRenderer:
         if hit is not None and all(a is b for a, b in zip(hit[0], identity, strict=True)):
             return hit[1]
         doc = planned.to_doc()
-        doc.update(process_doc(snap, key))
+        doc.update(process_doc(snap, key, now))
         body = dumps(doc)
         self._parts[key] = (identity, body)  # holding the objects keeps `is` sound
         return body
@@ -295,13 +345,15 @@ class PlacementRenderer:
     def render(self, snap: Snapshot) -> bytes:
         """The body for `snap`; the same bytes object again while the snapshot is the same."""
         last = self._last
-        if last is not None and last[0] is snap:
+        loading = any(p.loading is not None for p in snap.processes.values())
+        if last is not None and last[0] is snap and not loading:
             return last[1]
+        now = time.time()
         placement = snap.placement
         engine = b"null"
         if placement.engine is not None:
-            engine = self._process(snap, "engine", placement.engine)
-        ranks = [self._process(snap, r.rank, r) for r in placement.ranks]
+            engine = self._process(snap, "engine", placement.engine, now)
+        ranks = [self._process(snap, r.rank, r, now) for r in placement.ranks]
         head, tail = self._head_and_tail(placement)
         body = b"".join(
             (
@@ -313,7 +365,7 @@ class PlacementRenderer:
                 b"]",
                 tail,
                 b',"supervisor":',
-                dumps(supervisor_doc(snap)),
+                dumps(supervisor_doc(snap, now)),
                 b',"config":',
                 dumps(config_doc(snap)),
                 b"}",

@@ -107,6 +107,9 @@ def _cell(value: Any) -> str:
 
 def _state(entry: Mapping[str, Any]) -> str:
     state = str(entry.get("state", "?"))
+    loading = entry.get("loading") or {}
+    if loading:  # the engine's probe waits: how long, of how long
+        return f"loading({loading.get('elapsed_s', 0):.0f}s/{loading.get('timeout_s', 0):g}s)"
     backoff = entry.get("backoff") or {}
     if state == "backoff" and backoff.get("seconds"):
         return f"backoff({backoff['seconds']:g}s)"
@@ -114,6 +117,9 @@ def _state(entry: Mapping[str, Any]) -> str:
         return f"{state}(exit {entry['exit_code']})"
     if state == "running" and not entry.get("bound", True):
         return "running(unbound)"
+    since = entry.get("down_since")
+    if state in ("starting", "waiting", "stopping") and isinstance(since, int | float):
+        return f"{state}({max(0.0, time.time() - since):.0f}s)"  # how long so far
     return state
 
 
@@ -126,7 +132,18 @@ def _roles(entry: Mapping[str, Any]) -> str:
     return " ".join(f"{n}={format_cpulist(roles[n])}" for n in names)
 
 
-def _row(label: str, entry: Mapping[str, Any]) -> list[str]:
+def _irqs(entry: Mapping[str, Any]) -> str:
+    """The rank's planned IRQs as a list ("120-127"), and how many the check found
+    delivered elsewhere ("120-127 (2 off plan)")."""
+    planned = [a["irq"] for a in entry.get("irqs") or ()]
+    if not planned:
+        return "-"
+    seen = (entry.get("observed") or {}).get("irqs") or ()
+    off = sum(1 for i in seen if sorted(i.get("cpus") or ()) != sorted(i.get("planned") or ()))
+    return format_cpulist(planned) + (f" ({off} off plan)" if off else "")
+
+
+def _row(label: str, entry: Mapping[str, Any], irqs: bool = False) -> list[str]:
     device = entry.get("device") or {}
     observed = entry.get("observed") or {}
     ratio = observed.get("local_memory_ratio")
@@ -142,6 +159,7 @@ def _row(label: str, entry: Mapping[str, Any]) -> list[str]:
         "-" if ratio is None else f"{100.0 * ratio:.1f}%",
         str(len(entry.get("drift") or ())),
         _cell(entry.get("restarts", 0)),
+        *([_irqs(entry)] if irqs else []),
     ]
 
 
@@ -168,8 +186,11 @@ def render_status(doc: Mapping[str, Any], where: str = "") -> str:
     if doc.get("engine"):
         labelled.append(("engine", doc["engine"]))
     labelled.extend((str(r["rank"]), r) for r in doc.get("ranks", ()))
-    rows = [_row(label, entry) for label, entry in labelled]
-    widths = [max(len(r[i]) for r in [HEADER, *rows]) for i in range(len(HEADER))]
+    # An IRQS column where the plan binds IRQs (docs/planning.md, [irq]).
+    irqs = any(entry.get("irqs") for _, entry in labelled)
+    header = [*HEADER, *(["IRQS"] if irqs else [])]
+    rows = [_row(label, entry, irqs) for label, entry in labelled]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
 
     def line(cells: list[str]) -> str:
         return "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
@@ -181,7 +202,7 @@ def render_status(doc: Mapping[str, Any], where: str = "") -> str:
         + f": strategy {doc.get('strategy', '?')}, accelerator {sup.get('accelerator', '?')}, "
         + ("ready" if ready else "NOT READY" if ready is False else "readiness unknown")
     )
-    out = [head, line(HEADER), *(line(r) for r in rows)]
+    out = [head, line(header), *(line(r) for r in rows)]
     for reason in sup.get("not_ready") or ():
         out.append(f"not ready: {reason}")
     out += _config_lines(doc.get("config") or {})
@@ -211,25 +232,55 @@ def _config_lines(config: Mapping[str, Any]) -> list[str]:
     return out
 
 
+# After "cannot reach the daemon" when neither --listen nor --config said where.
+NO_DAEMON_HINT = (
+    " (no --listen or --config given: the default address was asked; give the daemon's "
+    "config with --config FILE, or --listen HOST:PORT|unix:PATH)"
+)
+
+
 def status_command(args: Any) -> int:
-    """`placement-supervisor status [--listen ADDR] [--json]`; returns the exit code
-    (0 ready, 1 unreachable, 2 bad address or config, 4 not ready).
+    """`placement-supervisor status [--listen ADDR] [--json] [--watch [S]]`; returns the
+    exit code (0 ready, 1 unreachable, 2 bad address or config, 4 not ready).
 
     Reads `args.listen` (None: the config's api address when `args.config` is
-    set, else 127.0.0.1:9477) and `args.json` (print the raw document).
+    set, else 127.0.0.1:9477) and `args.json` (print the raw document). With
+    `args.watch` (seconds), prints it again every so often until interrupted.
     """
     try:
         where = _where(args)
     except SupervisorError as err:
         print(f"placement-supervisor status: {err}", file=sys.stderr)
         return err.exit_code if isinstance(err, ConfigError) else EXIT_UNREACHABLE
+    interval_s: float | None = getattr(args, "watch", None)
+    if interval_s is None:
+        return _status_once(args, where)
+    tty = sys.stdout.isatty()
+    while True:  # Ctrl-C ends it (cli.main: 130)
+        # A terminal is redrawn in place (as watch(1) does); a pipe gets one frame after another.
+        sys.stdout.write("\x1b[H\x1b[2J" if tty else "")
+        sys.stdout.write(f"every {interval_s:g}s: {time.strftime('%Y-%m-%dT%H:%M:%S')}\n")
+        _status_once(args, where)
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        time.sleep(interval_s)
+
+
+def _status_once(args: Any, where: Listen) -> int:
+    """One GET /placement, printed; the exit code `status` would give."""
     try:
         code, _, body = http_request(where, "GET", "/placement")
     except OSError as err:
         why = err.strerror or str(err)
+        hint = (
+            NO_DAEMON_HINT
+            if getattr(args, "listen", None) is None and getattr(args, "config", None) is None
+            else ""
+        )
         print(
-            f"placement-supervisor status: cannot reach the daemon at {where}: {why}",
+            f"placement-supervisor status: cannot reach the daemon at {where}: {why}{hint}",
             file=sys.stderr,
+            flush=True,
         )
         return EXIT_UNREACHABLE
     try:

@@ -97,7 +97,9 @@ def test_ready_when_bound_as_far_as_the_host_allows() -> None:
 
     snap = _denied(realistic_snapshot(Scenario(drifted_rank=None)))
     assert snap.ready
-    assert readyz_doc(snap) == {"status": 200, "ready": True}
+    ready = readyz_doc(snap)
+    assert (ready["status"], ready["ready"]) == (200, True)
+    assert {p["state"] for p in ready["processes"]} == {"running"}
     doc = placement_doc(snap)
     caps = doc["supervisor"]["capabilities"]
     assert caps["mempolicy"] == {

@@ -5,10 +5,14 @@ plans none (fixture hosts; pairing rules are in tests/watch/test_irqs.py).
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
+
 from supervisor import cli
+from supervisor.cpulist import format_cpulist
 from supervisor.examples.hosts import dgx_h100
 from supervisor.hostfs import HostFS
 from supervisor.plan.irqs import nic_functions, plan_irqs
@@ -98,3 +102,21 @@ def test_a_replan_after_a_cpuset_change_yields_the_new_irq_plan(tmp_path: Path) 
         assert [a.irq for a in rank.irqs] == [a.irq for a in old.rank(rank.rank).irqs]
         assert {a.cpus for a in rank.irqs} == {_irq_cpus(new, rank.rank)}
         assert not set(_irq_cpus(new, rank.rank)) & lost
+
+
+def test_plan_table_lists_each_rank_s_irqs(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["plan", "--example", "dgx-h100"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = lines[1].split()
+    assert header[-1] == "irqs", lines[1]
+    placement = Placement.from_doc(json.loads(_plan_json(capsys)))
+    for rank in placement.ranks:
+        (row,) = [line.split() for line in lines[2:] if line.split()[0] == str(rank.rank)]
+        assert rank.irqs and row[-1] == format_cpulist(a.irq for a in rank.irqs), row
+    (engine,) = [line.split() for line in lines[2:] if line.startswith("engine")]
+    assert engine[-1] == "-"
+
+
+def _plan_json(capsys: pytest.CaptureFixture[str]) -> str:
+    assert cli.main(["plan", "--example", "dgx-h100", "--json"]) == 0
+    return capsys.readouterr().out

@@ -161,7 +161,8 @@ def panel_expr(title: str) -> str:
 def as_grafana(expr: str, range_s: int) -> str:
     """Grafana's variables for "All" hosts and ranks and a dashboard range of `range_s`."""
     return (
-        expr.replace("$host", ".+")
+        expr.replace("$node", ".*")  # "All" nodes: also series without a node label
+        .replace("$host", ".+")
         .replace("$rank", ".+")
         .replace("$__rate_interval", "10m")
         .replace("$__range", f"{range_s}s")

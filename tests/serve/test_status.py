@@ -15,10 +15,11 @@ import pytest
 from supervisor.config import ApiConfig
 from supervisor.cpulist import format_cpulist
 from supervisor.errors import EXIT_NOT_READY
+from supervisor.plan.placement import IrqAssignment
 from supervisor.serve.documents import placement_doc
 from supervisor.serve.listen import parse_listen
 from supervisor.serve.status import render_status, status_command, status_exit_code
-from supervisor.state import Finding, ReloadVerdict
+from supervisor.state import Finding, IrqObservation, ReloadVerdict
 from tests.support.api_fixture import ServerThread, realistic_snapshot
 from tests.support.children import write_child
 from tests.support.daemon_support import (
@@ -65,7 +66,8 @@ def test_table_shows_every_process(
     assert f"main={format_cpulist(rank0.roles['main'])}" in table["0"]
     assert out.splitlines()[0].endswith("ready")
     # The drifted thread of rank 1 is counted in the table and spelled out below it.
-    assert table["1"][-2] == "1"
+    assert out.splitlines()[1].split()[-3:] == ["DRIFT", "RESTARTS", "IRQS"]
+    assert table["1"][-3] == "1"  # rank 1's IRQS cell is one word ("101")
     assert "drift 1: thread_affinity" in out
 
 
@@ -149,7 +151,10 @@ def test_exit_code_says_ready_or_not_on_a_real_daemon(tmp_path: Path) -> None:
         loading = run_supervisor("status", "--listen", listen)
         assert loading.returncode == EXIT_NOT_READY, loading.stdout + loading.stderr
         assert "NOT READY" in loading.stdout.splitlines()[0]
-        assert "not ready: engine: starting" in loading.stdout
+        # spawned, its probe about to start or waiting (with how long, of how long)
+        assert re.search(
+            r"not ready: engine: (starting|loading \d+s of 600s, file )", loading.stdout
+        ), loading.stdout
         as_json = run_supervisor("status", "--listen", listen, "--json")
         assert as_json.returncode == EXIT_NOT_READY, as_json.stderr
         assert json.loads(as_json.stdout)["supervisor"]["ready"] is False
@@ -207,3 +212,30 @@ def test_reload_help_and_readme_list_every_exit_code() -> None:
     section = readme.split("## Exit codes")[1].split("\n## ")[0]
     rows = re.findall(r"^\| `reload`[^|]*\| (\d+) \|", section, re.M)
     assert set(rows) == set(listed), rows
+
+
+def test_table_has_an_irqs_column_with_what_is_off_plan() -> None:
+    """A plan with IRQs: each rank's IRQ numbers, and how many the check found elsewhere."""
+    snap = realistic_snapshot()
+    rank0, rank1, *rest = snap.placement.ranks
+    irq_cpus = rank0.slot.role_cpus("irq") or rank0.slot.cpus[:1]
+    a0 = [IrqAssignment(n, tuple(irq_cpus), "device", "nvidia0", None) for n in (120, 121, 122)]
+    placement = replace(snap.placement, ranks=(replace(rank0, irqs=tuple(a0)), rank1, *rest))
+    seen = (
+        IrqObservation(120, tuple(irq_cpus), tuple(irq_cpus)),
+        IrqObservation(121, (999,), tuple(irq_cpus)),  # moved by someone else
+        IrqObservation(122, tuple(irq_cpus), tuple(irq_cpus)),
+    )
+    observed = dict(snap.observed)
+    observed[rank0.rank] = replace(observed[rank0.rank], irqs=seen)
+    snap = replace(snap, placement=placement, observed=observed)
+    text = render_status(placement_doc(snap))
+    assert text.splitlines()[1].split()[-1] == "IRQS"
+    table = rows(text)
+    assert " ".join(table[str(rank0.rank)][-4:]) == "120-122 (1 off plan)", text
+    want = format_cpulist(a.irq for a in rank1.irqs) or "-"
+    assert table[str(rank1.rank)][-1] == want and table["engine"][-1] == "-", text
+    # no IRQs planned: no column
+    bare = tuple(replace(r, irqs=()) for r in placement.ranks)
+    snap = replace(snap, placement=replace(placement, ranks=bare))
+    assert "IRQS" not in render_status(placement_doc(snap))

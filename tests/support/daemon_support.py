@@ -166,6 +166,7 @@ class DaemonProcess:
         port: int | None = None,
         prefix: Sequence[str] = (),
         new_session: bool = False,
+        args: Sequence[str] = (),
     ) -> None:
         self.port = free_port() if port is None else port
         self.log = Path(log)
@@ -173,9 +174,11 @@ class DaemonProcess:
         joined = [a for j in join for a in ("--join", str(j))]
         start = [str(LAUNCHER), *joined, "--"] if join else ["-m", "supervisor"]
         listen = f"127.0.0.1:{self.port}"
+        # `args`: more of run's options (--log-level).
+        argv = ["run", "--config", str(config), "--listen", listen, *args]
         self.proc = subprocess.Popen(
             # `prefix`: a command that execs the rest (setpriv), same pid.
-            [*prefix, sys.executable, *start, "run", "--config", str(config), "--listen", listen],
+            [*prefix, sys.executable, *start, *argv],
             cwd=REPO,
             env=dict(os.environ if env is None else env, PYTHONUNBUFFERED="1"),
             stdout=subprocess.DEVNULL,
