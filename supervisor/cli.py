@@ -2,7 +2,7 @@
 
 Subcommands: topology, plan, snapshot (here), run and status (imported only
 when called). `plan --config` also checks what `run` would fail on
-(supervisor.service.preflight). `--example NAME` reads a named host
+(supervisor.daemon.preflight). `--example NAME` reads a named host
 (supervisor.examples) written to a temporary directory, instead of `--root`.
 Reads os.environ for the visibility variables only, here, and hands them to
 discovery. Exit codes: 0 ok, 2 bad config or arguments, 3 infeasible plan or
@@ -25,6 +25,7 @@ from typing import Any
 from supervisor import __version__
 from supervisor.config import check_listen, load_config
 from supervisor.config import discovery_options as config_discovery_options
+from supervisor.daemon.preflight import check_config
 from supervisor.errors import (
     EXIT_CONFIG,
     EXIT_NOT_READY,
@@ -39,7 +40,6 @@ from supervisor.hostfs import HostFS
 from supervisor.plan.placement import Placement, PlanSettings
 from supervisor.plan.planner import plan
 from supervisor.plan.render import render_plan_table
-from supervisor.service.preflight import check_config
 from supervisor.topology.discover import NoDevicesError, read_topology
 from supervisor.topology.model import DiscoveryOptions, Topology
 from supervisor.topology.render import render_topology_text, topology_to_doc
@@ -199,7 +199,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 def _cmd_check(args: argparse.Namespace) -> int:
     # What `run` probes at start, probed the same way now (nothing left changed).
-    from supervisor.service.check import render_findings, run_checks  # noqa: PLC0415
+    from supervisor.daemon.check import render_findings, run_checks  # noqa: PLC0415
 
     config = load_config(args.config) if args.config is not None else None
     findings = run_checks(HostFS("/"), config)
@@ -225,7 +225,7 @@ def _cmd_snapshot(args: argparse.Namespace) -> int:
 # `run` and `status` pull in asyncio, aiohttp and the daemon; `plan` and
 # `topology` stay quick to start by importing them only when they run.
 def _run_daemon(args: argparse.Namespace) -> int:
-    from supervisor.start import run_command  # noqa: PLC0415
+    from supervisor.daemon.start import run_command  # noqa: PLC0415
 
     if args.demo:
         # The demo config ships inside the package (pyproject package-data), so

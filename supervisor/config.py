@@ -28,18 +28,18 @@ from supervisor.config_sections import (
     load_threads,
 )
 from supervisor.config_table import Table
+from supervisor.engines.engine_kind import ENGINE_KINDS, EngineKind, ResolvedKind, recognise_kind
+from supervisor.engines.kind_rules import rules_for
+from supervisor.engines.rank_source import RankSource, parse_rank_source
 from supervisor.errors import ConfigError
 from supervisor.hostfs import SpecialFileError, read_regular_file_stat
+from supervisor.listen import Listen, parse_listen
 from supervisor.plan.keys import ThreadRole
 from supervisor.plan.placement import PlanSettings
-from supervisor.serve.listen import Listen, parse_listen
 from supervisor.topology.accelerators import AUTO, PCI, SETTINGS, AcceleratorSetting
 from supervisor.topology.model import DiscoveryOptions
 from supervisor.topology.pci import normalize_bdf
 from supervisor.topology.visibility import visibility_env
-from supervisor.trees.engine_kind import ENGINE_KINDS, EngineKind, ResolvedKind, recognise_kind
-from supervisor.trees.kind_rules import rules_for
-from supervisor.trees.rank_source import RankSource, parse_rank_source
 
 RestartPolicy = Literal["always", "on-failure", "never"]
 DriftPolicy = Literal["observe", "enforce", "auto"]  # "auto": memory_locality only
@@ -76,7 +76,7 @@ class ProcessConfig:
     spawned_by: Literal["engine"] | None = None
     rank_from: tuple[RankSource, ...] = ()  # parsed; str() gives the config's text back
     # [engine] only: the engine's kind, "auto" resolved from the command
-    # (supervisor.trees.engine_kind); its rules name the ranks without rank_from.
+    # (supervisor.engines.engine_kind); its rules name the ranks without rank_from.
     kind: ResolvedKind = field(default="custom", kw_only=True)
     # [workers] spawned_by only: a rank waiting this long after the engine
     # started, while the tree has processes no rule matched, logs a WARNING.

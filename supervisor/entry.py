@@ -5,7 +5,7 @@ A HUP (a closed terminal's, `systemctl reload` too early, a script's) must never
 kill the daemon, and the default disposition kills. The heavy imports (asyncio,
 aiohttp, the planner) take most of a second, so the disposition is SIG_IGN from
 this module's first statement; `run` then replaces it with its reload handler
-(supervisor.service.hangup), and every other command gets the default back.
+(supervisor.daemon.hangup), and every other command gets the default back.
 """
 
 from __future__ import annotations

@@ -303,14 +303,24 @@ class Recorder:
                 fields = dict(f.fields)
                 action = str(fields.pop("action", "skip"))
                 self.bind_failed(
-                    f.key, "irq", f.failure, f.message, action=action,
-                    event_message=f.message, **fields,
-                )  # fmt: skip
+                    f.key,
+                    "irq",
+                    f.failure,
+                    f.message,
+                    action=action,
+                    event_message=f.message,
+                    **fields,
+                )
             else:
                 self.note(
-                    f.kind, f.key, f.message, log_message=f.log_message, level=f.level,
-                    log_fields=f.log_fields, **f.fields,
-                )  # fmt: skip
+                    f.kind,
+                    f.key,
+                    f.message,
+                    log_message=f.log_message,
+                    level=f.level,
+                    log_fields=f.log_fields,
+                    **f.fields,
+                )
 
     # -- events that count nothing -------------------------------------------------
 

@@ -16,7 +16,7 @@ from types import MappingProxyType
 from typing import Any, Literal, get_args
 
 from supervisor.plan.keys import ProcKey, key_label
-from supervisor.plan.placement import Placement
+from supervisor.plan.placement import Placement, Slot
 from supervisor.topology.accelerators import CPU
 from supervisor.topology.model import Topology
 
@@ -71,7 +71,7 @@ HOST_LABEL = "supervisor"
 # api.body_timeout_s (closed; 408 for the body).
 HttpBadReason = Literal["headers_too_large", "malformed", "header_timeout", "body_timeout"]
 # How a config reload (SIGHUP) ended: put in force, the file refused as invalid
-# (or not plannable here), or valid but needing a restart (supervisor.service.reload).
+# (or not plannable here), or valid but needing a restart (supervisor.daemon.reload).
 ReloadResult = Literal["ok", "invalid", "refused"]
 RELOAD_RESULTS: tuple[ReloadResult, ...] = get_args(ReloadResult)
 HTTP_BAD_REASONS: tuple[HttpBadReason, ...] = get_args(HttpBadReason)
@@ -119,7 +119,7 @@ def capabilities_in_force(
 
 @dataclass(frozen=True, slots=True)
 class ReloadVerdict:
-    """How the last config reload ended (supervisor.service.reload): what STATUS=,
+    """How the last config reload ended (supervisor.daemon.reload): what STATUS=,
     /placement's `config.last_reload` and the reload metrics keep until the next."""
 
     at: float  # unix time it ended
@@ -188,6 +188,10 @@ class ProcessStatus:
     # Kept across starting/backoff/starting, so a load that keeps failing ages.
     down_since: float | None = None
     loading: Loading | None = None  # while the engine's readiness probe waits
+
+
+Supervised = tuple[ProcKey, ProcessStatus, Slot]
+"""A planned process as its runner has it: key, status, slot."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -354,7 +358,7 @@ class Snapshot:
     config_path: str | None = None
     config_hash: str | None = None  # sha256 of the config file in force (hex)
     # sha256 of the config file as it is on disk now (read at each reload and every
-    # CONFIG_WATCH_S, supervisor.service.reload); None while it cannot be read.
+    # CONFIG_WATCH_S, supervisor.daemon.reload); None while it cannot be read.
     config_on_disk_hash: str | None = None
     last_reload: ReloadVerdict | None = None  # None until the first reload
     # drift.local_memory_threshold, exported for the alert that compares the

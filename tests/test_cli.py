@@ -199,7 +199,7 @@ def test_snapshot_reproduces_the_live_plan(tmp_path: Path) -> None:
 
 def test_plan_and_topology_do_not_load_the_daemon() -> None:
     # `run` and `status` import the daemon and aiohttp only when they run.
-    heavy = ("aiohttp", "supervisor.daemon", "supervisor.serve.status")
+    heavy = ("aiohttp", "supervisor.daemon.root", "supervisor.serve.status")
     code = (
         f"import sys; from supervisor import cli; print(sorted(set(sys.modules) & {set(heavy)!r}))"
     )

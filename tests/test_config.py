@@ -9,7 +9,7 @@ import pytest
 
 from supervisor.config import check_listen, config_keys, load_config, parse_config
 from supervisor.errors import ConfigError
-from supervisor.serve.listen import Listen
+from supervisor.listen import Listen
 
 MINIMAL = {"workers": {"command": ["python3", "-m", "w", "--rank", "{rank}"]}}
 

@@ -24,7 +24,7 @@ from aiohttp import web
 
 from supervisor.config import Config, ReadyProbe, parse_config
 from supervisor.cpulist import format_cpulist
-from supervisor.daemon import Daemon, DaemonActions, prepare, run_loop
+from supervisor.daemon.root import Daemon, DaemonActions, prepare, run_loop
 from supervisor.hostfs import HostFS
 from supervisor.plan.keys import ProcKey
 from supervisor.plan.placement import DeviceRef, Placement, RankPlacement, Slot
@@ -417,7 +417,7 @@ def test_run_loop_falls_back_to_asyncio_without_uvloop() -> None:
     # the import raise ImportError), as on a host without the wheel.
     program = (
         "import sys, asyncio; sys.modules['uvloop'] = None\n"
-        "from supervisor.daemon import run_loop\n"
+        "from supervisor.daemon.root import run_loop\n"
         "async def main():\n"
         "    return 7 if type(asyncio.get_running_loop()).__module__.startswith('asyncio') else 1\n"
         "sys.exit(run_loop(main()))\n"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from supervisor.config import load_config
-from supervisor.service.cgroups import INSTANCE_ENV, instance_suffix
+from supervisor.daemon.cgroups import INSTANCE_ENV, instance_suffix
 
 
 def write(path: Path) -> Path:

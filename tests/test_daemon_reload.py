@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.cpulist import format_cpulist
+from supervisor.daemon.reload import CONFIG_WATCH_S
 from supervisor.hostfs import HostFS
 from supervisor.procfs.stat import read_proc_stat
-from supervisor.service.reload import CONFIG_WATCH_S
 from tests.support.children import report_of, thread_cpus, write_child
 from tests.support.daemon_support import (
     REPO,

@@ -22,11 +22,11 @@ from typing import Any
 import pytest
 
 from supervisor.config import Config, parse_config
+from supervisor.engines.kind_rules import rules_for
+from supervisor.engines.rank_source import ProcFacts
 from supervisor.errors import ConfigError
 from supervisor.plan.threads import COMM_MAX_CHARS, unmatchable_patterns
 from supervisor.run.stop_budget import stage_until_s, worst_stop_s
-from supervisor.trees.kind_rules import rules_for
-from supervisor.trees.rank_source import ProcFacts
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "configs"

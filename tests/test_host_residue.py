@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.service.instance_lock import DEFAULT_RUNTIME_DIR
+from supervisor.daemon.instance_lock import DEFAULT_RUNTIME_DIR
 
 REPO = Path(__file__).resolve().parent.parent
 

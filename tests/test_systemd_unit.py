@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from supervisor.config import load_config, parse_config
-from supervisor.service.state_dir import DEFAULT_STATE_DIR
+from supervisor.daemon.state_dir import DEFAULT_STATE_DIR
 
 REPO = Path(__file__).resolve().parent.parent
 UNIT = REPO / "systemd/placement-supervisor.service"

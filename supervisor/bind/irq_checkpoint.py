@@ -419,7 +419,7 @@ def _without_held(path: str, data: IrqCheckpointData) -> IrqCheckpointData:
             holders=",".join(str(pid) for pid in sorted(set(held.values()))),
             action="leave them to the last instance using them",
         ),
-    )  # fmt: skip
+    )
     kept = {irq: cpus for irq, cpus in data.originals.items() if irq not in held}
     return IrqCheckpointData(data.boot_id, data.pid, MappingProxyType(kept))
 

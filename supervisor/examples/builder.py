@@ -251,9 +251,16 @@ class FakeHost:
         uuid = uuid or f"GPU-{seq:08x}-1111-2222-3333-{zlib.crc32(bdf.encode()):012x}"
         self._nvidia[bdf] = _Nvidia(uuid, model, proc_entry)
         self.pci_device(
-            bdf, 0x10DE, 0x2330, 0x030200, numa_node, irqs=self._alloc_irqs(n_irqs),
-            local_cpulist=local_cpulist, driver="nvidia", irq_names=["nvidia"] * n_irqs,
-        )  # fmt: skip
+            bdf,
+            0x10DE,
+            0x2330,
+            0x030200,
+            numa_node,
+            irqs=self._alloc_irqs(n_irqs),
+            local_cpulist=local_cpulist,
+            driver="nvidia",
+            irq_names=["nvidia"] * n_irqs,
+        )
         return self
 
     def amd_gpu(
@@ -268,9 +275,15 @@ class FakeHost:
     ) -> FakeHost:
         """An AMD GPU (default MI300X: 1002:74a1, processing accelerator) plus dev/kfd."""
         self.pci_device(
-            bdf, 0x1002, device, class_, numa_node, irqs=self._alloc_irqs(n_irqs),
-            driver=driver, irq_names=[driver or "pci"] * n_irqs,
-        )  # fmt: skip
+            bdf,
+            0x1002,
+            device,
+            class_,
+            numa_node,
+            irqs=self._alloc_irqs(n_irqs),
+            driver=driver,
+            irq_names=[driver or "pci"] * n_irqs,
+        )
         if driver == "amdgpu":
             self._dev.add("kfd")
         return self
@@ -292,10 +305,15 @@ class FakeHost:
         self._dev.add("davinci_manager")
         if bdf is not None:
             self.pci_device(
-                bdf, 0x19E5, device, 0x120000, numa_node, irqs=self._alloc_irqs(n_irqs),
+                bdf,
+                0x19E5,
+                device,
+                0x120000,
+                numa_node,
+                irqs=self._alloc_irqs(n_irqs),
                 driver="devdrv_device_driver",
                 irq_names=[f"devdrv-sq-cq{i}" for i in range(n_irqs)],
-            )  # fmt: skip
+            )
         if ubcore_numa is not None:
             self._ubcore.append(_Ubcore(f"udma{len(self._ubcore)}", ub_totalues, ubcore_numa))
         return self
@@ -328,9 +346,15 @@ class FakeHost:
         class_ = 0x020700 if ib and not netdev else 0x020000
         names = [f"mlx5_comp{i}@pci:{bdf}" for i in range(n_irqs)]
         self.pci_device(
-            bdf, vendor, device, class_, numa_node, irqs=self._alloc_irqs(n_irqs),
-            driver="mlx5_core", irq_names=names,
-        )  # fmt: skip
+            bdf,
+            vendor,
+            device,
+            class_,
+            numa_node,
+            irqs=self._alloc_irqs(n_irqs),
+            driver="mlx5_core",
+            irq_names=names,
+        )
         if ib:
             self._ib[ib] = bdf
         if netdev:

@@ -203,10 +203,16 @@ def ascend_a2(base: Path, nodes_per_socket: int = 2, cpuset: str | None = None) 
         node = A2_SOCKET[bus] * nodes_per_socket
         cpus = f"{node * per_node}-{node * per_node + per_node - 1}"
         h.pci_device(
-            f"0000:{bus}:00.0", 0x19E5, 0xD802, 0x120000, node, local_cpulist=cpus,
-            irqs=h._alloc_irqs(2), driver="devdrv_device_driver",
+            f"0000:{bus}:00.0",
+            0x19E5,
+            0xD802,
+            0x120000,
+            node,
+            local_cpulist=cpus,
+            irqs=h._alloc_irqs(2),
+            driver="devdrv_device_driver",
             irq_names=["sq_send_trigger_irq", "cq_update_irq"],
-        )  # fmt: skip
+        )
         h.dev_node(f"davinci{logical}")
         chips += [(logical, 0, logical, f"0000:{bus}:00.0", "Ascend 910B3"),
                   (logical, 1, None, None, "Mcu")]  # fmt: skip
@@ -218,8 +224,24 @@ def ascend_a2(base: Path, nodes_per_socket: int = 2, cpuset: str | None = None) 
 
 # Logical id -> bus of the A3 example's 16 dies (8 NPUs of 2 chips each). The
 # lowest bus is logical 14, on socket 3: PCI order is not the runtime's.
-A3_BUSES = ("9d", "9f", "99", "9b", "b9", "bb", "b5", "b7",
-            "3d", "3f", "39", "3b", "19", "1b", "01", "03")  # fmt: skip
+A3_BUSES = (
+    "9d",
+    "9f",
+    "99",
+    "9b",
+    "b9",
+    "bb",
+    "b5",
+    "b7",
+    "3d",
+    "3f",
+    "39",
+    "3b",
+    "19",
+    "1b",
+    "01",
+    "03",
+)
 
 
 def ascend_a3(base: Path) -> Path:
@@ -374,9 +396,15 @@ def no_accel_2node(base: Path) -> Path:
     """
     h = FakeHost(base / "no_accel_2node").cpus(2, 8, 2, "intel")
     h.pci_device(
-        "0000:3b:00.0", 0x8086, 0x1572, 0x020000, 1, irqs=[60, 61, 62], driver="i40e",
+        "0000:3b:00.0",
+        0x8086,
+        0x1572,
+        0x020000,
+        1,
+        irqs=[60, 61, 62],
+        driver="i40e",
         irq_names=["i40e-0000:3b:00.0:misc", "i40e-eth0-TxRx-0", "i40e-eth0-TxRx-1"],
-    )  # fmt: skip
+    )
     h.netdev("eth0", "0000:3b:00.0")
     h.virtual_netdev("lo").virtual_netdev("br0")
     return h.build()

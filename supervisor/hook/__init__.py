@@ -58,7 +58,7 @@ def hook_env(
     """The variables to set in `env` (a child's final environment) to hook it.
 
     Empty when no role lists executors and `early` is False (no early rank
-    rule, supervisor.trees.early): an engine without them runs exactly as
+    rule, supervisor.engines.early): an engine without them runs exactly as
     before. The hook's directory goes first on PYTHONPATH, ahead of what the
     operator or the config put there (kept, in order).
     """

@@ -14,16 +14,14 @@ another kind (a container runtime's) implements `Fleet` beside them.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from supervisor.plan.in_force import PlanInForce
+from supervisor.in_force import PlanInForce
 from supervisor.plan.keys import ProcKey
 from supervisor.run.runner import Runner, Runtime
 from supervisor.run.spec import SpecOf
-from supervisor.state import ProcessStatus
-from supervisor.trees.tree import Member
-from supervisor.watch.scan import Supervised
+from supervisor.state import ProcessStatus, Supervised
 
 OnDied = Callable[[BaseException | None], None]
 
@@ -37,13 +35,6 @@ class Fleet(Protocol):
         ...
 
     def __contains__(self, key: object) -> bool: ...
-
-    # What the tree keeper calls for engine-owned processes (None: nothing to name).
-    @property
-    def adopter(self) -> Callable[[Member], None] | None: ...
-
-    @property
-    def on_refresh(self) -> Callable[[Mapping[int, Member]], None] | None: ...
 
     def start(self) -> None:
         """Start every process's supervision (on the loop; returns at once)."""
@@ -88,9 +79,6 @@ class Fleet(Protocol):
 
 class RunnerFleet:
     """A `Fleet` of one `Runner` per planned process (subclasses add who names them)."""
-
-    adopter: Callable[[Member], None] | None = None
-    on_refresh: Callable[[Mapping[int, Member]], None] | None = None
 
     def __init__(self, rt: Runtime, plan: PlanInForce, runners: Sequence[Runner]) -> None:
         self.rt = rt

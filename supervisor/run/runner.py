@@ -33,8 +33,8 @@ from supervisor.cpulist import format_cpulist
 from supervisor.errors import KernelError, reason_of_errno
 from supervisor.events import Recorder
 from supervisor.hostfs import HostFS
+from supervisor.in_force import PlanInForce
 from supervisor.logs import format_fields
-from supervisor.plan.in_force import PlanInForce
 from supervisor.plan.keys import ProcKey, key_label
 from supervisor.plan.placement import Slot
 from supervisor.procfs.stat import read_proc_stat
@@ -107,9 +107,13 @@ class Runtime:
     def stop_wait_s(self, key: ProcKey) -> float:
         """TERM to KILL for `key`: stop_timeout_s, cut to fit stop_grace_s in a stop."""
         return stop_wait_s(
-            self.config.stop_timeout_s, self.config.stop_grace_s, self.stop_started_at, key,
-            has_engine=self.config.engine is not None, now=time.monotonic(),
-        )  # fmt: skip
+            self.config.stop_timeout_s,
+            self.config.stop_grace_s,
+            self.stop_started_at,
+            key,
+            has_engine=self.config.engine is not None,
+            now=time.monotonic(),
+        )
 
 
 # -- one supervised process --------------------------------------------------------
@@ -160,9 +164,13 @@ class Runner:
         self.rt.store.set_process(new)
         if new.state != old.state:
             self.recorder.note(
-                "state", self.key, f"{self.label}: {old.state} -> {new.state}",
-                old=old.state, new=new.state, pid=new.pid,
-            )  # fmt: skip
+                "state",
+                self.key,
+                f"{self.label}: {old.state} -> {new.state}",
+                old=old.state,
+                new=new.state,
+                pid=new.pid,
+            )
             for watcher in self._watchers:
                 if not watcher.done():
                     watcher.set_result(None)
@@ -222,9 +230,12 @@ class Runner:
             return decision
         restarts, delay_s = self.status.restarts + 1, decision.delay_s
         self.set_status(
-            state="backoff", backoff_s=delay_s, next_start_at=time.time() + delay_s,
-            restarts=restarts, pid=None,
-        )  # fmt: skip
+            state="backoff",
+            backoff_s=delay_s,
+            next_start_at=time.time() + delay_s,
+            restarts=restarts,
+            pid=None,
+        )
         self.recorder.restart_scheduled(self.key, decision.reason, decision.delay_s, restarts)
         if await self._wait_interrupt(decision.delay_s) and self.restart_requested:
             self._manual_restart()
@@ -234,9 +245,15 @@ class Runner:
         reason = f"supervision error: {type(err).__name__}: {err}"
         self.set_status(state="failed", pid=None, backoff_s=0.0, next_start_at=None)
         self.recorder.note(
-            "failed", self.key, f"{self.label}: {reason}", log_message="process down",
-            level=logging.ERROR, state="failed", reason=reason, action="hold",
-        )  # fmt: skip
+            "failed",
+            self.key,
+            f"{self.label}: {reason}",
+            log_message="process down",
+            level=logging.ERROR,
+            state="failed",
+            reason=reason,
+            action="hold",
+        )
         log.debug("supervision error traceback rank=%s", self.label, exc_info=err)
 
     async def _hold_down(self) -> bool:
@@ -264,10 +281,14 @@ class Runner:
                 announced = True
                 self.set_status(state="stopped")
                 self.recorder.note(
-                    "not_started", self.key, f"{self.label}: not started: the engine is "
-                    f"{engine_state}", log_message="not started", level=logging.WARNING,
-                    engine=engine_state, action="wait for engine",
-                )  # fmt: skip
+                    "not_started",
+                    self.key,
+                    f"{self.label}: not started: the engine is {engine_state}",
+                    log_message="not started",
+                    level=logging.WARNING,
+                    engine=engine_state,
+                    action="wait for engine",
+                )
             await first_of(gate.next_change(), self.rt.stopping.wait())
         self.restart_requested = False  # a restart asked for while waiting: this is the start
         self.interrupt.clear()
@@ -287,10 +308,15 @@ class Runner:
             state: ProcessState = "failed" if decision.action == "fail" else "stopped"
             self.set_status(state=state, pid=None, backoff_s=0.0, next_start_at=None)
             self.recorder.note(
-                state, self.key, f"{self.label}: {decision.reason}", log_message="process down",
+                state,
+                self.key,
+                f"{self.label}: {decision.reason}",
+                log_message="process down",
                 level=logging.ERROR if state == "failed" else logging.INFO,
-                state=state, reason=decision.reason, action="hold",
-            )  # fmt: skip
+                state=state,
+                reason=decision.reason,
+                action="hold",
+            )
             if not await self._hold_down():
                 return
             self._manual_restart()
@@ -457,9 +483,15 @@ class Runner:
 
     def _spawn_failed(self, message: str, pid: int | None) -> None:
         self.recorder.note(
-            "spawn_failed", self.key, f"{self.label}: {message}", log_message="spawn failed",
-            level=logging.ERROR, pid=pid, error=message, action="restart policy",
-        )  # fmt: skip
+            "spawn_failed",
+            self.key,
+            f"{self.label}: {message}",
+            log_message="spawn failed",
+            level=logging.ERROR,
+            pid=pid,
+            error=message,
+            action="restart policy",
+        )
 
     def record_bind_failure(self, target: BindTarget, reason: str, message: str) -> None:
         self.recorder.bind_failed(self.key, target, reason, message, action="degrade")
@@ -522,9 +554,13 @@ class Runner:
             self.child = None
             await asyncio.shield(self._end_tree())
             self.recorder.note(
-                "exit", self.key, f"{self.label}: pid {child.pid} stopped ({code})",
-                log_message="exit", pid=child.pid, exit_code=code,
-            )  # fmt: skip
+                "exit",
+                self.key,
+                f"{self.label}: pid {child.pid} stopped ({code})",
+                log_message="exit",
+                pid=child.pid,
+                exit_code=code,
+            )
         self.child = None
         if self.stopping:
             self.set_status(state="stopped", pid=None, backoff_s=0.0, next_start_at=None)

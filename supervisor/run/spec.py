@@ -15,19 +15,23 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from supervisor.config import Config, ProcessConfig
+from supervisor.engines.early import EARLY_ENV, early_rules
+from supervisor.engines.kind_rules import rules_for
 from supervisor.hook import HOOK_ENV, hook_env, hook_roles
-from supervisor.plan.in_force import PlanInForce
+from supervisor.in_force import PlanInForce
 from supervisor.plan.keys import ProcKey
 from supervisor.plan.placement import Placement, RankPlacement, Slot
-from supervisor.service.sdnotify import NOTIFY_VARS
 from supervisor.state import MemPolicyStep
 from supervisor.topology.accelerators import BY_NAME, DeviceKind
-from supervisor.trees.early import EARLY_ENV, early_rules
-from supervisor.trees.kind_rules import rules_for
 from supervisor.worker import SLOT_ENV, slot_env_value
 
 if TYPE_CHECKING:
     from supervisor.run.users import Account
+
+# Variables the daemon must not hand to its children: a child that inherits
+# NOTIFY_SOCKET could notify on our behalf (NotifyAccess=main ignores it, but
+# a stray READY=1 is confusing), and WATCHDOG_* describe our pid, not theirs.
+NOTIFY_VARS = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,8 +27,8 @@ from prometheus_client import CollectorRegistry
 from supervisor.bind.fdlimit import current_soft_limit, plan_fd_budget
 from supervisor.config import ApiConfig, read_token_file
 from supervisor.errors import SupervisorError
+from supervisor.listen import Listen, parse_listen
 from supervisor.serve.guard import ConnectionGuard, GuardedSite, Limits
-from supervisor.serve.listen import Listen, parse_listen
 from supervisor.serve.metrics import build_collector, build_registry
 from supervisor.serve.openapi import MAX_BODY_BYTES, Handler, Route
 from supervisor.serve.peer import UnixPolicy, peer_of

@@ -37,7 +37,7 @@ from supervisor.errors import (
     ConfigError,
     SupervisorError,
 )
-from supervisor.serve.listen import Listen, parse_listen
+from supervisor.listen import Listen, parse_listen
 
 TIMEOUT_S = 5.0
 

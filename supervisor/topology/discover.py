@@ -139,6 +139,10 @@ def reread_cpus(fs: HostFS, old: Topology) -> Topology:
     cpus = read_cpus(fs, masks.online, node_of_cpus(nodes))
     allowed = read_allowed(fs, masks.online, frozenset(n.id for n in nodes))
     return replace(
-        old, cpus=cpus, present=masks.present, possible=masks.possible, nodes=nodes,
+        old,
+        cpus=cpus,
+        present=masks.present,
+        possible=masks.possible,
+        nodes=nodes,
         allowed=allowed,
-    )  # fmt: skip
+    )

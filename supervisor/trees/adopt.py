@@ -1,7 +1,7 @@
 """Adoption: which rank an engine-spawned process is (`rank_from`), and its rank's runner.
 
 The sources themselves (`parse_rank_source`, `resolve_rank`) are pure and
-live in `supervisor.trees.rank_source`. `read_proc_facts` reads
+live in `supervisor.engines.rank_source`. `read_proc_facts` reads
 /proc/<pid>/{environ,cmdline,fd} through HostFS.
 `AdoptRunner` stands where a spawning `Runner` would for a rank of
 `[workers] spawned_by = "engine"`: it waits (state `waiting`) for the
@@ -29,10 +29,13 @@ from dataclasses import dataclass
 
 from supervisor.bind.binder import Binder
 from supervisor.config import ProcessConfig
+from supervisor.engines.kind_rules import rules_for
+from supervisor.engines.naming import Verdict, decide_rank, waiting_warnings
+from supervisor.engines.rank_source import ProcFacts, RankSource, bdf_ranks, rank_tables
 from supervisor.errors import KernelError
 from supervisor.events import Recorder
 from supervisor.hostfs import HostFS
-from supervisor.plan.in_force import PlanInForce
+from supervisor.in_force import PlanInForce
 from supervisor.plan.keys import ProcKey, key_label
 from supervisor.plan.placement import Placement, Slot
 from supervisor.procfs.files import list_tids, read_cmdline, read_environ
@@ -44,9 +47,6 @@ from supervisor.run.runner import Runner, Runtime
 from supervisor.run.spec import SpecOf
 from supervisor.state import MemPolicyStep
 from supervisor.topology.device_minors import device_rank_by_number, read_char_devices
-from supervisor.trees.kind_rules import rules_for
-from supervisor.trees.naming import Verdict, decide_rank, waiting_warnings
-from supervisor.trees.rank_source import ProcFacts, RankSource, bdf_ranks, rank_tables
 from supervisor.trees.tree import Member, ReadFailures
 from supervisor.watch.adoption import Adoptee, AdoptResult, adoption_result, decide_adoption
 from supervisor.watch.apply import Applier, CgroupsLike
@@ -559,9 +559,8 @@ class AdoptingFleet(RunnerFleet):
                 ranks[key] = AdoptRunner(rt, key, spec_of, nodes, applier, self.executor)
                 runners.append(ranks[key])
         super().__init__(rt, plan, runners)
+        # The tree keeper's callbacks, which the root hands over (daemon/root.py).
         self.naming = Adopter(rt, ranks, workers, plan.placement, engine=engine)
-        self.adopter = self.naming
-        self.on_refresh = self.naming.note_pass
 
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)

@@ -6,7 +6,7 @@ can change (CPUs, nodes, the allowed set: its `read_topology`, never PCI,
 NICs or /proc/interrupts) and plans again under the settings in force
 (supervisor.plan.replan, degrading on_shortage as far as "share"). It
 returns the new plan; the check loop puts it in force through its one
-install step (supervisor.plan.in_force, then the IRQs and cgroups) and its
+install step (supervisor.in_force, then the IRQs and cgroups) and its
 next decide/apply handles the moved processes with cause "cpuset_changed".
 A failed re-plan keeps the old plan and is retried every pass (`pending`),
 said once per distinct reason.
@@ -32,7 +32,7 @@ from supervisor.config import DriftConfig
 from supervisor.cpulist import format_cpulist
 from supervisor.errors import SupervisorError
 from supervisor.events import Recorder
-from supervisor.plan.in_force import Moved, PlanInForce
+from supervisor.in_force import Moved, PlanInForce
 from supervisor.plan.keys import ProcKey, key_label
 from supervisor.plan.replan import AllowedSet, Replan, mems_changed, replan, same_processes
 from supervisor.state import ProcessStatus
@@ -78,9 +78,14 @@ class Replanning:
                 f"on_shortage={result.shortage} ({'; '.join(result.degraded)})"
             )
             self.record.note(
-                "plan", None, text, log_message="replan degraded", level=logging.WARNING,
-                warning=True, on_shortage=result.shortage,
-            )  # fmt: skip
+                "plan",
+                None,
+                text,
+                log_message="replan degraded",
+                level=logging.WARNING,
+                warning=True,
+                on_shortage=result.shortage,
+            )
         self.pending, self._said = False, None
         return result
 
@@ -104,10 +109,14 @@ class Replanning:
             return
         self._said = why
         self.record.note(
-            "plan_failed", None, f"re-plan failed: {why}; keeping the old plan",
-            log_message="replan failed", level=logging.ERROR, error=why,
+            "plan_failed",
+            None,
+            f"re-plan failed: {why}; keeping the old plan",
+            log_message="replan failed",
+            level=logging.ERROR,
+            error=why,
             action="keep old plan, retry",
-        )  # fmt: skip
+        )
 
 
 def moved_policies(

@@ -510,9 +510,13 @@ def _plan_move(
             return None
     if force:
         return MemoryMove(
-            seen.pid, tuple(sorted(remote)), tuple(sorted(mems)), sum(remote.values()),
-            obs.local_memory_ratio, "api",
-        )  # fmt: skip
+            seen.pid,
+            tuple(sorted(remote)),
+            tuple(sorted(mems)),
+            sum(remote.values()),
+            obs.local_memory_ratio,
+            "api",
+        )
     # The loop's own moves: this pass's share of the rate, private pages only.
     share = max(int(policy.migrate_max_bytes_per_s * policy.check_interval_s), 1)
     return MemoryMove(

@@ -3,7 +3,7 @@
 
 `IrqKeeper` writes the IRQ plan of the placement it is handed at each call
 (`RankPlacement.irqs`, made by the planner through supervisor.plan.irqs: the
-plan in force, supervisor.plan.in_force; it plans nothing and holds no plan),
+plan in force, supervisor.in_force; it plans nothing and holds no plan),
 reads it back with the one reader (`observe.read_irq_delivery`), reports drift
 by the one rule (`drift.irq_drifted`), re-writes on request and puts the
 originals back when the daemon stops. Its methods block (file writes, a unix

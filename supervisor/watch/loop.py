@@ -5,7 +5,7 @@ supervisor.watch.scan in the executor, one pure `decide.decide` per process,
 the binds of supervisor.watch.apply in the executor, then `settle.settle` and
 supervisor.watch.publish: the `StateStore` through the one `events.Recorder`
 (on the loop: the store's single writer). The policy is in decide; this module holds
-none. Slots and IRQs are the plan in force's (supervisor.plan.in_force), which
+none. Slots and IRQs are the plan in force's (supervisor.in_force), which
 this loop alone replaces, through `_install`: a change of the supervisor's allowed set
 (cpuset write, CPU hotplug, seen by the pass or by the fast watch `watch_allowed`)
 re-plans, and `install` (a config reload) takes a plan made elsewhere; either way the
@@ -32,13 +32,13 @@ from supervisor.cpulist import format_cpulist
 from supervisor.errors import KernelError, SupervisorError
 from supervisor.events import Recorder
 from supervisor.hostfs import HostFS
+from supervisor.in_force import Moved, PlanInForce
 from supervisor.logs import format_fields
-from supervisor.plan.in_force import Moved, PlanInForce
 from supervisor.plan.keys import ProcessKind, ProcKey, ThreadRole, key_label
 from supervisor.plan.placement import Placement, Slot
 from supervisor.plan.replan import AllowedSet, allowed_of, slots_by_key
 from supervisor.plan.threads import DEFAULT_THREAD_ROLES, RoleMatcher, role_kinds, with_engine_roles
-from supervisor.state import Finding, Observation, ProcessStatus, StateStore
+from supervisor.state import Finding, Observation, ProcessStatus, StateStore, Supervised
 from supervisor.topology.cgroup import CpusetCache
 from supervisor.topology.model import Topology
 from supervisor.watch.apply import Applier, CgroupsLike
@@ -52,7 +52,6 @@ from supervisor.watch.scan import (
     IrqKeeperLike,
     ScanResult,
     ScanTarget,
-    Supervised,
     Tracked,
     read_allowed,
     scan,

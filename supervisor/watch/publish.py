@@ -15,9 +15,8 @@ from typing import Any
 
 from supervisor.events import Recorder
 from supervisor.plan.keys import ProcKey, key_label
-from supervisor.state import Finding, Observation
+from supervisor.state import Finding, Observation, Supervised
 from supervisor.watch.decide import Decision
-from supervisor.watch.scan import Supervised
 from supervisor.watch.settle import Outcomes, Settled, drift_outcomes
 
 

@@ -32,7 +32,7 @@ from supervisor.procfs.identity import is_leader_since
 from supervisor.state import (
     IrqObservation,
     Observation,
-    ProcessStatus,
+    Supervised,
     ThreadObservation,
     TreeMember,
 )
@@ -68,10 +68,6 @@ class IrqKeeperLike(Protocol):
     def apply(self, placement: Placement) -> object: ...
 
     def take_facts(self) -> Sequence[FactLike]: ...
-
-
-Supervised = tuple[ProcKey, ProcessStatus, Slot]
-"""A planned process as its runner has it: key, status, slot."""
 
 
 # A rank cgroup's memory.numa_stat is read every this many checks (and at once

@@ -38,8 +38,8 @@ from aiohttp import ClientSession, ClientTimeout, TCPConnector, web
 from prometheus_client.exposition import choose_encoder
 
 from supervisor.config import ApiConfig
+from supervisor.listen import parse_listen
 from supervisor.serve.documents import PlacementRenderer
-from supervisor.serve.listen import parse_listen
 from supervisor.serve.metrics import build_collector
 from supervisor.serve.server import ApiServer
 from supervisor.state import StateStore

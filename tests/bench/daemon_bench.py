@@ -32,7 +32,7 @@ import uvloop
 
 from supervisor.config import parse_config
 from supervisor.hostfs import HostFS
-from supervisor.plan.in_force import PlanInForce
+from supervisor.in_force import PlanInForce
 from supervisor.plan.placement import Placement, Slot
 from supervisor.procfs.stat import read_proc_stat
 from supervisor.run.procs import ChildProcess, spawn

@@ -27,8 +27,8 @@ from supervisor.bind.irq_checkpoint_data import (
     parse_checkpoint,
     plan_restore,
 )
+from supervisor.daemon.state_dir import irq_checkpoint_name, irq_checkpoint_path, state_dirs
 from supervisor.hostfs import HostFS
-from supervisor.service.state_dir import irq_checkpoint_name, irq_checkpoint_path, state_dirs
 from tests.support.daemon_support import poll
 
 BOOT = "4cae50d6-cca6-4a55-bee8-e690cd2dbebd"

@@ -22,7 +22,7 @@ import yaml
 
 from supervisor.config import ApiConfig, load_config
 from supervisor.examples.builder import GIB, FakeHost
-from supervisor.serve.listen import parse_listen
+from supervisor.listen import parse_listen
 from supervisor.serve.status import http_request
 from tests.deploy.manifests import (
     BASE,

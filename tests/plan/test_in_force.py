@@ -1,4 +1,4 @@
-"""supervisor.plan.in_force: the one holder of the plan in force, and what an install
+"""supervisor.in_force: the one holder of the plan in force, and what an install
 moved (pure; fixture hosts)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from supervisor.errors import PlanError
 from supervisor.examples.builder import FakeHost
 from supervisor.examples.hosts import dgx_h100
 from supervisor.hostfs import HostFS
-from supervisor.plan.in_force import PlanInForce, irq_changed_keys
+from supervisor.in_force import PlanInForce, irq_changed_keys
 from supervisor.plan.placement import PlanSettings
 from supervisor.plan.planner import plan
 from supervisor.plan.replan import merge_topology, replan

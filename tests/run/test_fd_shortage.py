@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from supervisor.config import parse_config
-from supervisor.daemon import Daemon
+from supervisor.daemon.root import Daemon
 from tests.support.children import write_child
 from tests.support.daemon_support import child_config, until
 from tests.test_daemon import all_running, events, run_daemon, status

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from supervisor.serve.listen import parse_listen
+from supervisor.listen import parse_listen
 from supervisor.serve.status import http_request
 from tests.support.daemon_support import REPO, DaemonProcess, daemon_env, poll, to_toml
 

@@ -21,9 +21,9 @@ import pytest
 
 from supervisor.config import ApiConfig
 from supervisor.errors import ConfigError, SupervisorError
+from supervisor.listen import Listen, parse_listen
 from supervisor.plan.placement import Placement
 from supervisor.serve.documents import PlacementRenderer, placement_doc
-from supervisor.serve.listen import Listen, parse_listen
 from supervisor.serve.server import ApiServer, ListenError
 from supervisor.serve.status import http_request
 from supervisor.state import Event, Observation, ProcessStatus, StateStore

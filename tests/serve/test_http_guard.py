@@ -20,8 +20,8 @@ import pytest
 
 from supervisor.bind.fdlimit import MIN_FD_RESERVE, plan_fd_budget
 from supervisor.config import ApiConfig
+from supervisor.listen import Listen, parse_listen
 from supervisor.serve.guard import HEALTH_RESERVE, MAX_HEADER_LINE_BYTES, ConnectionGuard, Limits
-from supervisor.serve.listen import Listen, parse_listen
 from supervisor.state import StateStore
 from tests.support.api_fixture import ServerThread, realistic_snapshot
 from tests.support.daemon_support import poll

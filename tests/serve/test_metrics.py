@@ -27,7 +27,7 @@ from prometheus_client.openmetrics.exposition import generate_latest as generate
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
 from supervisor.config import parse_config
-from supervisor.daemon import Daemon, prepare
+from supervisor.daemon.root import Daemon, prepare
 from supervisor.events import Recorder
 from supervisor.hostfs import HostFS
 from supervisor.serve.documents import placement_doc

@@ -37,7 +37,7 @@ from typing import Any
 
 import pytest
 
-from supervisor.serve.listen import parse_listen
+from supervisor.listen import parse_listen
 from supervisor.serve.metrics import build_registry
 from supervisor.serve.status import http_request
 from supervisor.state import StateStore

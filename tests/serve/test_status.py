@@ -15,9 +15,9 @@ import pytest
 from supervisor.config import ApiConfig
 from supervisor.cpulist import format_cpulist
 from supervisor.errors import EXIT_NOT_READY
+from supervisor.listen import parse_listen
 from supervisor.plan.placement import IrqAssignment
 from supervisor.serve.documents import placement_doc
-from supervisor.serve.listen import parse_listen
 from supervisor.serve.status import render_status, status_command, status_exit_code
 from supervisor.state import Finding, IrqObservation, ReloadVerdict
 from tests.support.api_fixture import ServerThread, realistic_snapshot

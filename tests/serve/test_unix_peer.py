@@ -19,7 +19,7 @@ import pytest
 
 from supervisor.config import ApiConfig
 from supervisor.errors import ConfigError
-from supervisor.serve.listen import parse_listen
+from supervisor.listen import parse_listen
 from supervisor.serve.peer import UnixPolicy
 from tests.support.api_fixture import ServerThread, realistic_snapshot
 

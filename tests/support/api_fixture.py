@@ -29,10 +29,10 @@ from types import MappingProxyType
 from typing import Any, TypeVar
 
 from supervisor.config import ApiConfig
+from supervisor.listen import Listen, parse_listen
 from supervisor.plan.keys import ProcKey
 from supervisor.plan.placement import DeviceRef, Placement, PlanSettings, RankPlacement, Slot
 from supervisor.plan.planner import plan
-from supervisor.serve.listen import Listen, parse_listen
 from supervisor.serve.server import ApiServer
 from supervisor.state import (
     CAPABILITY_NAMES,

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from supervisor.bind.cgroup import PREFIX as CGROUP_PREFIX
-from supervisor.service.instance_lock import DEFAULT_RUNTIME_DIR
+from supervisor.daemon.instance_lock import DEFAULT_RUNTIME_DIR
 from tests.support.real_irqs import irq_lock
 
 CGROUP_NAMES = (CGROUP_PREFIX, "ps-")  # the daemon's instance dirs; tests' own v1 cpusets

@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from supervisor.engines.naming import device_rank
+from supervisor.engines.rank_source import ProcFacts
 from supervisor.hostfs import HostFS
 from supervisor.topology.device_minors import (
     NVIDIA_MAJOR,
@@ -23,8 +25,6 @@ from supervisor.topology.device_minors import (
     parse_device_minor,
     read_char_devices,
 )
-from supervisor.trees.naming import device_rank
-from supervisor.trees.rank_source import ProcFacts
 from tests.support.daemon_support import poll
 
 INFO = (

@@ -22,12 +22,12 @@ from typing import Any
 import pytest
 
 from supervisor.config import parse_config
+from supervisor.engines.rank_source import ProcFacts, RankSource, parse_rank_source, resolve_rank
 from supervisor.errors import ConfigError
 from supervisor.hostfs import HostFS
-from supervisor.serve.listen import parse_listen
+from supervisor.listen import parse_listen
 from supervisor.serve.status import http_request
 from supervisor.trees.adopt import read_proc_facts
-from supervisor.trees.rank_source import ProcFacts, RankSource, parse_rank_source, resolve_rank
 from tests.support.children import thread_cpus
 from tests.support.daemon_support import (
     INSTANCE_ENV,

@@ -11,11 +11,11 @@ import pytest
 
 from supervisor.bind.binder import Binder
 from supervisor.bind.cgroup import CgroupManager, read_cgroup_setup
+from supervisor.daemon.cgroups import ManagedCgroups
 from supervisor.errors import translate_oserror
 from supervisor.hostfs import HostFS
 from supervisor.plan.placement import Slot
 from supervisor.procfs.identity import ProcessId
-from supervisor.service.cgroups import ManagedCgroups
 from supervisor.trees.adopt import Candidate, adopt_process, read_adoptees
 from supervisor.watch.adoption import Adoptee, adoption_result, decide_adoption
 from supervisor.watch.apply import Applier

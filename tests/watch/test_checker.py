@@ -21,7 +21,7 @@ import pytest
 import uvloop
 
 from supervisor.config import Config, parse_config
-from supervisor.daemon import Daemon, prepare
+from supervisor.daemon.root import Daemon, prepare
 from supervisor.hostfs import HostFS
 from supervisor.plan.keys import ProcKey
 from supervisor.plan.placement import Placement, RankPlacement, Slot

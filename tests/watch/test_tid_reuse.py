@@ -24,7 +24,7 @@ import pytest
 from supervisor.bind.binder import Binder
 from supervisor.config import Config, DriftConfig, ProcessConfig
 from supervisor.hostfs import HostFS
-from supervisor.plan.in_force import PlanInForce
+from supervisor.in_force import PlanInForce
 from supervisor.plan.placement import Placement, Slot
 from supervisor.state import ProcessStatus, Snapshot, StateStore
 from supervisor.topology.discover import read_topology

@@ -1,7 +1,7 @@
 """Early rank binding for the start-up hook (stdlib only; imported by sitecustomize.py).
 
 A process below the engine that a rule of `PLACEMENT_SUPERVISOR_EARLY_RANK`
-(supervisor.trees.early) names puts itself on its rank's CPUs and MPOL_BIND to
+(supervisor.engines.early) names puts itself on its rank's CPUs and MPOL_BIND to
 its rank's nodes: at start-up for an env rank, just before the target runs for
 a multiprocessing call rule. Only the process itself can set its memory policy
 (set_mempolicy(2) acts on the calling thread, and threads and children started
@@ -41,7 +41,7 @@ def warn(event: str, action: str, **fields: object) -> None:
 
 
 def parse_early(text: str) -> tuple[dict[int, int], list[str], dict[str, tuple[str, int]]]:
-    """`local=L:R,..;env=NAME;call=QUALNAME:KWARG:INDEX` (supervisor.trees.early)
+    """`local=L:R,..;env=NAME;call=QUALNAME:KWARG:INDEX` (supervisor.engines.early)
     -> ({local rank: rank}, env names, {qualname: (kwarg, index)}). ValueError if bad."""
     local: dict[int, int] = {}
     envs: list[str] = []

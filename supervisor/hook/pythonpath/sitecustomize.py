@@ -39,7 +39,7 @@ Rules it keeps:
   (about 10 ms); a meta-path finder patches it when the program imports it.
 
 Early rank binding: where the engine's tree carries `PLACEMENT_SUPERVISOR_EARLY_RANK`
-(supervisor.trees.early: an env rank such as torchrun's LOCAL_RANK, or the
+(supervisor.engines.early: an env rank such as torchrun's LOCAL_RANK, or the
 multiprocessing target vLLM and SGLang start their workers with), a process
 below the engine that one rule names puts itself on its rank's CPUs and
 MPOL_BIND to its rank's nodes at once: at start-up for an env rank, just

@@ -4,7 +4,7 @@
 or "auto" (recognised from the command by `recognise_kind`). `vllm_layout`
 and `sglang_layout` read the sizes each engine derives its process titles
 and device indexes from, with the engines' own defaults; the rules that use
-them are in `supervisor.trees.kind_rules`.
+them are in `supervisor.engines.kind_rules`.
 """
 
 from __future__ import annotations

@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 
 from supervisor.config import parse_config
+from supervisor.engines.engine_kind import recognise_kind, sglang_layout, vllm_layout
+from supervisor.engines.kind_rules import KindRules, name_sglang, name_vllm, rules_for, title_parts
+from supervisor.engines.naming import Verdict, decide_rank, waiting_warnings
+from supervisor.engines.rank_source import ProcFacts, parse_rank_source
 from supervisor.errors import ConfigError
-from supervisor.trees.engine_kind import recognise_kind, sglang_layout, vllm_layout
-from supervisor.trees.kind_rules import KindRules, name_sglang, name_vllm, rules_for, title_parts
-from supervisor.trees.naming import Verdict, decide_rank, waiting_warnings
-from supervisor.trees.rank_source import ProcFacts, parse_rank_source
 
 IDENTITY = {i: i for i in range(16)}  # local rank -> rank; device index -> rank
 

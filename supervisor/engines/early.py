@@ -33,9 +33,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from supervisor.engines.kind_rules import KindRules
+from supervisor.engines.rank_source import RankSource, rank_tables
 from supervisor.plan.placement import Placement
-from supervisor.trees.kind_rules import KindRules
-from supervisor.trees.rank_source import RankSource, rank_tables
 
 EARLY_ENV = "PLACEMENT_SUPERVISOR_EARLY_RANK"
 VLLM_WORKER_TARGET = "WorkerProc.worker_main:local_rank:-1"

@@ -24,11 +24,15 @@ from supervisor.config import (
     read_config_digest,
     read_token_file,
 )
+from supervisor.daemon.preflight import check_processes
+from supervisor.daemon.status import ServiceStatus
+from supervisor.engines.kind_rules import rules_for
+from supervisor.engines.rank_source import bdf_ranks, rank_tables
 from supervisor.errors import ConfigError, SupervisorError
 from supervisor.events import Recorder
 from supervisor.hostfs import HostFS
+from supervisor.in_force import PlanInForce
 from supervisor.logs import format_fields
-from supervisor.plan.in_force import PlanInForce
 from supervisor.plan.keys import ProcKey, key_label
 from supervisor.plan.placement import Placement
 from supervisor.plan.planner import plan
@@ -38,13 +42,9 @@ from supervisor.run import users
 from supervisor.run.fleet import Fleet
 from supervisor.run.runner import Runtime
 from supervisor.run.spec import ChildSpec, PlanSpecs
-from supervisor.service.preflight import check_processes
-from supervisor.service.status import ServiceStatus
 from supervisor.state import ReloadResult, ReloadVerdict, StateStore
 from supervisor.topology.discover import read_topology
 from supervisor.topology.model import Topology
-from supervisor.trees.kind_rules import rules_for
-from supervisor.trees.rank_source import bdf_ranks, rank_tables
 from supervisor.watch.loop import CheckLoop
 from supervisor.worker import SLOT_ENV
 
@@ -320,10 +320,16 @@ class Reloader:
                 token = await loop.run_in_executor(executor, read_token_file, config.api.token_file)
         except SupervisorError as err:  # the file, its keys, or no plan for it on this host
             d.recorder.note(
-                "reload", None, f"reload failed: {err}", log_message="reload failed",
-                level=logging.ERROR, config=path, result="invalid", error=str(err),
+                "reload",
+                None,
+                f"reload failed: {err}",
+                log_message="reload failed",
+                level=logging.ERROR,
+                config=path,
+                result="invalid",
+                error=str(err),
                 action="keep old config",
-            )  # fmt: skip
+            )
             return Reloaded("invalid", str(err))
         for line in render_plan_table(placement, topology).splitlines():
             log.info("plan %s", line)
@@ -353,11 +359,17 @@ class Reloader:
             fleet.request_restart(key)
         message = f"config reloaded: {len(moved)} re-bound in place, {len(restarted)} restarted"
         d.recorder.note(
-            "reload", None, message, log_message="config reloaded", config=path,
-            result="ok", sha256=digest, moved=",".join(key_label(k) for k in moved) or "-",
+            "reload",
+            None,
+            message,
+            log_message="config reloaded",
+            config=path,
+            result="ok",
+            sha256=digest,
+            moved=",".join(key_label(k) for k in moved) or "-",
             restarted=",".join(key_label(k) for k in restarted) or "-",
             action="restart" if restarted else "rebind",
-        )  # fmt: skip
+        )
         return Reloaded("ok", message, moved, restarted)
 
     def _refused(
@@ -365,8 +377,15 @@ class Reloader:
     ) -> Reloaded:
         text = f"needs a restart: {', '.join(reasons)}"
         self.daemon.recorder.note(
-            "reload", None, f"reload refused: {text}", log_message="reload refused",
-            level=logging.ERROR, config=path, result="refused", reason=text,
-            sha256=digest, action="keep old config",
-        )  # fmt: skip
+            "reload",
+            None,
+            f"reload refused: {text}",
+            log_message="reload refused",
+            level=logging.ERROR,
+            config=path,
+            result="refused",
+            reason=text,
+            sha256=digest,
+            action="keep old config",
+        )
         return Reloaded("refused", text)

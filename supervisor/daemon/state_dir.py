@@ -13,9 +13,9 @@ import os
 from collections.abc import Mapping
 
 from supervisor.bind.irq_checkpoint import IrqCheckpoint, read_boot_id, restore_checkpoint
+from supervisor.daemon.instance_lock import lock_name, systemd_dirs, usable_dir
 from supervisor.hostfs import HostFS
 from supervisor.logs import format_fields
-from supervisor.service.instance_lock import lock_name, systemd_dirs, usable_dir
 
 log = logging.getLogger("placement_supervisor.daemon")
 

@@ -13,7 +13,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from supervisor.service.instance_lock import lock_name
+from supervisor.daemon.instance_lock import lock_name
 from tests.support.daemon_support import INSTANCE_ENV, DaemonProcess, daemon_env, poll, to_toml
 
 HUP_BIT = 1 << (signal.SIGHUP - 1)

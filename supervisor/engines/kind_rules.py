@@ -15,14 +15,14 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from supervisor.trees.engine_kind import (
+from supervisor.engines.engine_kind import (
     ResolvedKind,
     SglangLayout,
     VllmLayout,
     sglang_layout,
     vllm_layout,
 )
-from supervisor.trees.rank_source import ProcFacts
+from supervisor.engines.rank_source import ProcFacts
 
 # vllm/envs.py: VLLM_PROCESS_NAME_PREFIX, default "VLLM"; set_process_title
 # (vllm/utils/system_utils.py) titles "<prefix>::<name>[_<suffix>]".
@@ -154,9 +154,11 @@ def name_vllm(layout: VllmLayout, prefix: str, title: str) -> Naming:
                 return Naming(layout.local_device(layout.dp_start, 0, 0, 0), worker_rule, True)
             return Naming(None, worker_rule, True)
         local = layout.local_device(
-            parts.get("DP", layout.dp_start), parts.get("PP", 0), parts.get("PCP", 0),
+            parts.get("DP", layout.dp_start),
+            parts.get("PP", 0),
+            parts.get("PCP", 0),
             parts.get("TP", 0),
-        )  # fmt: skip
+        )
         return Naming(local, worker_rule, True)
     dp_rank: int | None = None
     if name == "EngineCore":
@@ -205,9 +207,11 @@ def rules_for(kind: ResolvedKind, argv: Sequence[str], engine_env: Mapping[str, 
     if kind == "vllm":
         prefix = engine_env.get(VLLM_PREFIX_ENV, VLLM_DEFAULT_PREFIX)
         return KindRules(
-            kind, vllm=vllm_layout(argv), vllm_prefix=prefix,
+            kind,
+            vllm=vllm_layout(argv),
+            vllm_prefix=prefix,
             env_names=frozenset({VLLM_PREFIX_ENV}),
-        )  # fmt: skip
+        )
     if kind == "sglang":
         return KindRules(kind, sglang=sglang_layout(argv))
     if kind == "torchrun":

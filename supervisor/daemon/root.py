@@ -7,9 +7,9 @@ from its first instruction, each in its own process group, each restarted by
 the policy of `supervisor.run.restart`. Every state change is an Event in the
 `StateStore`, which the API and metrics read. The processes are a fleet
 (supervisor.run.fleet: spawned, or with adopted workers), the plan they run by
-the plan in force (supervisor.plan.in_force), which only the check loop replaces.
+the plan in force (supervisor.in_force), which only the check loop replaces.
 SIGTERM/SIGINT only set a flag; the shutdown that follows stops workers first,
-then the engine. SIGHUP only asks for a config reload (supervisor.service.reload).
+then the engine. SIGHUP only asks for a config reload (supervisor.daemon.reload).
 """
 
 from __future__ import annotations
@@ -34,11 +34,19 @@ from supervisor.config import (
     Config,
     discovery_options,
 )
+from supervisor.daemon.cgroups import (
+    ManagedCgroups,
+    remove_cgroups,
+)
+from supervisor.daemon.hangup import Hangups
+from supervisor.daemon.reload import Reloader
+from supervisor.daemon.sdnotify import Notifier, watchdog_interval_s
+from supervisor.daemon.status import ServiceStatus
 from supervisor.errors import ConfigError, SupervisorError
 from supervisor.events import Recorder
 from supervisor.hostfs import HostFS
+from supervisor.in_force import PlanInForce
 from supervisor.logs import format_fields
-from supervisor.plan.in_force import PlanInForce
 from supervisor.plan.keys import ProcKey, key_label
 from supervisor.plan.placement import Placement
 from supervisor.plan.planner import plan
@@ -50,14 +58,6 @@ from supervisor.run.runner import Runtime
 from supervisor.run.spec import PlanSpecs
 from supervisor.serve.routes import Actions
 from supervisor.serve.server import ApiServer
-from supervisor.service.cgroups import (
-    ManagedCgroups,
-    remove_cgroups,
-)
-from supervisor.service.hangup import Hangups
-from supervisor.service.reload import Reloader
-from supervisor.service.sdnotify import Notifier, watchdog_interval_s
-from supervisor.service.status import ServiceStatus
 from supervisor.state import Capability, CapabilityName, ProcessStatus, Snapshot, StateStore
 from supervisor.topology.accelerators import CPU
 from supervisor.topology.discover import read_topology, reread_cpus
@@ -283,6 +283,8 @@ class Daemon:
 
     def _start_trees(self, fleet: Fleet) -> None:
         """The guardian (first: it must outlive us), then the tree keeper."""
+        # Who names the engine's processes: the adopting fleet's, handed to the keeper here.
+        naming = fleet.naming if isinstance(fleet, AdoptingFleet) else None
         assert self.rt is not None
         if self.want_guardian:
             dirs = (
@@ -305,8 +307,8 @@ class Daemon:
             guardian=self.guardian,
             use_connector=os.geteuid() == 0 and self.env.get(PROC_EVENTS_ENV) != "0",
             subreaper=self.subreaper,
-            adopter=fleet.adopter,
-            on_refresh=fleet.on_refresh,
+            adopter=naming,
+            on_refresh=None if naming is None else naming.note_pass,
             recent_procs=None if self.cgroups is None else self.cgroups.manager.recent_procs,
         )
         self.rt.trees = self.trees
@@ -369,9 +371,14 @@ class Daemon:
         # A runner only returns when stopping; anything else is a bug: log it
         # and stop everything rather than run unsupervised.
         self.recorder.note(
-            "error", None, f"supervision task died: {exc!r}", log_message="runner died",
-            level=logging.ERROR, error=repr(exc), action="shutdown",
-        )  # fmt: skip
+            "error",
+            None,
+            f"supervision task died: {exc!r}",
+            log_message="runner died",
+            level=logging.ERROR,
+            error=repr(exc),
+            action="shutdown",
+        )
         self.failed = True  # exit 1: systemd's Restart=on-failure applies
         self.runtime.stopping.set()
 
@@ -397,9 +404,12 @@ class Daemon:
             raise
         except Exception as err:  # the check loop failing must not take the workers down
             self.recorder.error(
-                f"check loop died: {err!r}", repr(err), what="check loop",
-                action="continue unchecked", exc=err,
-            )  # fmt: skip
+                f"check loop died: {err!r}",
+                repr(err),
+                what="check loop",
+                action="continue unchecked",
+                exc=err,
+            )
 
     async def _apply_irqs(self) -> None:
         """The devices' IRQs onto their ranks' irq CPUs (blocking writes: the executor)."""
@@ -410,9 +420,12 @@ class Daemon:
             )
         except Exception as err:  # IRQs degrade alone, never the workers
             self.recorder.error(
-                f"IRQ binding failed: {err!r}", repr(err), what="irq apply",
-                action="continue without", exc=err,
-            )  # fmt: skip
+                f"IRQ binding failed: {err!r}",
+                repr(err),
+                what="irq apply",
+                action="continue without",
+                exc=err,
+            )
         finally:
             self.recorder.facts(self.irq_keeper.take_facts())
 
@@ -436,9 +449,13 @@ class Daemon:
         self.store.update(stopping=True)
         self.notifier.stopping("stopping: workers first, then the engine")
         self.recorder.note(
-            "stopping", None, "supervisor stopping", log_message="stopping",
-            processes=len(self.keys), action="stop workers",
-        )  # fmt: skip
+            "stopping",
+            None,
+            "supervisor stopping",
+            log_message="stopping",
+            processes=len(self.keys),
+            action="stop workers",
+        )
         if self.check_task is not None:
             self.check_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -469,9 +486,13 @@ class Daemon:
             raise SupervisorError("the supervisor is stopping")
         old = self.fleet.request_restart(key)  # KeyError -> 404
         self.recorder.note(
-            "restart_requested", key, f"{key_label(key)}: restart requested",
-            log_message="restart requested", previous_state=old.state, action="restart",
-        )  # fmt: skip
+            "restart_requested",
+            key,
+            f"{key_label(key)}: restart requested",
+            log_message="restart requested",
+            previous_state=old.state,
+            action="restart",
+        )
         return {"rank": key_label(key), "previous_state": old.state, "previous_pid": old.pid}
 
 

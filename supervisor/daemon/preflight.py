@@ -22,12 +22,12 @@ from typing import Any
 
 from supervisor.bind.report import shim_argv
 from supervisor.config import Config
+from supervisor.daemon.instance_lock import check_instance_env
 from supervisor.errors import ConfigError
+from supervisor.listen import parse_listen
 from supervisor.plan.placement import Placement
 from supervisor.run.spec import PYTHON_NAMES, build_specs, resolve_python
 from supervisor.run.users import Account, resolve_account
-from supervisor.serve.listen import parse_listen
-from supervisor.service.instance_lock import check_instance_env
 
 
 class PreflightFailed(ConfigError):

@@ -20,20 +20,20 @@ from supervisor.config import (
     load_config_digest,
     read_token_file,
 )
-from supervisor.daemon import Daemon, prepare, run_loop
-from supervisor.errors import ConfigError
-from supervisor.hostfs import HostFS
-from supervisor.logs import format_fields, setup_logging
-from supervisor.run.stop_budget import log_stop_budget
-from supervisor.service.cgroups import (
+from supervisor.daemon.cgroups import (
     cgroups_and_capability,
     instance_suffix,
     remove_cgroups,
 )
-from supervisor.service.hangup import Hangups
-from supervisor.service.instance_lock import hold_instance_lock
-from supervisor.service.preflight import check_processes, check_spawns, refuse
-from supervisor.service.state_dir import irq_checkpoint_for
+from supervisor.daemon.hangup import Hangups
+from supervisor.daemon.instance_lock import hold_instance_lock
+from supervisor.daemon.preflight import check_processes, check_spawns, refuse
+from supervisor.daemon.root import Daemon, prepare, run_loop
+from supervisor.daemon.state_dir import irq_checkpoint_for
+from supervisor.errors import ConfigError
+from supervisor.hostfs import HostFS
+from supervisor.logs import format_fields, setup_logging
+from supervisor.run.stop_budget import log_stop_budget
 
 log = logging.getLogger("placement_supervisor.daemon")  # the start is the daemon's
 

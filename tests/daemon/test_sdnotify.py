@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.service.sdnotify import Notifier, parse_notify_address, watchdog_interval_s
+from supervisor.daemon.sdnotify import Notifier, parse_notify_address, watchdog_interval_s
 
 
 @pytest.fixture

@@ -23,8 +23,8 @@ from typing import Any
 
 import pytest
 
+from supervisor.daemon.preflight import arg_limits, check_arg_size, python_module, user_can
 from supervisor.run.users import resolve_account
-from supervisor.service.preflight import arg_limits, check_arg_size, python_module, user_can
 from tests.support.daemon_support import (
     DaemonProcess,
     daemon_env,

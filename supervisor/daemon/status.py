@@ -13,9 +13,9 @@ import os
 from collections.abc import Callable
 from typing import Protocol
 
+from supervisor.daemon.sdnotify import Notifier
 from supervisor.events import Recorder
 from supervisor.logs import format_fields
-from supervisor.service.sdnotify import Notifier
 from supervisor.state import StateStore
 
 log = logging.getLogger("placement_supervisor.daemon")
@@ -101,9 +101,13 @@ class ServiceStatus:
         self._was_ready = self.store.snapshot.ready
         self.notifier.ready(status)
         self.recorder.note(
-            "ready", None, f"supervisor started: {status}", log_message="supervisor started",
-            status=status, pid=os.getpid(),
-        )  # fmt: skip
+            "ready",
+            None,
+            f"supervisor started: {status}",
+            log_message="supervisor started",
+            status=status,
+            pid=os.getpid(),
+        )
 
     def reloading(self, path: str | None) -> None:
         """RELOADING=1 (a reload starts); `reloaded` ends it with READY=1."""

@@ -1,7 +1,7 @@
 """Which rank an engine-tree process is, all sources together; when silence is a bug (pure).
 
 `decide_rank` joins `rank_from` (when configured), the engine kind's own
-rules (supervisor.trees.kind_rules) and the device a process holds open:
+rules (supervisor.engines.kind_rules) and the device a process holds open:
 when a device is known, its rank wins over a title and the verdict says
 which rule disagreed (DESIGN 3.6). `waiting_warnings` picks the ranks still
 waiting long after the engine started while its tree shows processes the
@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-from supervisor.trees.kind_rules import KindRules, title_of
-from supervisor.trees.rank_source import ProcFacts, RankSource, device_indexes, resolve_rank
+from supervisor.engines.kind_rules import KindRules, title_of
+from supervisor.engines.rank_source import ProcFacts, RankSource, device_indexes, resolve_rank
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,6 @@
 """Engine-spawned workers bound before their own code runs (the start-up hook's early rules).
 
-`supervisor.trees.early` writes which rule names a rank before the worker
+`supervisor.engines.early` writes which rule names a rank before the worker
 runs; the hook (`placement_supervisor_early.py`) applies it in real
 interpreters. The tree is real: this test process stands for the supervisor,
 a launcher child for the engine, and its children (plain, or multiprocessing
@@ -22,10 +22,10 @@ from typing import Any
 import pytest
 
 from supervisor.config import parse_config
+from supervisor.engines.early import EARLY_ENV
 from supervisor.hook import HOOK_DIR, HOOK_ENV
 from supervisor.plan.placement import DeviceRef, Placement, RankPlacement, Slot
 from supervisor.run.spec import RANK_SLOTS_ENV, build_specs, rank_slots_value
-from supervisor.trees.early import EARLY_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import pytest
 
-from supervisor.trees.engine_kind import sglang_layout, vllm_layout
-from supervisor.trees.kind_rules import name_sglang, name_vllm
+from supervisor.engines.engine_kind import sglang_layout, vllm_layout
+from supervisor.engines.kind_rules import name_sglang, name_vllm
 
 V = ["vllm", "serve", "m"]
 S = ["python", "-m", "sglang.launch_server", "--model-path", "m"]

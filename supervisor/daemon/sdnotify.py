@@ -16,11 +16,6 @@ from collections.abc import Mapping
 
 log = logging.getLogger("placement_supervisor.sdnotify")
 
-# Variables the daemon must not hand to its children: a child that inherits
-# NOTIFY_SOCKET could notify on our behalf (NotifyAccess=main ignores it, but
-# a stray READY=1 is confusing), and WATCHDOG_* describe our pid, not theirs.
-NOTIFY_VARS = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
-
 
 def parse_notify_address(value: str) -> str | bytes | None:
     """The sendto() address of a NOTIFY_SOCKET value (pure).

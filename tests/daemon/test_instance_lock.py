@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.service.instance_lock import (
+from supervisor.daemon.instance_lock import (
     InstanceBusy,
     hold_instance_lock,
     lock_name,

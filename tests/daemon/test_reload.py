@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 
 from supervisor.config import load_config_digest, parse_config
+from supervisor.daemon.reload import process_change, respawn_keys, restart_reasons
 from supervisor.examples.hosts import no_accel_2node
 from supervisor.hostfs import HostFS
 from supervisor.plan.placement import Slot
 from supervisor.plan.planner import plan
 from supervisor.run.spec import ChildSpec, build_specs
-from supervisor.service.reload import process_change, respawn_keys, restart_reasons
 from supervisor.topology.discover import read_topology
 from supervisor.topology.model import DiscoveryOptions
 from supervisor.worker import SLOT_ENV

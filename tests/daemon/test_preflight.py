@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from supervisor.service.preflight import check_command, check_port_free, check_token_file
+from supervisor.daemon.preflight import check_command, check_port_free, check_token_file
 from tests.support.daemon_support import daemon_env, free_port, run_supervisor, to_toml
 
 

@@ -18,12 +18,12 @@ from collections.abc import Mapping, Sequence
 
 from supervisor.bind.cgroup import CgroupManager, ProcessCgroup, read_cgroup_setup
 from supervisor.config import Config
+from supervisor.daemon.instance_lock import INSTANCE_ENV
 from supervisor.errors import ConfigError, KernelError
 from supervisor.hostfs import HostFS
 from supervisor.logs import format_fields
 from supervisor.plan.keys import ProcKey, key_label
 from supervisor.plan.placement import Slot
-from supervisor.service.instance_lock import INSTANCE_ENV
 from supervisor.state import Capability
 from supervisor.trees.guardian import sweep_leftovers
 

@@ -1,2 +1,0 @@
-"""The daemon's own helpers, beside daemon.py: systemd notification, the instance
-lock, its cgroups and the preflight checks."""
