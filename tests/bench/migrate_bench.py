@@ -53,12 +53,12 @@ def pages_on(pid: int, node: int) -> int:
 
 
 def ours(binder: Binder, pid: int, src: int, dst: int, share: int) -> None:
-    while True:
+    """Pass after pass, as the check loop does, until nothing is left (or a pass
+    moves nothing: what is left cannot move)."""
+    for _ in range(1000):
         moved, left = binder.move_own_pages(pid, (src,), dst, share)
-        if moved == 0 and left == 0:
+        if moved == 0 or left == 0:
             return
-        if moved == 0:
-            return  # what is left cannot move (shared, busy)
 
 
 def numactl(pid: int, src: int, dst: int) -> None:
