@@ -17,6 +17,7 @@ import subprocess
 import time
 import urllib.parse
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -105,13 +106,10 @@ class Fleet:
         return doc["data"]["result"]
 
 
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    tmp = tmp_path_factory.mktemp("fleet")
-    # Two hours back, on a minute: inside the default retention, and not in the head.
-    start_s = (int(time.time()) - 2 * 3600) // 60 * 60
-    text, count = openmetrics(start_s)
-    assert 3500 <= count <= 4000  # the ~3,700 series of 20 hosts x 8 ranks (+ engine)
+@contextmanager
+def backfilled(tmp: Path, text: str, start_s: int, count_query: str, count: int) -> Iterator[Fleet]:
+    """A real Prometheus serving `text` (OpenMetrics) backfilled with promtool into
+    blocks under `tmp`, once `count_query` counts `count` series at the end."""
     source = tmp / "fleet.om"
     source.write_text(text)
     data = tmp / "data"
@@ -129,16 +127,14 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
          "--log.level=warn"],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
-    base = f"http://127.0.0.1:{port}"
     try:
-        fleet = Fleet(base, start_s, start_s + (SAMPLES - 1) * STEP_S)
+        fleet = Fleet(f"http://127.0.0.1:{port}", start_s, start_s + (SAMPLES - 1) * STEP_S)
 
         def loaded() -> bool:
             if prom.poll() is not None:
                 raise AssertionError((tmp / "prometheus.log").read_text()[-3000:])
             try:
-                found = fleet.get("/api/v1/query", query="count(placement_bind_failures_total)",
-                                  time=fleet.end_s)  # fmt: skip
+                found = fleet.get("/api/v1/query", query=count_query, time=fleet.end_s)
             except OSError:
                 return False
             return bool(found) and int(found[0]["value"][1]) == count
@@ -148,6 +144,17 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     finally:
         stop_process(prom, 20, group=True)
         log.close()
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    tmp = tmp_path_factory.mktemp("fleet")
+    # Two hours back, on a minute: inside the default retention, and not in the head.
+    start_s = (int(time.time()) - 2 * 3600) // 60 * 60
+    text, count = openmetrics(start_s)
+    assert 3500 <= count <= 4000  # the ~3,700 series of 20 hosts x 8 ranks (+ engine)
+    with backfilled(tmp, text, start_s, "count(placement_bind_failures_total)", count) as fleet:
+        yield fleet
 
 
 def panel_expr(title: str) -> str:

@@ -12,7 +12,6 @@ count the panel is meant to draw.
 from __future__ import annotations
 
 import json
-import subprocess
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -30,9 +29,9 @@ from tests.serve.test_dashboard_fleet import (
     STEP_S,
     Fleet,
     as_grafana,
+    backfilled,
     pytestmark,
 )
-from tests.support.daemon_support import free_port, poll, stop_process
 
 __all__ = ["pytestmark"]
 
@@ -202,40 +201,9 @@ def openmetrics(start_s: int) -> str:
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     tmp = tmp_path_factory.mktemp("scale")
     start_s = (int(time.time()) - 2 * 3600) // 60 * 60
-    source = tmp / "fleet.om"
-    source.write_text(openmetrics(start_s))
-    data = tmp / "data"
-    made = subprocess.run(
-        ["promtool", "tsdb", "create-blocks-from", "openmetrics", "-q", str(source), str(data)],
-        capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
-    assert made.returncode == 0, made.stdout + made.stderr
-    port = free_port()
-    log = open(tmp / "prometheus.log", "wb")  # noqa: SIM115 - closed below
-    (tmp / "prometheus.yml").write_text("global: {}\n")
-    prom = subprocess.Popen(
-        ["prometheus", f"--config.file={tmp / 'prometheus.yml'}",
-         f"--storage.tsdb.path={data}", f"--web.listen-address=127.0.0.1:{port}",
-         "--log.level=warn"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
-    try:
-        fleet = Fleet(f"http://127.0.0.1:{port}", start_s, start_s + (SAMPLES - 1) * STEP_S)
-
-        def loaded() -> bool:
-            if prom.poll() is not None:
-                raise AssertionError((tmp / "prometheus.log").read_text()[-3000:])
-            try:
-                found = fleet.get("/api/v1/query", query="count(placement_up)", time=fleet.end_s)
-            except OSError:
-                return False
-            return bool(found) and int(found[0]["value"][1]) == len(HOSTS) * len(RANKS)
-
-        poll(loaded, 120, 0.5, what="Prometheus serving the backfilled blocks")
+    count = len(HOSTS) * len(RANKS)
+    with backfilled(tmp, openmetrics(start_s), start_s, "count(placement_up)", count) as fleet:
         yield fleet
-    finally:
-        stop_process(prom, 20, group=True)
-        log.close()
 
 
 def panel(title: str) -> dict[str, Any]:
