@@ -148,12 +148,12 @@ class Binder:
         pass goes on). Mapped files and any page another process maps too
         stay where they are: move_pages(2) with MPOL_MF_MOVE.
 
-        Chunked: PAGES_PER_CALL addresses a call, one call a chunk (a page
-        already on `to_node` is left as it is), so one call holds the worker's
-        mmap lock for 64 MiB at most and a move of gigabytes spreads over
-        passes (`max_bytes` is one pass's share of drift.migrate_max_bytes_per_s,
-        counted from numa_maps' pages per node). Raises Gone, Denied (seccomp,
-        no CAP_SYS_NICE), Invalid with target "pid N".
+        Chunked: PAGES_PER_CALL addresses a call, so one call holds the
+        worker's mmap lock for 64 MiB at most, and a move of gigabytes spreads
+        over passes (`max_bytes` is one pass's share of
+        drift.migrate_max_bytes_per_s, counted from numa_maps' pages per
+        node). Raises Gone, Denied (seccomp, no CAP_SYS_NICE), Invalid with
+        target "pid N".
         """
         remote = frozenset(from_nodes)
         try:
@@ -167,22 +167,39 @@ class Binder:
             if budget <= 0:
                 left += remote_pages  # the next pass's share
                 continue
-            # Every address of the mapping, a chunk a call: a page already on
-            # `to_node` is left as it is by the kernel, so no query first. Where
-            # the mapping holds more remote memory than the budget has left,
-            # only the share of its span that the budget covers is walked.
-            span = end - start
-            take = span if remote_pages * page <= budget else span * budget // (remote_pages * page)
-            stop = start + max(take // page, 1) * page
-            failed = 0
-            for at in range(start, stop, PAGES_PER_CALL * page):
-                addresses = array.array("Q", range(at, min(stop, at + PAGES_PER_CALL * page), page))
-                status = syscalls.move_pages(pid, addresses, to_node)
-                failed += sum(1 for s in status if s < 0 and s not in NOT_THERE)
-            done = remote_pages if stop >= end else remote_pages * (stop - start) // span
-            moved += max(done - failed, 0)
-            left += min(failed, done) + remote_pages - done
-            budget -= done * page
+            step = PAGES_PER_CALL * page
+            chunks = (
+                array.array("Q", range(a, min(end, a + step), page))
+                for a in range(start, end, step)
+            )
+            if remote_pages * page <= budget:
+                # All of it fits: one call a chunk, every address (a page already
+                # on `to_node` is left as it is by the kernel), no query first.
+                failed = 0
+                for addresses in chunks:
+                    status = syscalls.move_pages(pid, addresses, to_node)
+                    failed += sum(1 for s in status if s < 0 and s not in NOT_THERE)
+                moved += max(remote_pages - failed, 0)
+                left += min(failed, remote_pages)
+                budget -= remote_pages * page
+                continue
+            # More than the budget: ask where each page of a chunk is, move the
+            # remote ones until the budget is spent; the next pass goes on.
+            here = 0
+            for addresses in chunks:
+                where = syscalls.move_pages(pid, addresses)
+                todo = array.array(
+                    "Q", (a for a, n in zip(addresses, where, strict=True) if n in remote)
+                )
+                todo = todo[: max(budget // page, 1)]
+                if todo:
+                    status = syscalls.move_pages(pid, todo, to_node)
+                    here += sum(1 for s in status if s == to_node)
+                    budget -= len(todo) * page
+                if budget <= 0:
+                    break
+            moved += here
+            left += max(remote_pages - here, 0)
         return moved, left
         return moved, left
 
