@@ -130,7 +130,8 @@ def test_unprivileged_container_is_ready_bound_by_cpu_follows_updates_and_stops(
             60,
             what=f"ready in the container: {get(port, '/readyz')}\n{log.read_text()[-3000:]}",
         )
-        assert ready == {"status": 200, "ready": True}
+        assert (ready["status"], ready["ready"]) == (200, True)
+        assert all(p["state"] == "running" for p in ready["processes"]), ready
         doc = get(port, "/placement")
         assert doc is not None
         caps = doc["supervisor"]["capabilities"]

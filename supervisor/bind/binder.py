@@ -143,7 +143,7 @@ class Binder:
     ) -> tuple[int, int]:
         """Move up to `max_bytes` of the memory `pid` allocated (anonymous, its
         shared memory and huge pages: what its local ratio counts) from
-        `from_nodes` to `to_node`; (pages moved, remote pages seen and not
+        `from_nodes` to `to_node`; (bytes moved, remote pages seen and not
         moved: refused, or past the budget, where the walk stops and the next
         pass goes on). Mapped files and any page another process maps too
         stay where they are: move_pages(2) with MPOL_MF_MOVE.
@@ -179,7 +179,7 @@ class Binder:
                 for addresses in chunks:
                     status = syscalls.move_pages(pid, addresses, to_node)
                     failed += sum(1 for s in status if s < 0 and s not in NOT_THERE)
-                moved += max(remote_pages - failed, 0)
+                moved += max(remote_pages - failed, 0) * page
                 left += min(failed, remote_pages)
                 budget -= remote_pages * page
                 continue
@@ -198,9 +198,8 @@ class Binder:
                     budget -= len(todo) * page
                 if budget <= 0:
                     break
-            moved += here
+            moved += here * page
             left += max(remote_pages - here, 0)
-        return moved, left
         return moved, left
 
     def can_migrate_other(self) -> bool:

@@ -187,8 +187,10 @@ class Applier:
         try:
             if m.max_bytes > 0:
                 # The mems of a rank are one node in every plan; the first otherwise.
-                _, left = self.binder.move_own_pages(pid, m.from_nodes, m.to_nodes[0], m.max_bytes)
-                return Outcome(pages_left=left)
+                moved, left = self.binder.move_own_pages(
+                    pid, m.from_nodes, m.to_nodes[0], m.max_bytes
+                )
+                return Outcome(pages_left=left, bytes_moved=moved)
             return Outcome(pages_left=self.binder.migrate_pages(pid, m.from_nodes, m.to_nodes))
         except Gone:
             return Outcome(gone=True)

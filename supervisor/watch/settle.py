@@ -29,6 +29,9 @@ class Outcome:
     gone: bool = False
     kept: tuple[int, ...] = ()
     pages_left: int = 0
+    # A page move's bytes as the mover counted them when it moved (its own
+    # numa_maps read, later than the pass's): None where it cannot say.
+    bytes_moved: int | None = None
     irqs_bound: tuple[tuple[int, tuple[int, ...]], ...] = ()  # (IRQ, CPUs) re-written
 
 
@@ -122,7 +125,7 @@ def settle(
     migrate_after, last_move = state.migrate_after, state.last_move
     migrated_from, stale = state.migrated_from, state.memory_stale
     migrated: list[tuple[MemoryMove, int]] = []
-    for i, m in enumerate(decision.moves):
+    for i, planned in enumerate(decision.moves):
         out = outcomes.moves[i] if i < len(outcomes.moves) else Outcome(gone=True)
         if out.gone:
             continue
@@ -134,6 +137,9 @@ def settle(
             fail("memory", "memory", out.error, why)
             continue
         failures.pop(("memory", "memory"), None)
+        # The event and the rate limit count what moved, not what the pass's
+        # earlier read saw remote (a worker still allocating).
+        m = planned if out.bytes_moved is None else replace(planned, remote_bytes=out.bytes_moved)
         migrated.append((m, out.pages_left))
         if m.reason == "cpuset_changed":
             continue
