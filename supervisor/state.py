@@ -39,6 +39,7 @@ DriftKind = Literal[
     "process_gone",
     "self_rebind",
     "cgroup",
+    "conflict",
 ]
 BindTarget = Literal["process", "thread", "memory", "irq", "cgroup"]
 BindReason = Literal["gone", "denied", "invalid", "managed", "error"]

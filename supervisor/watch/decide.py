@@ -35,6 +35,7 @@ from supervisor.state import (
     ThreadObservation,
 )
 from supervisor.watch.drift import apply_policy, process_findings, target_id, thread_findings
+from supervisor.watch.fight import WRITER_UNKNOWN, Fight
 from supervisor.watch.policy import THREAD_KINDS, Action, Policy
 
 MIGRATE_NO_GAIN_BACKOFF_S = 60.0  # a migration that did not raise the ratio waits this long
@@ -120,6 +121,7 @@ class RepairState:
     repairing: bool = False  # a memory_locality finding started a repair
     memory_stale: bool = False  # re-read memory at the next pass
     thread_check: ThreadCheck | None = None  # the last pass's thread findings
+    fights: Mapping[int, Fight] = field(default_factory=dict)  # tid -> re-binds undone (fight.py)
 
 
 def after_replan(state: RepairState) -> RepairState:
@@ -231,6 +233,7 @@ def decide(
     moves: list[MemoryMove] = []
     irq_reason: RebindReason | None = None
     cgroup: CgroupRepair | None = None
+    conflicts: list[Finding] = []
     for f in findings:
         if f.kind in THREAD_KINDS:
             tid = target_id(f)
@@ -245,6 +248,14 @@ def decide(
             # plan's binds are no drift either: see `reported` below.)
             if is_drift or f.action != "enforce":
                 reported.add((f.kind, f.target))
+            fight = state.fights.get(tid) if is_drift and f.action == "enforce" else None
+            if fight is not None and fight.conflict:
+                conflicts.append(
+                    Finding("conflict", f.target, f.expected, f"{f.actual}, {WRITER_UNKNOWN}")
+                )
+                reported.add(("conflict", f.target))
+                if fight.holds(now):
+                    continue  # backing off: re-binding now would only lose again
             if f.action == "enforce":
                 reason: RebindReason = (
                     "api"
@@ -299,6 +310,7 @@ def decide(
         move = _continue_repair(seen, slot, w, policy, actions=actions, others=others or {})
         if move is not None:
             moves.append(move)
+    findings = findings + tuple(conflicts)
     new_drift = tuple(f for f in findings if (f.kind, f.target) in reported - state.reported)
     if policy.cause != "cpuset_changed":
         _judge_migration(obs, w)
@@ -325,6 +337,10 @@ def decide(
             repairing=w.repairing,
             memory_stale=stale,
             thread_check=check,
+            # A thread found where it belongs ends its fight: the writer stopped.
+            fights={t: f for t, f in state.fights.items() if t in drift_tids}
+            if state.fights
+            else state.fights,
         ),
     )
 

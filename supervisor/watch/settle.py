@@ -18,6 +18,7 @@ from supervisor.errors import KernelError
 from supervisor.plan.placement import Slot
 from supervisor.state import BindTarget, Finding, Observation, RebindReason
 from supervisor.watch.decide import Decision, MemoryMove, MoveRecord, RepairState, ThreadBind
+from supervisor.watch.fight import Fight
 from supervisor.watch.policy import Policy
 
 
@@ -95,6 +96,7 @@ def settle(
     failed: set[str] = set()
     rebound: dict[RebindReason, list[ThreadBind]] = {}
     kept_by_tid: dict[int, tuple[int, ...]] = {}
+    fights = dict(state.fights)
 
     def fail(target: BindTarget, what: str, error: KernelError, message: str) -> None:
         fail_key = (target, what.split(" (", maxsplit=1)[0])
@@ -119,6 +121,8 @@ def settle(
         fixed.add(f"tid {b.tid}")
         kept_by_tid[b.tid] = out.kept
         rebound.setdefault(b.reason, []).append(b)
+        if b.reason == "thread_affinity":  # a bind we made, undone since: one more round
+            fights[b.tid] = fights.get(b.tid, Fight()).after_rebind(now, policy.check_interval_s)
     migrate_after, last_move = state.migrate_after, state.last_move
     migrated_from, stale = state.migrated_from, state.memory_stale
     migrated: list[tuple[MemoryMove, int]] = []
@@ -167,6 +171,7 @@ def settle(
         f if f.target not in failed else replace(f, action="failed")
         for f in decision.findings
         if f.target not in fixed
+        or f.kind == "conflict"  # a re-bind ends no fight: the next pass tells
     )
     observation = decision.observation
     if kept_by_tid:
@@ -179,6 +184,7 @@ def settle(
         )
     unchanged = (
         placed is None
+        and fights == state.fights
         and failures == state.failures
         and (migrate_after, last_move, migrated_from, stale)
         == (state.migrate_after, state.last_move, state.migrated_from, state.memory_stale)
@@ -195,6 +201,7 @@ def settle(
             last_move=last_move,
             migrated_from=migrated_from,
             memory_stale=stale,
+            fights=fights,
         ),
         observation,
         remaining,
