@@ -35,7 +35,7 @@ from supervisor.state import (
     ThreadObservation,
 )
 from supervisor.watch.drift import apply_policy, process_findings, target_id, thread_findings
-from supervisor.watch.fight import WRITER_UNKNOWN, Fight
+from supervisor.watch.fight import Fight, fights_on, held
 from supervisor.watch.policy import THREAD_KINDS, Action, Policy
 
 MIGRATE_NO_GAIN_BACKOFF_S = 60.0  # a migration that did not raise the ratio waits this long
@@ -121,7 +121,7 @@ class RepairState:
     repairing: bool = False  # a memory_locality finding started a repair
     memory_stale: bool = False  # re-read memory at the next pass
     thread_check: ThreadCheck | None = None  # the last pass's thread findings
-    fights: Mapping[int, Fight] = field(default_factory=dict)  # tid -> re-binds undone (fight.py)
+    fights: Mapping[str, Fight] = field(default_factory=dict)  # "tid 42"/"cgroup": repairs undone
 
 
 def after_replan(state: RepairState) -> RepairState:
@@ -248,14 +248,12 @@ def decide(
             # plan's binds are no drift either: see `reported` below.)
             if is_drift or f.action != "enforce":
                 reported.add((f.kind, f.target))
-            fight = state.fights.get(tid) if is_drift and f.action == "enforce" else None
-            if fight is not None and fight.conflict:
-                conflicts.append(
-                    Finding("conflict", f.target, f.expected, f"{f.actual}, {WRITER_UNKNOWN}")
-                )
-                reported.add(("conflict", f.target))
-                if fight.holds(now):
-                    continue  # backing off: re-binding now would only lose again
+            if (
+                is_drift
+                and f.action == "enforce"
+                and held(f, f.target, state.fights, now, conflicts)
+            ):
+                continue  # backing off: re-binding now would only lose again
             if f.action == "enforce":
                 reason: RebindReason = (
                     "api"
@@ -284,6 +282,8 @@ def decide(
         elif f.kind == "irq_affinity" and f.action == "enforce":
             irq_reason = "api" if policy.force else "irq_affinity"
         elif f.kind == "cgroup" and f.action == "enforce" and cgroup is None:
+            if held(f, "cgroup", state.fights, now, conflicts):
+                continue
             members = sorted({t.pid for t in obs.threads if t.pid is not None} - {seen.pid})
             cgroup = CgroupRepair(
                 tuple(sorted(set(slot.cpus))),
@@ -311,6 +311,7 @@ def decide(
         if move is not None:
             moves.append(move)
     findings = findings + tuple(conflicts)
+    reported.update(("conflict", f.target) for f in conflicts)
     new_drift = tuple(f for f in findings if (f.kind, f.target) in reported - state.reported)
     if policy.cause != "cpuset_changed":
         _judge_migration(obs, w)
@@ -337,10 +338,7 @@ def decide(
             repairing=w.repairing,
             memory_stale=stale,
             thread_check=check,
-            # A thread found where it belongs ends its fight: the writer stopped.
-            fights={t: f for t, f in state.fights.items() if t in drift_tids}
-            if state.fights
-            else state.fights,
+            fights=fights_on(state.fights, drift_tids, findings),
         ),
     )
 

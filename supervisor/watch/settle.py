@@ -66,6 +66,7 @@ class Settled:
     failures: tuple[Failure, ...]  # new ones only: each is counted once while it lasts
     fixed: frozenset[str]
     failed: frozenset[str]
+    cgroup_repaired: bool = False  # the process's cgroup re-made / its processes put back
 
 
 def note_failure(
@@ -122,7 +123,8 @@ def settle(
         kept_by_tid[b.tid] = out.kept
         rebound.setdefault(b.reason, []).append(b)
         if b.reason == "thread_affinity":  # a bind we made, undone since: one more round
-            fights[b.tid] = fights.get(b.tid, Fight()).after_rebind(now, policy.check_interval_s)
+            t = f"tid {b.tid}"
+            fights[t] = fights.get(t, Fight()).after_rebind(now, policy.check_interval_s)
     migrate_after, last_move = state.migrate_after, state.last_move
     migrated_from, stale = state.migrated_from, state.memory_stale
     migrated: list[tuple[MemoryMove, int]] = []
@@ -149,6 +151,7 @@ def settle(
         last_move = MoveRecord(m.from_nodes, m.to_nodes, now)
         migrated_from, stale = m.ratio, True
     irqs_rebound = 0
+    cgroup_repaired = False
     if decision.irq_reason is not None:
         out = outcomes.irqs if outcomes.irqs is not None else Outcome()
         if out.error is not None:
@@ -167,6 +170,11 @@ def settle(
         elif not out.gone:
             failures.pop(("cgroup", "cgroup"), None)
             fixed.update(targets)
+            cgroup_repaired = True
+            if decision.cgroup.reason == "cgroup":  # found undone since the last repair?
+                fights["cgroup"] = fights.get("cgroup", Fight()).after_rebind(
+                    now, policy.check_interval_s
+                )
     remaining = tuple(
         f if f.target not in failed else replace(f, action="failed")
         for f in decision.findings
@@ -211,6 +219,7 @@ def settle(
         tuple(new_failures),
         frozenset(fixed),
         frozenset(failed),
+        cgroup_repaired,
     )
 
 
