@@ -248,11 +248,9 @@ def decide(
             # plan's binds are no drift either: see `reported` below.)
             if is_drift or f.action != "enforce":
                 reported.add((f.kind, f.target))
-            if (
-                is_drift
-                and f.action == "enforce"
-                and held(f, f.target, state.fights, now, conflicts)
-            ):
+            # POST /rebind (cause "api") is the operator's call: it binds through a back-off.
+            fought = is_drift and f.action == "enforce" and policy.cause == "check"
+            if fought and held(f, f.target, state.fights, now, conflicts):
                 continue  # backing off: re-binding now would only lose again
             if f.action == "enforce":
                 reason: RebindReason = (
@@ -282,7 +280,7 @@ def decide(
         elif f.kind == "irq_affinity" and f.action == "enforce":
             irq_reason = "api" if policy.force else "irq_affinity"
         elif f.kind == "cgroup" and f.action == "enforce" and cgroup is None:
-            if held(f, "cgroup", state.fights, now, conflicts):
+            if policy.cause == "check" and held(f, "cgroup", state.fights, now, conflicts):
                 continue
             members = sorted({t.pid for t in obs.threads if t.pid is not None} - {seen.pid})
             cgroup = CgroupRepair(

@@ -12,11 +12,13 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from supervisor.trees.guardian import GUARDIAN_TAG
+from supervisor.trees.guardian import GUARDIAN_TAG, Guardian
 from tests.support.cgroup_v1 import own_memory_cgroup, remove_v1_tree, v1_available, v1_cpuset
 from tests.support.daemon_support import (
     INSTANCE_ENV,
@@ -117,3 +119,31 @@ def test_a_killed_guardian_is_replaced_and_the_new_one_ends_the_trees(tmp_path: 
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(grandchild, signal.SIGKILL)
             remove_v1_tree(instance, memory)
+
+
+def test_the_new_guardian_is_told_what_the_old_one_knew(tmp_path: Path) -> None:
+    """Without a daemon: a real Guardian told a member, SIGKILLed, replaced; the
+    pipe then closed without "bye" (the daemon's death) and the member ends."""
+    guardian = Guardian.start()
+    assert guardian is not None
+    member = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(3600)"], start_new_session=True
+    )
+    try:
+        stat = Path(f"/proc/{member.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        guardian.process(member.pid, int(stat[19]))  # field 22, starttime (proc(5))
+        assert guardian.replace_if_dead() is None  # alive: nothing to do
+        old = guardian.pid
+        os.kill(old, signal.SIGKILL)
+        assert poll(guardian.replace_if_dead, 10, what="the death seen") == old
+        assert guardian.pid != old and guardian.replaced == 1
+        assert guardian.proc.stdin is not None
+        guardian.proc.stdin.close()  # as a SIGKILLed daemon: EOF, no "bye"
+        poll(lambda: member.poll() is not None, 15, what="the member ended by the new guardian")
+        assert member.returncode == -signal.SIGKILL
+        guardian.proc.wait(15)
+    finally:
+        member.kill()
+        member.wait()
+        guardian.proc.kill()
+        guardian.proc.wait()

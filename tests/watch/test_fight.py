@@ -15,12 +15,19 @@ import subprocess
 import sys
 import time
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from supervisor.config import DriftConfig
+from supervisor.plan.placement import Slot
+from supervisor.state import CgroupObservation, Observation, ThreadObservation
+from supervisor.watch.decide import RepairState, Seen, decide
 from supervisor.watch.fight import CONFLICT_AFTER, Fight
+from supervisor.watch.policy import Policy
+from supervisor.watch.settle import Outcome, Outcomes, settle
 from tests.support.children import thread_cpus
 from tests.support.daemon_support import DaemonProcess, daemon_env, poll, to_toml
 
@@ -124,3 +131,63 @@ def test_a_foreign_writer_every_10ms_is_backed_off_and_shown(tmp_path: Path) -> 
         poll(lambda: not shown(), timeout_s=30, what=d.tail())
         assert os.path.exists(f"/proc/{pid}")
         assert d.stop(timeout_s=30) == 0
+
+
+# -- the same rules as tables: decide and settle (pure) --------------------------------
+
+SLOT = Slot((2, 3), (1,), {"main": (2, 3)})
+PID = 4242
+OFF = ThreadObservation(PID + 1, "helper", "main", (0,), start_time=1)
+MAIN = ThreadObservation(PID, "main", "main", (2, 3), start_time=1)
+
+
+def enforce(cause: str = "check") -> Policy:
+    drift = DriftConfig(check_interval_s=1.0)
+    return Policy.of(drift, cause)  # type: ignore[arg-type]
+
+
+def one_pass(state: RepairState, now: float, pol: Policy | None = None) -> tuple[Any, Any]:
+    """A pass that finds the helper thread off its CPUs again; its re-bind holds
+    (read back) until the next pass finds it undone."""
+    pol = pol or enforce()
+    d = decide(SLOT, Seen(0, PID, Observation((MAIN, OFF)), True), state, pol, now)
+    out = Outcomes(threads={b.tid: Outcome(kept=b.cpus) for b in d.binds})
+    return d, settle(d, out, pol, now)
+
+
+def test_decide_backs_off_a_thread_undone_each_pass_and_shows_a_conflict() -> None:
+    state = RepairState(placed={OFF.tid: "main", MAIN.tid: "main"})
+    binds: list[float] = []
+    new_conflicts = 0
+    now = 0.0
+    for _ in range(40):  # 40 passes of 1 s under a writer that always wins
+        d, s = one_pass(state, now)
+        binds += [now] * len(d.binds)
+        new_conflicts += sum(f.kind == "conflict" for f in d.new_drift)
+        state = s.state
+        now += 1.0
+    # 3 re-binds, then holds of 2, 4, 8, 16 checks: 7 re-binds in 40 passes, not 40.
+    assert binds == [0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0]
+    assert new_conflicts == 1  # one fight, counted once
+    assert [f.target for f in s.remaining if f.kind == "conflict"] == [f"tid {OFF.tid}"]
+    # POST /rebind binds through the back-off.
+    d, _ = one_pass(state, now, enforce("api"))
+    assert [b.tid for b in d.binds] == [OFF.tid]
+    # The writer gone: the next pass finds the thread in place, and the fight ends.
+    back = replace(OFF, cpus=(2, 3))
+    d = decide(SLOT, Seen(0, PID, Observation((MAIN, back)), True), state, enforce(), now)
+    assert not d.findings and d.state.fights == {}
+
+
+def test_decide_backs_off_a_cgroup_undone_each_pass() -> None:
+    moved = CgroupObservation(outside=True)
+    state, now, repairs = RepairState(), 0.0, 0
+    for _ in range(20):
+        obs = Observation((MAIN,), cgroup=moved)
+        d = decide(SLOT, Seen(0, PID, obs, True), state, enforce(), now)
+        s = settle(d, Outcomes(cgroup=Outcome()), enforce(), now)
+        repairs += d.cgroup is not None
+        assert s.cgroup_repaired == (d.cgroup is not None)
+        state, now = s.state, now + 1.0
+    assert repairs == 6  # at 0, 1, 2, then 4, 8, 16
+    assert any(f.kind == "conflict" and f.target == "cgroup" for f in d.findings)
