@@ -276,6 +276,18 @@ class Recorder:
             ),
         )
 
+    def cgroup_repaired(self, key: ProcKey, reason: RebindReason, pids: Sequence[int]) -> None:
+        """rebinds{rank,reason="cgroup"} += 1: the process's cgroup made as planned
+        again and its processes put back (each repair, not only the first finding)."""
+        label = key_label(key)
+        self.store.count("rebinds", (label, reason))
+        text = f"{label}: cgroup repaired, {len(pids)} process(es) put back"
+        self.store.emit("rebind", key, text, reason=reason, pids=list(pids))
+        self.log.info(
+            "cgroup_repair %s",
+            format_fields(rank=label, reason=reason, pids=len(pids), action="repaired"),
+        )
+
     def irq_rebound(
         self, key: ProcKey, reason: RebindReason, irq: int, cpus: Sequence[int]
     ) -> None:

@@ -39,12 +39,19 @@ DriftKind = Literal[
     "process_gone",
     "self_rebind",
     "cgroup",
+    "conflict",
 ]
 BindTarget = Literal["process", "thread", "memory", "irq", "cgroup"]
 BindReason = Literal["gone", "denied", "invalid", "managed", "error"]
 """`errors.KernelError.reason`: why a bind failed ("managed" happens on IRQs only)."""
 RebindReason = Literal[
-    "api", "thread_affinity", "thread_role", "memory_locality", "irq_affinity", "cpuset_changed"
+    "api",
+    "thread_affinity",
+    "thread_role",
+    "memory_locality",
+    "irq_affinity",
+    "cpuset_changed",
+    "cgroup",
 ]
 """Why something was re-bound: the drift kind corrected, a new thread put in its
 role, a new plan after a cpuset change, or POST /rebind."""

@@ -132,6 +132,7 @@ class Daemon:
         # (run_command) is one, never a program that embeds a Daemon.
         self.subreaper = subreaper
         self.guardian: Guardian | None = None
+        self.guardian_task: asyncio.Task[None] | None = None
         self.trees: TreeKeeper | None = None
         self.server: Server | None = None
         kind = placement.ranks[0].device.kind if placement.ranks else CPU.name
@@ -239,6 +240,8 @@ class Daemon:
             await self._start_api(lambda: checker.stale_after_s)  # of the config in force
             self.fleet = fleet = self._make_fleet(self.rt)
             self._start_trees(fleet)
+            if self.guardian is not None:
+                self.guardian_task = asyncio.create_task(self._watch_guardian(), name="guardian")
             self.irq_task = asyncio.create_task(self._apply_irqs(), name="irq_apply")
             fleet.start()
             interval = watchdog_interval_s(self.env, os.getpid())
@@ -397,6 +400,19 @@ class Daemon:
             read_topology=lambda old: reread_cpus(fs, old),
         )
 
+    async def _watch_guardian(self) -> None:
+        """A dead guardian is replaced within a check (trees.guardian): without one,
+        a SIGKILL of the daemon would leave every setsid descendant and cgroup."""
+        guardian = self.guardian
+        assert guardian is not None and self.rt is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.config.drift.check_interval_s)  # the config in force
+            old = await loop.run_in_executor(self.runtime.executor, guardian.replace_if_dead)
+            if old is not None:  # logged by replace_if_dead; an event for GET /events
+                text = f"guardian pid {old} died; now pid {guardian.pid}"
+                self.store.emit("error", None, text, error="guardian gone")
+
     async def _run_check_loop(self, checker: CheckLoop) -> None:
         try:
             await checker.run()
@@ -456,10 +472,11 @@ class Daemon:
             processes=len(self.keys),
             action="stop workers",
         )
-        if self.check_task is not None:
-            self.check_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self.check_task
+        for task in (self.check_task, self.guardian_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self.fleet is not None:
             await self.fleet.shutdown()  # workers first, then the engine
         if self.trees is not None:

@@ -80,6 +80,7 @@ REBIND_REASONS: tuple[str, ...] = (
     "memory_locality",
     "irq_affinity",
     "cpuset_changed",
+    "cgroup",  # a cgroup repair: re-made and its processes put back
 )
 
 Processes = Mapping[ProcKey, ProcessStatus]

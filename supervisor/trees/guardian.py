@@ -16,6 +16,9 @@ What the kernel offers, and what it does not:
   the cgroups, then puts the IRQs the daemon moved back from its checkpoint
   file (supervisor.bind.irq_checkpoint) and removes that. A clean stop writes
   "bye" first, and the guardian exits without killing.
+- A guardian that dies alone is replaced within a check (`Guardian.replace_if_dead`,
+  called by the daemon's guardian task): the new one is told everything the old
+  one was.
 - What cannot be covered: a SIGKILL of the guardian and the daemon together
   (`kill -9 -PGID` of both, the OOM killer taking both). The daemon's next
   start then ends what its instance's cgroups still hold (`sweep_leftovers`)
@@ -37,6 +40,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 from supervisor.bind.cgroup import SUPERVISOR_LEAF, CgroupManager
@@ -174,13 +178,23 @@ def restore_irqs(checkpoint: str, daemon: int) -> None:
 
 
 class Guardian:
-    """The daemon's handle on its guardian process; every call is best effort."""
+    """The daemon's handle on its guardian process; every call is best effort.
 
-    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+    It keeps what it told the guardian (cgroups, members with their start
+    times, the IRQ checkpoint): a guardian that died (SIGKILLed, the OOM killer)
+    is replaced by `replace_if_dead` and the new one told all of it, so a later
+    death of the daemon still ends every tree. The tree keeper's thread tells it
+    members while the check loop's executor may replace it: one lock."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], argv: list[str] | None = None) -> None:
         self.proc = proc
         self.pid = proc.pid
-        self._sent_pids: set[int] = set()
-        self._cgroups: set[str] = set()
+        self.argv = argv or []
+        self._sent_pids: dict[int, int] = {}  # pid -> start time
+        self._cgroups: dict[str, None] = {}  # in the order told
+        self._irqs: tuple[int, str] | None = None  # (writer, path)
+        self._lock = threading.Lock()
+        self.replaced = 0
 
     @classmethod
     def start(cls, python: str = sys.executable, instance: str = "") -> Guardian | None:
@@ -190,30 +204,12 @@ class Guardian:
         daemon that starts with the same instance sees this one is alive
         (`live_guardian`) and leaves its cgroups alone."""
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        try:
-            proc = subprocess.Popen(
-                [
-                    python,
-                    "-I",
-                    "-S",
-                    "-c",
-                    GUARDIAN_STUB,
-                    package_root,
-                    GUARDIAN_TAG,
-                    instance,
-                    str(os.getpid()),
-                ],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.DEVNULL,
-                close_fds=True,
-                start_new_session=True,
-            )
-        except OSError as err:
-            log.warning("guardian not started %s", format_fields(error=err, action="degrade"))
-            return None
-        assert proc.stdin is not None
-        os.set_blocking(proc.stdin.fileno(), False)
-        return cls(proc)
+        argv = [
+            python, "-I", "-S", "-c", GUARDIAN_STUB, package_root, GUARDIAN_TAG, instance,
+            str(os.getpid()),
+        ]  # fmt: skip
+        proc = _spawn(argv)
+        return None if proc is None else cls(proc, argv)
 
     def _send(self, line: str) -> None:
         stdin = self.proc.stdin
@@ -225,24 +221,65 @@ class Guardian:
             log.warning("guardian write failed %s", format_fields(error=err, action="skip"))
 
     def cgroup(self, directory: str) -> None:
-        if directory not in self._cgroups:
-            self._cgroups.add(directory)
-            self._send(f"cgroup {directory}")
+        with self._lock:
+            if directory not in self._cgroups:
+                self._cgroups[directory] = None
+                self._send(f"cgroup {directory}")
 
     def process(self, pid: int, start_time: int) -> None:
-        if pid not in self._sent_pids:
-            self._sent_pids.add(pid)
-            self._send(f"pid {pid} {start_time}")
+        with self._lock:
+            if pid not in self._sent_pids:
+                self._sent_pids[pid] = start_time
+                self._send(f"pid {pid} {start_time}")
 
     def irq_checkpoint(self, path: str, writer: int) -> None:
         """The IRQ checkpoint file that `writer` (the daemon's pid) keeps: restored by
         the guardian if the daemon dies unclean."""
-        self._send(f"irqs {writer} {path}")
+        with self._lock:
+            self._irqs = (writer, path)
+            self._send(f"irqs {writer} {path}")
 
     def forget(self, pid: int) -> None:
-        if pid in self._sent_pids:
-            self._sent_pids.discard(pid)
-            self._send(f"forget {pid}")
+        with self._lock:
+            if self._sent_pids.pop(pid, None) is not None:
+                self._send(f"forget {pid}")
+
+    def replace_if_dead(self) -> int | None:
+        """When the guardian has died: log it, start a new one and tell it every
+        cgroup, member and IRQ checkpoint the old one knew. Returns the dead one's
+        pid (None while it lives). A failed start is logged and tried again at
+        the next call: until then a death of the daemon ends no tree."""
+        with self._lock:
+            code = self.proc.poll()  # reaps it: our own child
+            if code is None or not self.argv:
+                return None
+            old = self.pid
+            log.warning(
+                "guardian gone %s",
+                format_fields(pid=old, returncode=code, action="start a new one"),
+            )
+            proc = _spawn(self.argv)
+            if proc is None:
+                return old
+            if self.proc.stdin is not None:
+                with contextlib.suppress(OSError):
+                    self.proc.stdin.close()
+            self.proc, self.pid = proc, proc.pid
+            self.replaced += 1
+            for directory in self._cgroups:
+                self._send(f"cgroup {directory}")
+            for pid, start in self._sent_pids.items():
+                self._send(f"pid {pid} {start}")
+            if self._irqs is not None:
+                self._send(f"irqs {self._irqs[0]} {self._irqs[1]}")
+            log.warning(
+                "guardian replaced %s",
+                format_fields(
+                    old=old, pid=proc.pid, cgroups=len(self._cgroups), pids=len(self._sent_pids),
+                    irqs=self._irqs is not None, action="told what the old one knew",
+                ),
+            )  # fmt: skip
+            return old
 
     def close(self, timeout_s: float = 5.0) -> None:
         """A clean stop: "bye", close the pipe, reap the guardian."""
@@ -255,6 +292,24 @@ class Guardian:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+def _spawn(argv: list[str]) -> subprocess.Popen[bytes] | None:
+    """The guardian process: its own session, the read end of a pipe as stdin."""
+    try:
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            close_fds=True,
+            start_new_session=True,
+        )
+    except OSError as err:
+        log.warning("guardian not started %s", format_fields(error=err, action="degrade"))
+        return None
+    assert proc.stdin is not None
+    os.set_blocking(proc.stdin.fileno(), False)
+    return proc
 
 
 # -- leftovers of an earlier instance --------------------------------------------------

@@ -35,6 +35,7 @@ from supervisor.state import (
     ThreadObservation,
 )
 from supervisor.watch.drift import apply_policy, process_findings, target_id, thread_findings
+from supervisor.watch.fight import Fight, fights_on, held
 from supervisor.watch.policy import THREAD_KINDS, Action, Policy
 
 MIGRATE_NO_GAIN_BACKOFF_S = 60.0  # a migration that did not raise the ratio waits this long
@@ -120,6 +121,7 @@ class RepairState:
     repairing: bool = False  # a memory_locality finding started a repair
     memory_stale: bool = False  # re-read memory at the next pass
     thread_check: ThreadCheck | None = None  # the last pass's thread findings
+    fights: Mapping[str, Fight] = field(default_factory=dict)  # "tid 42"/"cgroup": repairs undone
 
 
 def after_replan(state: RepairState) -> RepairState:
@@ -231,6 +233,7 @@ def decide(
     moves: list[MemoryMove] = []
     irq_reason: RebindReason | None = None
     cgroup: CgroupRepair | None = None
+    conflicts: list[Finding] = []
     for f in findings:
         if f.kind in THREAD_KINDS:
             tid = target_id(f)
@@ -245,6 +248,10 @@ def decide(
             # plan's binds are no drift either: see `reported` below.)
             if is_drift or f.action != "enforce":
                 reported.add((f.kind, f.target))
+            # POST /rebind (cause "api") is the operator's call: it binds through a back-off.
+            fought = is_drift and f.action == "enforce" and policy.cause == "check"
+            if fought and held(f, f.target, state.fights, now, conflicts):
+                continue  # backing off: re-binding now would only lose again
             if f.action == "enforce":
                 reason: RebindReason = (
                     "api"
@@ -273,6 +280,8 @@ def decide(
         elif f.kind == "irq_affinity" and f.action == "enforce":
             irq_reason = "api" if policy.force else "irq_affinity"
         elif f.kind == "cgroup" and f.action == "enforce" and cgroup is None:
+            if policy.cause == "check" and held(f, "cgroup", state.fights, now, conflicts):
+                continue
             members = sorted({t.pid for t in obs.threads if t.pid is not None} - {seen.pid})
             cgroup = CgroupRepair(
                 tuple(sorted(set(slot.cpus))),
@@ -299,6 +308,8 @@ def decide(
         move = _continue_repair(seen, slot, w, policy, actions=actions, others=others or {})
         if move is not None:
             moves.append(move)
+    findings = findings + tuple(conflicts)
+    reported.update(("conflict", f.target) for f in conflicts)
     new_drift = tuple(f for f in findings if (f.kind, f.target) in reported - state.reported)
     if policy.cause != "cpuset_changed":
         _judge_migration(obs, w)
@@ -325,6 +336,7 @@ def decide(
             repairing=w.repairing,
             memory_stale=stale,
             thread_check=check,
+            fights=fights_on(state.fights, drift_tids, findings),
         ),
     )
 

@@ -53,6 +53,8 @@ def record_settled(
     if d.irq_reason is not None and out.irqs is not None:
         for irq, cpus in out.irqs.irqs_bound:
             record.irq_rebound(key, d.irq_reason, irq, cpus)
+    if s.cgroup_repaired and d.cgroup is not None:
+        record.cgroup_repaired(key, d.cgroup.reason, d.cgroup.pids)
     for f in s.failures:
         record.bind_failed(key, f.target, f.reason, f.message, what=f.what)
     record.drift(key, d.new_drift, drift_outcomes(d.new_drift, s.fixed, s.failed))

@@ -18,6 +18,7 @@ from supervisor.errors import KernelError
 from supervisor.plan.placement import Slot
 from supervisor.state import BindTarget, Finding, Observation, RebindReason
 from supervisor.watch.decide import Decision, MemoryMove, MoveRecord, RepairState, ThreadBind
+from supervisor.watch.fight import Fight
 from supervisor.watch.policy import Policy
 
 
@@ -68,6 +69,7 @@ class Settled:
     failures: tuple[Failure, ...]  # new ones only: each is counted once while it lasts
     fixed: frozenset[str]
     failed: frozenset[str]
+    cgroup_repaired: bool = False  # the process's cgroup re-made / its processes put back
 
 
 def note_failure(
@@ -98,6 +100,7 @@ def settle(
     failed: set[str] = set()
     rebound: dict[RebindReason, list[ThreadBind]] = {}
     kept_by_tid: dict[int, tuple[int, ...]] = {}
+    fights = dict(state.fights)
 
     def fail(target: BindTarget, what: str, error: KernelError, message: str) -> None:
         fail_key = (target, what.split(" (", maxsplit=1)[0])
@@ -122,6 +125,9 @@ def settle(
         fixed.add(f"tid {b.tid}")
         kept_by_tid[b.tid] = out.kept
         rebound.setdefault(b.reason, []).append(b)
+        if b.reason == "thread_affinity":  # a bind we made, undone since: one more round
+            t = f"tid {b.tid}"
+            fights[t] = fights.get(t, Fight()).after_rebind(now, policy.check_interval_s)
     migrate_after, last_move = state.migrate_after, state.last_move
     migrated_from, stale = state.migrated_from, state.memory_stale
     migrated: list[tuple[MemoryMove, int]] = []
@@ -151,6 +157,7 @@ def settle(
         last_move = MoveRecord(m.from_nodes, m.to_nodes, now)
         migrated_from, stale = m.ratio, True
     irqs_rebound = 0
+    cgroup_repaired = False
     if decision.irq_reason is not None:
         out = outcomes.irqs if outcomes.irqs is not None else Outcome()
         if out.error is not None:
@@ -169,10 +176,16 @@ def settle(
         elif not out.gone:
             failures.pop(("cgroup", "cgroup"), None)
             fixed.update(targets)
+            cgroup_repaired = True
+            if decision.cgroup.reason == "cgroup":  # found undone since the last repair?
+                fights["cgroup"] = fights.get("cgroup", Fight()).after_rebind(
+                    now, policy.check_interval_s
+                )
     remaining = tuple(
         f if f.target not in failed else replace(f, action="failed")
         for f in decision.findings
         if f.target not in fixed
+        or f.kind == "conflict"  # a re-bind ends no fight: the next pass tells
     )
     observation = decision.observation
     if kept_by_tid:
@@ -185,6 +198,7 @@ def settle(
         )
     unchanged = (
         placed is None
+        and fights == state.fights
         and failures == state.failures
         and (migrate_after, last_move, migrated_from, stale)
         == (state.migrate_after, state.last_move, state.migrated_from, state.memory_stale)
@@ -201,6 +215,7 @@ def settle(
             last_move=last_move,
             migrated_from=migrated_from,
             memory_stale=stale,
+            fights=fights,
         ),
         observation,
         remaining,
@@ -210,6 +225,7 @@ def settle(
         tuple(new_failures),
         frozenset(fixed),
         frozenset(failed),
+        cgroup_repaired,
     )
 
 
