@@ -274,8 +274,12 @@ class AdoptRunner(Runner):
         for target, reason, message in result.errors:
             self.record_bind_failure(target, reason, message)
         bound = not result.errors and result.cpus == tuple(sorted(slot.cpus))
+        # A /proc read: on the bind executor, as the adoption itself, not the loop.
+        mempolicy = await loop.run_in_executor(
+            self.bind_executor, adopted_mempolicy, self.rt.fs, candidate.pid, slot
+        )
         self.set_status(
-            mempolicy=adopted_mempolicy(self.rt.fs, candidate.pid, slot),
+            mempolicy=mempolicy,
             state="running",
             pid=candidate.pid,
             start_time=candidate.start_time,

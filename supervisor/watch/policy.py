@@ -57,7 +57,7 @@ class Policy:
             **more,
         )
 
-    def action(self, kind: str, bound_from_birth: bool = True) -> Action:
+    def action(self, kind: str, bound_from_birth: bool) -> Action:
         """ "enforce" or "observe" for a finding of `kind` in a pass of this cause.
 
         "auto" (memory_locality's default) enforces for a process that was not
