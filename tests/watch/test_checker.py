@@ -278,7 +278,7 @@ def test_late_threads_are_bound_and_pinned_threads_respected(tmp_path: Path) -> 
         report = await child_report(out, "0", pid, threads=4)
         late = report["threads"]["comm-late"]
         assert comm(pid, late) == "comm-late"
-        await until(lambda: affinity(late) == (1,), timeout_s=5)
+        await until(lambda: affinity(late) == (1,))  # checks every 0.1 s; a loaded CI box is slow
         assert counter(daemon, "drift_events", ("0", "thread_affinity")) == 0
         assert any(late in e.fields.get("tids", []) for e in events(daemon, "rebind", 0))
 
