@@ -1,6 +1,7 @@
 """Shared pytest fixtures: where the repo is, and the test guest runner; the
 session-end check that the run leaves the host as it found it
-(tests/support/host_residue.py)."""
+(tests/support/host_residue.py); the per-test check that no event loop
+closed with its tasks still running (tests/support/leaked_tasks.py)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from tests.support.host_residue import (  # noqa: E402
     pytest_sessionstart,
     pytest_terminal_summary,
 )
+from tests.support.leaked_tasks import leaked_tasks  # noqa: E402
 
 __all__ = [
     "pytest_addoption",
@@ -71,6 +73,16 @@ def _remove_test_cgroups() -> Iterator[None]:
     for parent, hierarchy in ((V1_CPUSET, V1_CPUSET), (memory, V1_MEMORY)):
         if parent is not None and (parent / name).exists():
             remove_v1_tree(parent / name, hierarchy)
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_tasks(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fails a test whose event loops closed with tasks still running
+    (tests/support/leaked_tasks.py), unless it is marked `leaks_tasks`."""
+    with leaked_tasks() as found:
+        yield
+    if found and request.node.get_closest_marker("leaks_tasks") is None:
+        pytest.fail("an event loop closed with tasks still running: " + "; ".join(found))
 
 
 @pytest.hookimpl(hookwrapper=True)
