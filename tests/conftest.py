@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -35,6 +35,22 @@ __all__ = [
 @pytest.fixture(scope="session")
 def repo() -> Path:
     return REPO
+
+
+@pytest.fixture(scope="session")
+def example_root(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """The named example host (supervisor.examples), built once per session:
+    `example_root("dgx-h100")` is its tree's root. Tests read it, never write it."""
+    from supervisor.examples.catalogue import find_example  # noqa: PLC0415
+
+    built: dict[str, Path] = {}
+
+    def root(name: str) -> Path:
+        if name not in built:
+            built[name] = find_example(name).build(tmp_path_factory.mktemp(f"example-{name}"))
+        return built[name]
+
+    return root
 
 
 @pytest.fixture

@@ -33,7 +33,11 @@ from supervisor.run.spec import build_specs, child_env, resolve_python, worker_a
 from supervisor.state import ProcessStatus
 from supervisor.worker import SLOT_ENV, parse_slot_env
 from tests.support.children import report_of, reports, status_field, write_child
-from tests.support.daemon_support import child_config, free_port, until
+from tests.support.daemon_support import (
+    child_config,
+    free_port,
+)
+from tests.support.poll import until
 
 FS = HostFS("/")
 Scenario = Callable[[Daemon], Awaitable[None]]

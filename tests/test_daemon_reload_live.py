@@ -17,7 +17,12 @@ from typing import Any
 import pytest
 
 from supervisor.cpulist import format_cpulist
-from tests.support.daemon_support import DaemonProcess, daemon_env, poll, to_toml
+from tests.support.daemon_support import (
+    DaemonProcess,
+    daemon_env,
+    to_toml,
+)
+from tests.support.poll import poll
 
 WORKER = r"""
 import os, subprocess, sys, time

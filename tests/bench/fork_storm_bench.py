@@ -31,9 +31,9 @@ from tests.support.daemon_support import (
     INSTANCE_ENV,
     DaemonProcess,
     daemon_env,
-    poll,
     to_toml,
 )
+from tests.support.poll import poll
 
 FS = HostFS("/")
 CLK_TCK = os.sysconf("SC_CLK_TCK")

@@ -24,7 +24,7 @@ from supervisor.errors import KernelError
 from supervisor.hostfs import HostFS
 from supervisor.state import CgroupObservation
 from tests.support.children import close_process, start_shimmed
-from tests.support.daemon_support import wait_until
+from tests.support.poll import wait_until
 
 MIB = 1 << 20
 

@@ -29,10 +29,10 @@ from tests.support.daemon_support import (
     DaemonProcess,
     daemon_env,
     free_port,
-    poll,
     run_supervisor,
     to_toml,
 )
+from tests.support.poll import poll
 
 NOBODY = pwd.getpwnam("nobody")
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="becoming `nobody` needs root")

@@ -18,7 +18,10 @@ import pytest
 from supervisor.config import parse_config
 from supervisor.daemon.root import Daemon
 from tests.support.children import write_child
-from tests.support.daemon_support import child_config, until
+from tests.support.daemon_support import (
+    child_config,
+)
+from tests.support.poll import until
 from tests.test_daemon import all_running, events, run_daemon, status
 
 

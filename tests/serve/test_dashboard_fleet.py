@@ -25,7 +25,12 @@ from typing import Any
 import pytest
 
 from supervisor.serve.metrics import BIND_REASONS, BIND_TARGETS, IRQ_ONLY_REASONS
-from tests.support.daemon_support import free_port, get_json, poll, stop_process
+from tests.support.daemon_support import (
+    free_port,
+    get_json,
+    stop_process,
+)
+from tests.support.poll import poll
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "configs" / "grafana" / "placement-supervisor.json"

@@ -47,8 +47,8 @@ from tests.support.daemon_support import (
     get_json,
     run_supervisor,
     stop_process,
-    wait_until,
 )
+from tests.support.poll import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 PROM_DIR = REPO / "configs" / "prometheus"

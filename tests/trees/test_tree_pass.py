@@ -18,7 +18,6 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -40,18 +39,9 @@ from supervisor.trees.proc_events import (
     parse_proc_events,
 )
 from supervisor.trees.quiet import RecentProcs
+from tests.support.poll import poll
 
 ENGINE_CG = "sys/fs/cgroup/cpuset/ps/engine"
-
-
-def poll_until(fn: Callable[[], object], timeout_s: float = 10.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = fn()
-        if value:
-            return value
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 def write_proc(root: Path, pid: int, ppid: int, start: int = 100) -> None:
@@ -156,10 +146,10 @@ def test_a_worker_being_adopted_stays_out_of_every_published_tree_until_its_root
     try:
         # By argv, once each has run exec: a child forked and not yet exec'd
         # still carries its parent's comm and command line.
-        kids = poll_until(lambda: _exec_done(_children(engine.pid), SLEEP, INNER_SH))
+        kids = poll(lambda: _exec_done(_children(engine.pid), SLEEP, INNER_SH))
         worker = next(k for k in kids if _argv(k) == INNER_SH)
         other = next(k for k in kids if k != worker)
-        child = poll_until(lambda: (_exec_done(_children(worker), SLEEP) or [None])[0])
+        child = poll(lambda: (_exec_done(_children(worker), SLEEP) or [None])[0])
 
         async def body() -> None:
             store = StateStore(

@@ -22,7 +22,8 @@ sys.path.insert(0, REPO)
 
 from supervisor.cpulist import format_cpulist  # noqa: E402
 from tests.support.children import status_field  # noqa: E402
-from tests.support.daemon_support import DaemonProcess, wait_until  # noqa: E402
+from tests.support.daemon_support import DaemonProcess  # noqa: E402
+from tests.support.poll import wait_until  # noqa: E402
 from tests.support.vm import Checklist  # noqa: E402
 
 CHECKS = Checklist()

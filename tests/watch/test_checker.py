@@ -28,7 +28,7 @@ from supervisor.plan.placement import Placement, RankPlacement, Slot
 from supervisor.watch.loop import CheckLoop
 from tests.support.children import NAMED_THREADS_CHILD, write_child
 from tests.support.daemon_support import DEMO_WORKER, free_port, merge_config, to_toml
-from tests.support.daemon_support import until as _until
+from tests.support.poll import until
 
 FS = HostFS("/")
 Scenario = Callable[[Daemon, CheckLoop], Awaitable[None]]
@@ -127,11 +127,6 @@ def run_with_checker(
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(main())
     return daemon
-
-
-async def until(predicate: Callable[[], Any], timeout_s: float = 15.0) -> Any:
-    """A check scenario's step waits 15 s unless it says otherwise."""
-    return await _until(predicate, timeout_s)
 
 
 async def checks_pass(daemon: Daemon, n: int) -> None:

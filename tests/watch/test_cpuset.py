@@ -26,10 +26,10 @@ from tests.support.children import thread_cpus
 from tests.support.daemon_support import (
     DaemonProcess,
     confined_daemon,
-    poll,
     rank_pids,
     thread_cpus_as_planned,
 )
+from tests.support.poll import poll
 
 
 def write_cpus(cg: Path, cpus: str) -> None:
