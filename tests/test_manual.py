@@ -33,8 +33,11 @@ def test_man_renders_every_command_and_option_without_a_warning() -> None:
     done = subprocess.run(
         ["man", "--warnings", "-l", str(MAN)],
         env=dict(os.environ, MANWIDTH="100", MANPAGER="cat", PAGER="cat"),
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert done.returncode == 0 and done.stderr == "", done.stderr
     text = done.stdout
     assert "PLACEMENT-SUPERVISOR(1)" in text
@@ -54,8 +57,12 @@ def _complete(*words: str, cwd: Path = REPO) -> list[str]:
     )
     done = subprocess.run(
         ["bash", "-c", script, "bash", "placement-supervisor", *words],
-        cwd=cwd, capture_output=True, text=True, timeout=30, check=True,
-    )  # fmt: skip
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
     return [line for line in done.stdout.splitlines() if line]
 
 

@@ -56,10 +56,15 @@ CID2 = "a" * 64
         (f"/docker/{CID}", None, "docker-cgroupfs", None, None),
         (f"/machine.slice/libpod-{CID}.scope", None, "podman", None, None),
         # A cgroup the container made below its own (cgroup namespace): still its.
-        (f"/kubepods/pod{POD}/{CID}/init.scope", f"/kubepods/pod{POD}/{CID}", "kubelet-cgroupfs",
-         POD, None),
+        (
+            f"/kubepods/pod{POD}/{CID}/init.scope",
+            f"/kubepods/pod{POD}/{CID}",
+            "kubelet-cgroupfs",
+            POD,
+            None,
+        ),
     ],
-)  # fmt: skip
+)
 def test_each_runtime_s_layout_names_its_container(
     path: str, cgroup: str | None, layout: str, pod: str | None, qos: str | None
 ) -> None:
