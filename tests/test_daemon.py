@@ -24,7 +24,7 @@ from aiohttp import web
 
 from supervisor.config import Config, ReadyProbe, parse_config
 from supervisor.cpulist import format_cpulist
-from supervisor.daemon.root import Daemon, DaemonActions, prepare, run_loop
+from supervisor.daemon.root import Daemon, prepare, run_loop
 from supervisor.hostfs import HostFS
 from supervisor.plan.keys import ProcKey
 from supervisor.plan.placement import DeviceRef, Placement, RankPlacement, Slot
@@ -167,7 +167,8 @@ def run_daemon(config: Config, scenario: Scenario, timeout_s: float = 60.0) -> D
     """Run the daemon until `scenario` returns, then stop it as SIGTERM would."""
     env = dict(os.environ)
     topology, placement = prepare(config, env, FS)
-    daemon = Daemon(config, topology, placement, env=env, fs=FS, api=False)
+    stop = asyncio.Event()  # the shutdown trigger
+    daemon = Daemon(config, topology, placement, env=env, fs=FS, api=False, shutdown_trigger=stop)
 
     async def main() -> None:
         async with asyncio.timeout(timeout_s):
@@ -176,8 +177,7 @@ def run_daemon(config: Config, scenario: Scenario, timeout_s: float = 60.0) -> D
                 await until(lambda: daemon.rt is not None)
                 await scenario(daemon)
             finally:
-                if daemon.rt is not None:
-                    daemon.rt.stopping.set()
+                stop.set()  # as SIGTERM would
                 assert await task == 0
 
     loop_debug_run(main)
@@ -304,7 +304,8 @@ def test_a_crash_loop_fails_one_rank_while_the_other_runs(child: tuple[Path, Pat
         first = status(daemon, 0).pid
         assert len(reports(out, "1")) == 3  # crash_loop_limit starts, then held down
         # A manual restart (the API's) brings the failed rank back to try again.
-        await DaemonActions(daemon).restart(1)
+        assert daemon.actions is not None
+        await daemon.actions.restart(1)
         await until(lambda: len(reports(out, "1")) == 4)
         await until(lambda: status(daemon, 1).state == "failed")
         assert status(daemon, 0).pid == first
