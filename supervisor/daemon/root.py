@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from types import MappingProxyType
 from typing import Any, Protocol
 
+from supervisor.bind.binder import Binder
 from supervisor.bind.capability import probe_capabilities
 from supervisor.bind.cgroup import MEMBERSHIP_READ_EVERY
 from supervisor.bind.irq_checkpoint import IrqCheckpoint
@@ -62,9 +63,10 @@ from supervisor.state import Capability, CapabilityName, ProcessStatus, Snapshot
 from supervisor.topology.accelerators import CPU
 from supervisor.topology.discover import read_topology, reread_cpus
 from supervisor.topology.model import Topology
-from supervisor.trees.adopt import AdoptingFleet
+from supervisor.trees.adopt import Adopter, AdoptingFleet, AdoptRunner
 from supervisor.trees.guardian import Guardian
 from supervisor.trees.keeper import TreeKeeper
+from supervisor.watch.apply import Applier
 from supervisor.watch.irqs import IrqKeeper
 from supervisor.watch.loop import CheckLoop
 
@@ -189,6 +191,7 @@ class Daemon:
         self.irq_keeper = IrqKeeper(self.fs, config.irq, checkpoint=irq_checkpoint)
         self.recorder = Recorder(self.store, log)
         self.fleet: Fleet | None = None
+        self.adopt_executor: ThreadPoolExecutor | None = None  # adoptions' binds (ps-adopt)
         self.rt: Runtime | None = None
         self.signals_received = 0
         self.failed = False  # a supervision task died: the daemon exits 1
@@ -279,6 +282,8 @@ class Daemon:
                 loop.remove_signal_handler(signum)
             hangups.detach()  # still the handler: a HUP now is noted, never a death
             executor.shutdown(wait=False, cancel_futures=True)
+            if self.adopt_executor is not None:
+                self.adopt_executor.shutdown(wait=False, cancel_futures=True)
             if self.fleet is not None:
                 self.fleet.close()
             self.notifier.close()
@@ -286,21 +291,54 @@ class Daemon:
 
     async def _build(self, executor: ThreadPoolExecutor) -> None:
         """Every part in dependency order, each given what it uses by keyword."""
+        stopping = asyncio.Event()  # the stop under way: every part's flag
+        # One bind path (watch.apply) for the check loop and the adoptions.
+        applier = Applier(self.fs, Binder(self.fs), self.irq_keeper, self.cgroups)
+        self.guardian = self._start_guardian()  # first: it must outlive us
+        naming: Adopter | None = None
+        ranks: dict[int, AdoptRunner] = {}  # the adopting fleet's, filled as it makes them
+        if self.config.workers.spawned_by == "engine":
+            naming = Adopter(
+                fs=self.fs,
+                store=self.store,
+                stopping=stopping,
+                runners=ranks,
+                workers=self.config.workers,
+                placement=self.plan.placement,
+                engine=self.config.engine,
+            )
+            # The binds of adoptions run on a thread of their own (the daemon's
+            # pool may be busy with a check pass): it keeps fork-to-bound short.
+            self.adopt_executor = ThreadPoolExecutor(1, thread_name_prefix="ps-adopt")
+        self.trees = trees = self._tree_keeper(naming)
         self.rt = rt = Runtime(
             self.plan,
             self.store,
             self.fs,
             executor,
+            stopping=stopping,
             cgroups=self.cgroups,
             on_state_change=self.status.publish,
+            trees=trees,
         )
-        self.fleet = fleet = self._make_fleet(rt)
-        self.checker = checker = self._check_loop(rt, fleet)
+        if naming is None or self.adopt_executor is None:
+            self.fleet = fleet = spawned_fleet(rt, self.plan, self.specs)
+        else:
+            self.fleet = fleet = AdoptingFleet(
+                rt,
+                self.plan,
+                self.specs,
+                ranks=ranks,
+                names=naming.resolve,
+                applier=applier,
+                executor=self.adopt_executor,
+            )
+        self.checker = checker = self._check_loop(rt, fleet, applier)
         self.actions = DaemonActions(
             keys=self.keys,
             checker=checker,
             fleet=fleet,
-            stopping=rt.stopping,
+            stopping=stopping,
             recorder=self.recorder,
         )
         self.server = await self._start_api(self.actions, lambda: checker.stale_after_s)
@@ -313,12 +351,18 @@ class Daemon:
             recorder=self.recorder,
             status=self.status,
             executor=executor,
-            stopping=rt.stopping,
+            stopping=stopping,
             checker=checker,
             fleet=fleet,
             server=self.server,
         )
-        self._start_trees(fleet)
+        trees.start()  # the subreaper, the proc connector, its pass task
+        if self.cgroups is not None and trees.events is not None:
+            # Forks reach the keeper as events: the check loop reads each rank's
+            # cgroup.procs every few checks only, and the keeper's quiet pass
+            # takes a reading that old (issue 17, item 6; bind.cgroup).
+            self.cgroups.manager.membership_every = MEMBERSHIP_READ_EVERY
+            trees.quiet_intervals = MEMBERSHIP_READ_EVERY + 1
 
     async def _supervise(self, group: asyncio.TaskGroup, hangups: Hangups) -> None:
         """Start the root's tasks in `group`, then supervise until the stop."""
@@ -371,24 +415,22 @@ class Daemon:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-    def _start_trees(self, fleet: Fleet) -> None:
-        """The guardian (first: it must outlive us), then the tree keeper."""
-        # Who names the engine's processes: the adopting fleet's, handed to the keeper here.
-        naming = fleet.naming if isinstance(fleet, AdoptingFleet) else None
-        assert self.rt is not None
-        if self.want_guardian:
-            dirs = (
-                []
-                if self.cgroups is None
-                else [self.fs.path(d) for d in self.cgroups.instance_dirs]
-            )
-            self.guardian = Guardian.start(self.rt.python, dirs[0] if dirs else "")
-            if self.guardian is not None:
-                for path in dirs:
-                    self.guardian.cgroup(path)
-                if (cp := self.irq_checkpoint) is not None:  # before the first IRQ write
-                    self.guardian.irq_checkpoint(cp.path, cp.pid)
-        self.trees = TreeKeeper(
+    def _start_guardian(self) -> Guardian | None:
+        """The guardian, told the cgroups and the IRQ checkpoint before any write."""
+        if not self.want_guardian:
+            return None
+        dirs = [] if self.cgroups is None else [self.fs.path(d) for d in self.cgroups.instance_dirs]
+        guardian = Guardian.start(self.specs.python, dirs[0] if dirs else "")
+        if guardian is not None:
+            for path in dirs:
+                guardian.cgroup(path)
+            if (cp := self.irq_checkpoint) is not None:  # before the first IRQ write
+                guardian.irq_checkpoint(cp.path, cp.pid)
+        return guardian
+
+    def _tree_keeper(self, naming: Adopter | None) -> TreeKeeper:
+        """The tree keeper; `naming` names the engine's processes (adopted workers)."""
+        return TreeKeeper(
             self.fs,
             self.store,
             interval_s=lambda: self.config.drift.check_interval_s,  # the config in force
@@ -400,23 +442,6 @@ class Daemon:
             adopter=naming,
             on_refresh=None if naming is None else naming.note_pass,
             recent_procs=None if self.cgroups is None else self.cgroups.manager.recent_procs,
-        )
-        self.rt.trees = self.trees
-        self.trees.start()
-        if self.cgroups is not None and self.trees.events is not None:
-            # Forks reach the keeper as events: the check loop reads each rank's
-            # cgroup.procs every few checks only, and the keeper's quiet pass
-            # takes a reading that old (issue 17, item 6; bind.cgroup).
-            self.cgroups.manager.membership_every = MEMBERSHIP_READ_EVERY
-            self.trees.quiet_intervals = MEMBERSHIP_READ_EVERY + 1
-
-    def _make_fleet(self, rt: Runtime) -> Fleet:
-        """The spawned fleet; with `[workers] spawned_by = "engine"`, the adopting one."""
-        workers = self.config.workers
-        if workers.spawned_by != "engine":
-            return spawned_fleet(rt, self.plan, self.specs)
-        return AdoptingFleet(
-            rt, self.plan, self.specs, workers, self.cgroups, engine=self.config.engine
         )
 
     def _cgroup_dir(self, key: ProcKey) -> str | None:
@@ -473,7 +498,7 @@ class Daemon:
         self.failed = True  # exit 1: systemd's Restart=on-failure applies
         self.runtime.stopping.set()
 
-    def _check_loop(self, rt: Runtime, fleet: Fleet) -> CheckLoop:
+    def _check_loop(self, rt: Runtime, fleet: Fleet, applier: Applier) -> CheckLoop:
         """The check loop with exactly the collaborators it uses."""
         fs = self.fs
         return CheckLoop(
@@ -483,6 +508,7 @@ class Daemon:
             executor=rt.executor,
             supervised=fleet.supervised,
             stopping=rt.stopping,
+            applier=applier,
             irqs=self.irq_keeper,
             cgroups=self.cgroups,
             read_topology=lambda old: reread_cpus(fs, old),
