@@ -65,7 +65,8 @@ from supervisor.topology.discover import read_topology, reread_cpus
 from supervisor.topology.model import Topology
 from supervisor.trees.adopt import Adopter, AdoptingFleet, AdoptRunner
 from supervisor.trees.guardian import Guardian
-from supervisor.trees.keeper import TreeKeeper
+from supervisor.trees.keeper import TreeKeeper, open_events
+from supervisor.trees.proc_events import ProcEvents
 from supervisor.watch.apply import Applier
 from supervisor.watch.irqs import IrqKeeper
 from supervisor.watch.loop import CheckLoop
@@ -295,6 +296,16 @@ class Daemon:
         # One bind path (watch.apply) for the check loop and the adoptions.
         applier = Applier(self.fs, Binder(self.fs), self.irq_keeper, self.cgroups)
         self.guardian = self._start_guardian()  # first: it must outlive us
+        events, events_how = (
+            open_events(self.fs)
+            if os.geteuid() == 0 and self.env.get(PROC_EVENTS_ENV) != "0"
+            else (None, None)
+        )
+        # Forks reach the keeper as events: the check loop reads each rank's
+        # cgroup.procs every few checks only, and the keeper's quiet pass takes
+        # a reading that old (issue 17, item 6; bind.cgroup).
+        forks_as_events = self.cgroups is not None and events is not None
+        membership_every = MEMBERSHIP_READ_EVERY if forks_as_events else 1
         naming: Adopter | None = None
         ranks: dict[int, AdoptRunner] = {}  # the adopting fleet's, filled as it makes them
         if self.config.workers.spawned_by == "engine":
@@ -310,7 +321,12 @@ class Daemon:
             # The binds of adoptions run on a thread of their own (the daemon's
             # pool may be busy with a check pass): it keeps fork-to-bound short.
             self.adopt_executor = ThreadPoolExecutor(1, thread_name_prefix="ps-adopt")
-        self.trees = trees = self._tree_keeper(naming)
+        self.trees = trees = self._tree_keeper(
+            naming,
+            events=events,
+            events_how=events_how,
+            quiet_intervals=membership_every + 1 if forks_as_events else 1,
+        )
         self.rt = rt = Runtime(
             self.plan,
             self.store,
@@ -333,7 +349,7 @@ class Daemon:
                 applier=applier,
                 executor=self.adopt_executor,
             )
-        self.checker = checker = self._check_loop(rt, fleet, applier)
+        self.checker = checker = self._check_loop(rt, fleet, applier, membership_every)
         self.actions = DaemonActions(
             keys=self.keys,
             checker=checker,
@@ -356,13 +372,7 @@ class Daemon:
             fleet=fleet,
             server=self.server,
         )
-        trees.start()  # the subreaper, the proc connector, its pass task
-        if self.cgroups is not None and trees.events is not None:
-            # Forks reach the keeper as events: the check loop reads each rank's
-            # cgroup.procs every few checks only, and the keeper's quiet pass
-            # takes a reading that old (issue 17, item 6; bind.cgroup).
-            self.cgroups.manager.membership_every = MEMBERSHIP_READ_EVERY
-            trees.quiet_intervals = MEMBERSHIP_READ_EVERY + 1
+        trees.start()  # the subreaper, the proc connector's reader, its pass task
 
     async def _supervise(self, group: asyncio.TaskGroup, hangups: Hangups) -> None:
         """Start the root's tasks in `group`, then supervise until the stop."""
@@ -428,7 +438,14 @@ class Daemon:
                 guardian.irq_checkpoint(cp.path, cp.pid)
         return guardian
 
-    def _tree_keeper(self, naming: Adopter | None) -> TreeKeeper:
+    def _tree_keeper(
+        self,
+        naming: Adopter | None,
+        *,
+        events: ProcEvents | None,
+        events_how: str | None,
+        quiet_intervals: int,
+    ) -> TreeKeeper:
         """The tree keeper; `naming` names the engine's processes (adopted workers)."""
         return TreeKeeper(
             self.fs,
@@ -437,7 +454,9 @@ class Daemon:
             cgroup_dir=self._cgroup_dir,
             direct_children=self._direct_children,
             guardian=self.guardian,
-            use_connector=os.geteuid() == 0 and self.env.get(PROC_EVENTS_ENV) != "0",
+            events=events,
+            events_how=events_how,
+            quiet_intervals=quiet_intervals,
             subreaper=self.subreaper,
             adopter=naming,
             on_refresh=None if naming is None else naming.note_pass,
@@ -498,7 +517,9 @@ class Daemon:
         self.failed = True  # exit 1: systemd's Restart=on-failure applies
         self.runtime.stopping.set()
 
-    def _check_loop(self, rt: Runtime, fleet: Fleet, applier: Applier) -> CheckLoop:
+    def _check_loop(
+        self, rt: Runtime, fleet: Fleet, applier: Applier, membership_every: int
+    ) -> CheckLoop:
         """The check loop with exactly the collaborators it uses."""
         fs = self.fs
         return CheckLoop(
@@ -512,6 +533,7 @@ class Daemon:
             irqs=self.irq_keeper,
             cgroups=self.cgroups,
             read_topology=lambda old: reread_cpus(fs, old),
+            membership_every=membership_every,
         )
 
     async def _watch_guardian(self) -> None:

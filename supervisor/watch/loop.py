@@ -95,6 +95,7 @@ class CheckLoop:
         irqs: IrqKeeperLike | None = None,
         cgroups: CgroupsLike | None = None,
         read_topology: Callable[[Topology], Topology] | None = None,
+        membership_every: int = 1,
     ) -> None:
         self.store = store
         self.plan = plan
@@ -104,6 +105,8 @@ class CheckLoop:
         self.stopping = stopping
         self.irqs = irqs
         self.cgroups = cgroups
+        # Each rank's cgroup.procs read every this many checks (bind.cgroup).
+        self.membership_every = membership_every
         self.applier = applier  # the one bind path (watch.apply), the root's
         self.binder = applier.binder
         self.record = Recorder(store, log)
@@ -295,6 +298,7 @@ class CheckLoop:
                 placement=placement,
                 with_allowed=with_allowed,
                 cpuset_cache=self.cpuset_cache,
+                membership_every=self.membership_every,
             ),
         )
         self._irq_facts()
