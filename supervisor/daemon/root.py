@@ -8,8 +8,15 @@ the policy of `supervisor.run.restart`. Every state change is an Event in the
 `StateStore`, which the API and metrics read. The processes are a fleet
 (supervisor.run.fleet: spawned, or with adopted workers), the plan they run by
 the plan in force (supervisor.in_force), which only the check loop replaces.
-SIGTERM/SIGINT only set a flag; the shutdown that follows stops workers first,
-then the engine. SIGHUP only asks for a config reload (supervisor.daemon.reload).
+`Daemon.run` builds every part in dependency order (`_build`: the bind path,
+the guardian, the proc connector, the adopter, the tree keeper, the runtime,
+the fleet, the check loop, the API, the reloader), each given what it uses by
+keyword, then runs the root's tasks in one asyncio.TaskGroup (`_supervise`).
+SIGTERM/SIGINT only set the shutdown trigger (an asyncio.Event that an
+embedding program may pass in and set); the shutdown that follows, in the
+TaskGroup's finally, stops workers first, then the engine. A second SIGTERM/
+SIGINT in the real daemon exits at once (`_exit_now`). SIGHUP only asks for a
+config reload (supervisor.daemon.reload).
 """
 
 from __future__ import annotations
@@ -372,13 +379,16 @@ class Daemon:
             fleet=fleet,
             server=self.server,
         )
-        trees.start()  # the subreaper, the proc connector's reader, its pass task
 
     async def _supervise(self, group: asyncio.TaskGroup, hangups: Hangups) -> None:
         """Start the root's tasks in `group`, then supervise until the stop."""
         rt, fleet, checker, reloader = self.runtime, self.fleet, self.checker, self.reloader
         assert fleet is not None and checker is not None and reloader is not None
         tasks = self.tasks
+        assert self.trees is not None
+        # The subreaper, the connector's reader, the pass task (stopped by the stop:
+        # it ends what is left of each tree first).
+        self.trees.start(group)
         tasks["shutdown_trigger"] = group.create_task(self._stop_on_trigger(), name="trigger")
         hangups.attach(asyncio.get_running_loop(), reloader.request)
         if hangups.early:  # the config may have changed since it was read: once more

@@ -221,7 +221,9 @@ class TreeKeeper:
 
     # -- running -------------------------------------------------------------------
 
-    def start(self) -> None:
+    def start(self, group: asyncio.TaskGroup | None = None) -> None:
+        """The subreaper, the connector's reader, and the pass task (in `group`,
+        the daemon's TaskGroup, where one is given)."""
         if self.subreaper:
             if set_child_subreaper():
                 log.info("subreaper %s", format_fields(pid=self.me, action="orphans come back"))
@@ -238,7 +240,8 @@ class TreeKeeper:
                     interval_s=f"{self.interval_of():g}",
                 ),
             )
-        self.task = asyncio.create_task(self._loop(), name="tree_keeper")
+        spawn = asyncio.create_task if group is None else group.create_task
+        self.task = spawn(self._loop(), name="tree_keeper")
 
     async def stop(self) -> None:
         if self._settle_at is not None:
