@@ -607,7 +607,11 @@ class Daemon:
     async def _shutdown(self) -> None:
         """The ordered stop: workers first, then the engine, then what is left."""
         await self._stop_task("reload")  # a reload in flight ends here: the stop goes first
-        if self.rt is None:  # nothing was built
+        if self.rt is None:  # the build failed early: what it made is closed, no more
+            if self.trees is not None:
+                await self.trees.stop()  # the connector's socket
+            if self.guardian is not None:
+                self.guardian.close()  # a clean stop: it exits without killing
             return
         self.rt.stopping.set()
         self.rt.stop_started_at = time.monotonic()  # every wait from here fits stop_grace_s
