@@ -265,6 +265,30 @@ def test_child_reports_the_planned_affinity_and_policy_first(child: tuple[Path, 
     assert daemon.store.snapshot.stopping
 
 
+def test_a_signal_sets_the_shutdown_trigger_and_an_embedded_daemon_never_exits_on_a_second(
+    child: tuple[Path, Path],
+) -> None:
+    """SIGTERM only sets the trigger the embedding program passed in; the stop
+    follows. A second one is counted, never a forced exit here (only the real
+    daemon, run_command's, exits at once: tests/daemon/test_forced_exit.py)."""
+    script, out = child
+    config = parse_config(child_config(script, out), "test.toml")
+
+    async def scenario(daemon: Daemon) -> None:
+        await until(lambda: all_running(daemon))
+        # Both at once, while the loop's handlers are surely installed (after the
+        # stop they are not, and a SIGTERM would end the test run).
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)
+        await until(lambda: daemon.signals_received == 2)
+        assert daemon.shutdown_trigger.is_set()
+        await until(lambda: events(daemon, "stopping"))
+
+    daemon = run_daemon(config, scenario)
+    assert {p.state for p in daemon.store.snapshot.processes.values()} == {"stopped"}
+    assert len(events(daemon, "stopping")) == 1
+
+
 def test_a_killed_worker_comes_back_rebound_after_backoff(child: tuple[Path, Path]) -> None:
     script, out = child
     config = parse_config(child_config(script, out), "test.toml")
