@@ -224,23 +224,16 @@ class Reloader:
         self.wanted.set()
 
     async def run(self, started: asyncio.Event) -> None:
-        """Reload once per wake, after the start (a HUP during it waits), until stopped;
-        meanwhile the file's hash on disk is read every CONFIG_WATCH_S (`watch_file`)."""
+        """Reload once per wake, after the start (a HUP during it waits), until stopped.
+        The root runs `watch_file` beside it."""
         stopping = self.stopping
-        # The file's hash on disk beside the one in force, read between reloads too.
-        watch = asyncio.create_task(self.watch_file(), name="config_watch")
-        try:
-            while not stopping.is_set():
-                await self.wanted.wait()
-                await started.wait()
-                if stopping.is_set():
-                    return
-                self.wanted.clear()
-                await self.reload_once()
-        finally:
-            watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watch
+        while not stopping.is_set():
+            await self.wanted.wait()
+            await started.wait()
+            if stopping.is_set():
+                return
+            self.wanted.clear()
+            await self.reload_once()
 
     async def reload_once(self) -> Reloaded:
         """RELOADING=1, the reload, READY=1 (whatever came of it: the daemon runs on).

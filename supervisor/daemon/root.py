@@ -394,6 +394,8 @@ class Daemon:
         if hangups.early:  # the config may have changed since it was read: once more
             reloader.request(signal.SIGHUP)
         tasks["reload"] = group.create_task(reloader.run(self.started), name="reload")
+        # The file's hash on disk beside the one in force, read between reloads too.
+        tasks["config_watch"] = group.create_task(reloader.watch_file(), name="config_watch")
         if self.guardian is not None:
             tasks["guardian"] = group.create_task(self._watch_guardian(), name="guardian")
         tasks["irq_apply"] = irq_task = group.create_task(self._apply_irqs(), name="irq_apply")
@@ -607,6 +609,7 @@ class Daemon:
     async def _shutdown(self) -> None:
         """The ordered stop: workers first, then the engine, then what is left."""
         await self._stop_task("reload")  # a reload in flight ends here: the stop goes first
+        await self._stop_task("config_watch")
         if self.rt is None:  # the build failed early: what it made is closed, no more
             if self.trees is not None:
                 await self.trees.stop()  # the connector's socket
