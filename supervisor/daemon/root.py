@@ -82,7 +82,7 @@ try:  # uvloop where it is installed; asyncio's own loop otherwise
     import uvloop as _uvloop
 
     new_uvloop: Callable[[], asyncio.AbstractEventLoop] | None = _uvloop.new_event_loop
-except ImportError:  # tests/test_daemon.py runs this branch in a subprocess
+except ImportError:  # tests/daemon/test_root.py runs this branch in a subprocess
     new_uvloop = None
 
 log = logging.getLogger("placement_supervisor.daemon")
