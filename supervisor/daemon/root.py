@@ -63,6 +63,7 @@ from supervisor.topology.accelerators import CPU
 from supervisor.topology.discover import read_topology, reread_cpus
 from supervisor.topology.model import Topology
 from supervisor.trees.adopt import AdoptingFleet
+from supervisor.trees.attach import attach_target, attaching_fleet
 from supervisor.trees.guardian import Guardian
 from supervisor.trees.keeper import TreeKeeper
 from supervisor.watch.irqs import IrqKeeper
@@ -307,7 +308,8 @@ class Daemon:
             interval_s=lambda: self.config.drift.check_interval_s,  # the config in force
             cgroup_dir=self._cgroup_dir,
             direct_children=self._direct_children,
-            guardian=self.guardian,
+            # An attached engine's tree is not ours to end, not even if we die.
+            guardian=None if attach_target(self.config) is not None else self.guardian,
             use_connector=os.geteuid() == 0 and self.env.get(PROC_EVENTS_ENV) != "0",
             subreaper=self.subreaper,
             adopter=naming,
@@ -325,6 +327,9 @@ class Daemon:
 
     def _make_fleet(self, rt: Runtime) -> Fleet:
         """The spawned fleet; with `[workers] spawned_by = "engine"`, the adopting one."""
+        # Attach mode (supervisor.trees.attach): an engine found, not spawned.
+        if (attached := attaching_fleet(rt, self.plan, self.specs, self.cgroups)) is not None:
+            return attached
         workers = self.config.workers
         if workers.spawned_by != "engine":
             return spawned_fleet(rt, self.plan, self.specs)

@@ -548,6 +548,7 @@ class AdoptingFleet(RunnerFleet):
         cgroups: CgroupsLike | None,
         *,
         engine: ProcessConfig | None = None,
+        engine_runner: Callable[[], Runner] | None = None,
     ) -> None:
         # The binds of adoptions run on a thread of their own (the daemon's pool
         # may be busy with a check pass): it keeps fork-to-bound short.
@@ -558,7 +559,10 @@ class AdoptingFleet(RunnerFleet):
         ranks: dict[int, AdoptRunner] = {}
         for key in plan_keys(plan):
             if key == "engine":
-                runners.append(Runner(rt, key, spec_of))
+                # Spawned, unless the caller finds it (supervisor.trees.attach).
+                runners.append(
+                    Runner(rt, key, spec_of) if engine_runner is None else engine_runner()
+                )
             else:
                 ranks[key] = AdoptRunner(rt, key, spec_of, nodes, applier, self.executor)
                 runners.append(ranks[key])
