@@ -20,10 +20,13 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from supervisor.config_sections import (
+    ATTACH_HOWS,
+    AttachHow,
     check_env_name,
     check_exec_strings,
     check_template,
     load_account,
+    load_attach,
     load_placement,
     load_threads,
 )
@@ -84,10 +87,6 @@ class ProcessConfig:
     # [engine] only: the running engine to place instead of a command to spawn
     # (docs/attach.md); `command` is then empty.
     attach: AttachTarget | None = field(default=None, kw_only=True)
-
-
-AttachHow = Literal["unit", "cgroup", "match"]
-ATTACH_HOWS: tuple[AttachHow, ...] = ("unit", "cgroup", "match")
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,22 +214,7 @@ def _attached_engine(t: Table) -> ProcessConfig:
     """[engine] attach = { unit | cgroup | match = "..." } (docs/attach.md)."""
     if t.has("command"):
         raise t.fail("attach", "give either command or attach, not both")
-    sub = t.table("attach")
-    given = [how for how in ATTACH_HOWS if sub.has(how)]
-    unknown = sorted(k for k in sub.doc if k not in ATTACH_HOWS)
-    if unknown:
-        raise sub.fail(unknown[0], f"unknown attach key; give one of {', '.join(ATTACH_HOWS)}")
-    if len(given) != 1:
-        raise t.fail("attach", f"give exactly one of {', '.join(ATTACH_HOWS)}")
-    how = given[0]
-    value = sub.text(how, "").strip()
-    if not value or "\0" in value:
-        raise sub.fail(how, "must be a non-empty string without NUL bytes")
-    if how == "cgroup" and not value.startswith("/"):
-        raise sub.fail(how, f"a cgroup path starts with / (as in /proc/PID/cgroup), got {value!r}")
-    if how == "unit" and "/" in value:
-        raise sub.fail(how, f"a unit name, not a path, got {value!r}")
-    sub.done()
+    how, value = load_attach(t, ATTACH_HOWS)
     asked: EngineKind = t.choice("kind", "auto", ENGINE_KINDS)
     # "auto" reads the kind from a match's words; a unit or cgroup tells nothing.
     argv = tuple(value.split()) if how == "match" else ()

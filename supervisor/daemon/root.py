@@ -63,7 +63,7 @@ from supervisor.topology.accelerators import CPU
 from supervisor.topology.discover import read_topology, reread_cpus
 from supervisor.topology.model import Topology
 from supervisor.trees.adopt import AdoptingFleet
-from supervisor.trees.attach import attach_target, attaching_fleet
+from supervisor.trees.attach import attach_target, attaching_fleet, confine_to_engine
 from supervisor.trees.guardian import Guardian
 from supervisor.trees.keeper import TreeKeeper
 from supervisor.watch.irqs import IrqKeeper
@@ -542,6 +542,7 @@ class DaemonActions:
 
 def prepare(config: Config, env: Mapping[str, str], fs: HostFS) -> tuple[Topology, Placement]:
     """Discover and plan; log the plan table and its warnings."""
+    confine_to_engine(config, fs)  # attach mode: plan within the engine's cgroup (trees.attach)
     topology = read_topology(fs, discovery_options(config, env))
     placement = plan(topology, config.placement)
     for line in render_plan_table(placement, topology).splitlines():

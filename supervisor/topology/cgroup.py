@@ -132,12 +132,16 @@ def _read_mapped(fs: HostFS, line: CgroupLine) -> Cpuset | None:
     return _read_files(fs, version, line.path or "/", files)
 
 
-def read_cpuset(fs: HostFS) -> Cpuset | None:
-    """The cpuset confining this process, or None when /proc/self/cgroup is absent."""
-    text = fs.read_optional(PROC_CGROUP)
-    if text is None:
-        return None
-    lines = parse_proc_cgroup(text)
+def read_cpuset(fs: HostFS, proc_cgroup: str = PROC_CGROUP) -> Cpuset | None:
+    """The cpuset confining this process (with `proc_cgroup` "proc/PID/cgroup",
+    that process), or None when the file is absent."""
+    text = fs.read_optional(proc_cgroup)
+    return None if text is None else cpuset_of(fs, text, proc_cgroup)
+
+
+def cpuset_of(fs: HostFS, text: str, rel: str = PROC_CGROUP) -> Cpuset | None:
+    """The cpuset of the cgroups a /proc/PID/cgroup `text` names (read from `rel`)."""
+    lines = parse_proc_cgroup(text, rel)
     for line in lines:
         if "cpuset" in line.controllers:
             mapped = _read_mapped(fs, line)

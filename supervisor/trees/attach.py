@@ -27,16 +27,20 @@ from dataclasses import dataclass
 
 from supervisor.bind.binder import Binder
 from supervisor.config import AttachTarget, Config
+from supervisor.cpulist import format_cpulist
 from supervisor.errors import KernelError, SupervisorError
 from supervisor.hostfs import HostFS
 from supervisor.in_force import PlanInForce
+from supervisor.logs import format_fields
 from supervisor.plan.keys import ProcKey
+from supervisor.plan.replan import slots_by_key
 from supervisor.procfs.identity import ProcessId
 from supervisor.procfs.stat import children_map, scan_procs
 from supervisor.run.procs import first_of
 from supervisor.run.runner import Runner, Runtime
 from supervisor.run.spec import SpecOf
 from supervisor.state import ProcessStatus
+from supervisor.topology.cgroup import V1_CPUSET_ROOT, Cpuset, cpuset_of, read_cpuset
 from supervisor.trees.adopt import AdoptingFleet
 from supervisor.trees.find_engine import FoundEngine, find_engine
 from supervisor.watch.apply import CgroupsLike
@@ -173,6 +177,11 @@ class AttachRunner(Runner):
         if found.id not in before:
             return False  # exited before we got to it
         self.found, self.before = found, before
+        cpuset = await loop.run_in_executor(self.rt.executor, _cpuset_of_pid, self.rt.fs, found.pid)
+        planned = frozenset(
+            c for slot in slots_by_key(self.rt.plan.placement).values() for c in slot.cpus
+        )
+        outside = sorted(planned - cpuset.cpus) if cpuset is not None and cpuset.cpus else []
         if self.rt.trees is not None:
             self.rt.trees.set_root(self.key, found.pid, found.start_time)
         self.set_status(
@@ -193,8 +202,23 @@ class AttachRunner(Runner):
             ppid=found.ppid,
             cgroup=found.cgroup,
             processes=len(before),
+            cgroup_cpus=None if cpuset is None or cpuset.cpus is None else sorted(cpuset.cpus),
+            cpus_outside=outside,
             action="place",
         )
+        if outside:
+            # The kernel keeps each thread within its cgroup's CPUs: a slot wholly
+            # outside them cannot be bound (bind_failed), a slot partly outside shrinks.
+            self.recorder.note(
+                "error",
+                self.key,
+                f"engine: the plan uses CPUs {format_cpulist(outside)} outside the engine's "
+                f"cgroup {cpuset.path if cpuset else ''} (docs/attach.md)",
+                log_message="engine cpuset narrower than the plan",
+                level=logging.WARNING,
+                cpus=format_cpulist(outside),
+                action="bind within",
+            )
         self.ready.set()
         return True
 
@@ -304,6 +328,57 @@ class AttachingFleet(AdoptingFleet):
         if trees is not None:
             for key in self.keys:
                 trees.release(key)
+
+
+def _cpuset_of_pid(fs: HostFS, pid: int) -> Cpuset | None:
+    try:
+        return read_cpuset(fs, f"proc/{pid}/cgroup")
+    except (SupervisorError, OSError):
+        return None  # gone, or a garbled file: nothing to compare with
+
+
+# -- planning within the engine's cgroup ------------------------------------------------------
+
+
+def engine_cpuset(fs: HostFS, target: AttachTarget, me: int) -> Cpuset | None:
+    """The cpuset of the engine's cgroup: a `cgroup` target's own directory (whether
+    or not the engine runs), else that of the engine running now (None: none runs)."""
+    if target.how == "cgroup":
+        v1 = fs.exists(f"{V1_CPUSET_ROOT}/cpuset.cpus")
+        text = f"1:cpuset:{target.value}\n" if v1 else f"0::{target.value}\n"
+        return cpuset_of(fs, text, f"engine.attach.cgroup {target.value}")
+    found = find_engine(fs, target, me)
+    return None if found is None else read_cpuset(fs, f"proc/{found.pid}/cgroup")
+
+
+def confine_to_engine(config: Config, fs: HostFS) -> frozenset[int] | None:
+    """Attach mode, before discovery: the supervisor's own CPU affinity narrowed to
+    the CPUs of the engine's cgroup (where known now), as if its unit said
+    CPUAffinity= them: the plan, and every re-plan after a cpuset change, then
+    fits in them. The CPUs kept, or None when nothing was narrowed. Blocking."""
+    target = attach_target(config)
+    if target is None or not fs.is_live:
+        return None
+    try:
+        cpuset = engine_cpuset(fs, target, os.getpid())
+    except (SupervisorError, OSError) as err:
+        log.warning("engine cpuset unreadable error=%r action=plan within own", str(err))
+        return None
+    if cpuset is None or cpuset.cpus is None:
+        log.info("engine cpuset unknown attach=%r action=plan within own", str(target))
+        return None
+    own = frozenset(os.sched_getaffinity(0))
+    within = own & cpuset.cpus
+    fields = format_fields(
+        cgroup=cpuset.path, engine_cpus=format_cpulist(cpuset.cpus), own=format_cpulist(own)
+    )
+    if not within:
+        log.warning("engine cpuset disjoint %s action=plan within own", fields)
+        return None
+    if within != own:
+        os.sched_setaffinity(0, within)
+    log.info("engine cpuset %s cpus=%s action=plan within", fields, format_cpulist(within))
+    return within
 
 
 def attaching_fleet(

@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from supervisor.config import AttachTarget, parse_config
-from supervisor.cpulist import format_cpulist
+from supervisor.cpulist import format_cpulist, parse_cpulist
 from supervisor.errors import ConfigError
 from supervisor.listen import parse_listen
 from supervisor.procfs.stat import ProcStat
@@ -132,7 +132,8 @@ def test_names_and_pick_root() -> None:
 ENGINE = r"""
 import os, subprocess, sys, time
 marker, ready, worker = sys.argv[1:4]
-os.sched_setaffinity(0, {0})  # the operator's own pinning: what the detach puts back
+# The operator's own pinning (its cgroup's first CPU): what the detach puts back.
+os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
 procs = [
     subprocess.Popen([sys.executable, worker, marker], env=dict(os.environ, LOCAL_RANK=str(r)))
     for r in range(2)
@@ -227,10 +228,12 @@ def attached(d: DaemonProcess, engine_pid: int) -> dict[str, Any] | None:
     return doc
 
 
-def check_attached_and_detached(d: DaemonProcess, e: Engine, root: int) -> None:
-    """Placed, then stopped: every process still runs with the affinity it had when found."""
-    before = e.affinities()
-    assert before[e.proc.pid] == {"0-1"} and len(before) == 4  # sh, engine, two workers
+def check_attached_and_detached(
+    d: DaemonProcess, e: Engine, root: int, before: dict[int, set[str]], cpus: str = "0-1"
+) -> None:
+    """Placed, then stopped: every process still runs with the affinity it had when
+    found (`before`, read before the daemon started)."""
+    assert before[e.proc.pid] == {cpus} and len(before) == 4  # sh, engine, two workers
     doc = poll(lambda: attached(d, root), timeout_s=60, what="engine attached, ranks placed")
     workers = {r["rank"]: r["pid"] for r in doc["ranks"]}
     assert set(workers.values()) <= set(e.tree())  # the engine's own workers
@@ -250,21 +253,31 @@ def test_an_engine_started_by_a_shell_is_attached_by_match_and_left_running(
     env = daemon_env(**{INSTANCE_ENV: f"attach-match-{os.getpid()}"})
     with engine(tmp_path, marker) as e:
         config = attach_config(tmp_path, {"match": marker})
+        before = e.affinities()
         with DaemonProcess(config, tmp_path / "d.log", env=env) as d:
             # The shell's command line holds the marker too: it is the root.
-            check_attached_and_detached(d, e, e.proc.pid)
+            check_attached_and_detached(d, e, e.proc.pid, before)
 
 
 @pytest.mark.skipif(v1_available() is not None, reason=str(v1_available()))
-@pytest.mark.parametrize("how", ["cgroup", "unit"])
-def test_an_engine_in_a_transient_scope_is_attached_by_its_cgroup(tmp_path: Path, how: str) -> None:
+@pytest.mark.parametrize(("how", "cpus"), [("cgroup", "1"), ("unit", "0-1")])
+def test_an_engine_in_a_transient_scope_is_attached_by_its_cgroup(
+    tmp_path: Path, how: str, cpus: str
+) -> None:
+    """The scope's cpuset is the plan's bound: with CPU 1 alone, every slot is CPU 1."""
     name = f"run-ps{os.getpid()}-{uuid.uuid4().hex[:8]}.scope"
     env = daemon_env(**{INSTANCE_ENV: f"attach-{how}-{os.getpid()}"})
-    with v1_cpuset(name) as scope, engine(tmp_path, f"attach-{uuid.uuid4().hex}", scope) as e:
+    marker = f"attach-{uuid.uuid4().hex}"
+    with v1_cpuset(name, cpus) as scope, engine(tmp_path, marker, scope) as e:
         target = {"cgroup": f"/{name}"} if how == "cgroup" else {"unit": name}
+        before = e.affinities()
         with DaemonProcess(attach_config(tmp_path, target), tmp_path / "d.log", env=env) as d:
+            doc = poll(lambda: attached(d, e.proc.pid), timeout_s=60, what="attached")
+            slots = [doc["engine"], *doc["ranks"]]
+            assert {c for s in slots for c in s["cpus"]} <= parse_cpulist(cpus), doc
+            assert f"engine cpuset cgroup=/{name} engine_cpus={cpus}" in d.tail(20000)
             # The shell joined, then ran the engine: it is the root of the scope.
-            check_attached_and_detached(d, e, e.proc.pid)
+            check_attached_and_detached(d, e, e.proc.pid, before, cpus)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="binds other processes' threads: needs root")
@@ -300,3 +313,29 @@ def test_the_daemon_waits_for_the_engine_and_finds_it_again_after_a_restart(
             assert len(d.events("attached")) == 2, [e["message"] for e in d.events("attached")]
             assert d.stop(timeout_s=30) == 0, d.tail()
             assert second.proc.poll() is None
+
+
+@pytest.mark.skipif(v1_available() is not None, reason=str(v1_available()))
+def test_an_engine_found_later_in_a_narrower_cpuset_is_warned_about(tmp_path: Path) -> None:
+    """Planned before the engine ran (on the supervisor's CPUs 0-1): the engine's
+    cgroup allows CPU 1 alone, and the attach says which planned CPUs lie outside."""
+    name = f"run-ps{os.getpid()}-{uuid.uuid4().hex[:8]}.scope"
+    marker = f"attach-{uuid.uuid4().hex}"
+    env = daemon_env(**{INSTANCE_ENV: f"attach-later-{os.getpid()}"})
+    config = attach_config(tmp_path, {"match": marker})
+    with v1_cpuset(name, "1") as scope, DaemonProcess(config, tmp_path / "d.log", env=env) as d:
+        poll(lambda: "engine waiting" in d.tail(), timeout_s=30, what="the engine waited for")
+        with engine(tmp_path, marker, scope) as e:
+            found = poll(
+                lambda: [
+                    x for x in d.events("error") if "outside the engine's cgroup" in x["message"]
+                ],
+                timeout_s=60,
+                what="the warning",
+            )
+            assert found[0]["message"].startswith(
+                f"engine: the plan uses CPUs 0 outside the engine's cgroup /{name}"
+            ), found
+            assert d.stop(timeout_s=30) == 0, d.tail()
+            assert e.proc.poll() is None
+            assert all(v == {"1"} for v in e.affinities().values()), e.affinities()
