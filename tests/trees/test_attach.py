@@ -27,6 +27,7 @@ import pytest
 
 from supervisor.config import AttachTarget, parse_config
 from supervisor.cpulist import format_cpulist, parse_cpulist
+from supervisor.daemon.reload import restart_reasons
 from supervisor.errors import ConfigError
 from supervisor.listen import parse_listen
 from supervisor.procfs.stat import ProcStat
@@ -97,6 +98,15 @@ def test_attach_config_workers_and_cgroups() -> None:
             {"engine": {"attach": {"unit": "x.service"}, "kind": "vllm"}, "ready": {"tcp": "h:1"}},
             "c.toml",
         )
+
+
+def test_a_reload_that_changes_the_attach_target_needs_a_restart() -> None:
+    by_unit = parse_config({"engine": {"attach": {"unit": "a.service"}, "kind": "vllm"}})
+    by_match = parse_config({"engine": {"attach": {"match": "vllm serve"}}})
+    assert restart_reasons(by_unit, by_unit) == ()
+    assert "engine.attach (the engine is found or spawned by it)" in restart_reasons(
+        by_unit, by_match
+    )
 
 
 # -- the finder's pure parts ------------------------------------------------------------------
