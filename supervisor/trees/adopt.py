@@ -169,6 +169,7 @@ class AdoptRunner(Runner):
         self.bind_executor = executor if executor is not None else rt.executor
         self.offers: asyncio.Queue[Candidate] = asyncio.Queue()
         self.adopted: Candidate | None = None
+        self.at_stop: Candidate | None = None
         self.seen: set[tuple[int, int]] = set()  # adopted before (an offer may come twice)
         self.cgroup_dirs: tuple[str, ...] = ()
         self.all_nodes = tuple(all_nodes)
@@ -190,6 +191,8 @@ class AdoptRunner(Runner):
                 return
             await self._adopt_loop()
         finally:
+            if self.stopping:  # the worker at the stop, which the stop does not end itself
+                self.at_stop = self.adopted
             self.adopted = None
             if self.stopping:
                 self.set_status(state="stopped", pid=None, ppid=None, adopted=False)

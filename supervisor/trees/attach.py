@@ -22,7 +22,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from supervisor.bind.binder import Binder
@@ -91,14 +91,22 @@ class Detached:
 
 
 def restore_affinities(
-    fs: HostFS, root: ProcessId, before: Mapping[ProcessId, frozenset[int]]
+    fs: HostFS,
+    root: ProcessId,
+    before: Mapping[ProcessId, frozenset[int]],
+    adopted: Iterable[ProcessId] = (),
 ) -> Detached:
-    """Every thread of every process of the tree back to the affinity its process
-    had when found; a process born since gets the root's. Blocking."""
+    """Every thread of every process of the tree, and of each `adopted` worker and
+    its tree (one orphaned by its engine's exit is no longer below the root), back
+    to the affinity its process had when found; one born since gets the root's.
+    Blocking."""
     binder = Binder(fs)
     fallback = before.get(root)
+    found = tree_pids(fs, root)
+    for worker in adopted:
+        found.update(tree_pids(fs, worker))
     processes = threads = failed = 0
-    for pid, start in tree_pids(fs, root).items():
+    for pid, start in found.items():
         ident = ProcessId(pid, start)
         cpus = before.get(ident, fallback)
         if cpus is None or not ident.is_running(fs):
@@ -128,6 +136,7 @@ class AttachRunner(Runner):
         super().__init__(rt, key, spec_of)
         self.target = target
         self.found: FoundEngine | None = None
+        self.last: FoundEngine | None = None  # the last one found, until the next
         self.before: dict[ProcessId, frozenset[int]] = {}  # the found tree's affinities
 
     @property
@@ -176,7 +185,7 @@ class AttachRunner(Runner):
         before = await loop.run_in_executor(self.rt.executor, read_affinities, self.rt.fs, found.id)
         if found.id not in before:
             return False  # exited before we got to it
-        self.found, self.before = found, before
+        self.found, self.last, self.before = found, found, before
         cpuset = await loop.run_in_executor(self.rt.executor, _cpuset_of_pid, self.rt.fs, found.pid)
         planned = frozenset(
             c for slot in slots_by_key(self.rt.plan.placement).values() for c in slot.cpus
@@ -252,14 +261,15 @@ class AttachRunner(Runner):
             action="find the next",
         )
 
-    async def detach(self) -> Detached | None:
-        """Put back the affinities of the engine's tree as found (the stop's)."""
-        found = self.found
+    async def detach(self, adopted: Iterable[ProcessId] = ()) -> Detached | None:
+        """Put back the affinities of the engine's tree and of the `adopted`
+        workers as found (the stop's); None when no engine was ever found."""
+        found = self.found or self.last
         if found is None:
             return None
         loop = asyncio.get_running_loop()
         done = await loop.run_in_executor(
-            self.rt.executor, restore_affinities, self.rt.fs, found.id, self.before
+            self.rt.executor, restore_affinities, self.rt.fs, found.id, self.before, adopted
         )
         self.recorder.note(
             "detached",
@@ -320,8 +330,9 @@ class AttachingFleet(AdoptingFleet):
         """Stop watching (workers, then the engine), put back the affinities, and let
         go of every tree: nothing is signalled."""
         await super().shutdown()
+        workers = [r.at_stop.id for r in self.naming.runners.values() if r.at_stop is not None]
         try:
-            await self.attach.detach()
+            await self.attach.detach(workers)
         except Exception as err:  # best effort: the stop goes on, the engine runs on
             log.exception("detach failed error=%r action=continue", err)
         trees = self.rt.trees

@@ -349,3 +349,29 @@ def test_an_engine_found_later_in_a_narrower_cpuset_is_warned_about(tmp_path: Pa
             assert d.stop(timeout_s=30) == 0, d.tail()
             assert e.proc.poll() is None
             assert all(v == {"1"} for v in e.affinities().values()), e.affinities()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="binds other processes' threads: needs root")
+def test_workers_orphaned_by_their_engine_get_their_affinity_back(tmp_path: Path) -> None:
+    """The engine dies, its adopted workers run on (reparented away from its tree):
+    the stop still puts their affinity back, and signals none of them."""
+    marker = f"attach-{uuid.uuid4().hex}"
+    env = daemon_env(**{INSTANCE_ENV: f"attach-orphans-{os.getpid()}"})
+    with engine(tmp_path, marker) as e:
+        before = e.affinities()
+        with DaemonProcess(
+            attach_config(tmp_path, {"match": marker}), tmp_path / "d.log", env=env
+        ) as d:
+            doc = poll(lambda: attached(d, e.proc.pid), timeout_s=60, what="attached")
+            workers = [r["pid"] for r in doc["ranks"]]
+            launcher = next(p for p, c in e.tree().items() if "engine.py" in c and p != e.proc.pid)
+            os.kill(launcher, signal.SIGKILL)
+            e.proc.wait(timeout=10)  # the shell ends with it
+            poll(
+                lambda: (d.placement() or {"engine": {}})["engine"].get("state") == "waiting",
+                timeout_s=30,
+                what="the engine gone",
+            )
+            assert d.stop(timeout_s=30) == 0, d.tail()
+        for pid in workers:
+            assert set(thread_cpus(pid).values()) == before[pid], (pid, d.tail())
