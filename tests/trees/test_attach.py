@@ -290,6 +290,43 @@ def test_an_engine_in_a_transient_scope_is_attached_by_its_cgroup(
             check_attached_and_detached(d, e, e.proc.pid, before, cpus)
 
 
+UNIFIED = Path("/sys/fs/cgroup/unified")
+
+
+@contextlib.contextmanager
+def v2_scope(name: str) -> Iterator[Path]:
+    """A cgroup2 directory under the hybrid host's unified hierarchy (no controllers:
+    membership alone, as systemd's name=systemd / unified tree holds a unit's
+    processes); its processes moved back to the root and the directory removed after."""
+    scope = UNIFIED / name
+    scope.mkdir()
+    try:
+        yield scope
+    finally:
+        for pid in (scope / "cgroup.procs").read_text().split():
+            with contextlib.suppress(OSError):
+                (UNIFIED / "cgroup.procs").write_text(pid)
+        poll(lambda: not (scope / "cgroup.procs").read_text().split(), timeout_s=10)
+        scope.rmdir()
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not (UNIFIED / "cgroup.procs").exists(),
+    reason="needs root and a cgroup2 hierarchy at /sys/fs/cgroup/unified",
+)
+def test_an_engine_in_a_cgroup2_scope_is_found_by_its_unit(tmp_path: Path) -> None:
+    """Found by its "0::/run-*.scope" line of /proc/PID/cgroup (cgroup v2)."""
+    name = f"run-ps{os.getpid()}-{uuid.uuid4().hex[:8]}.scope"
+    env = daemon_env(**{INSTANCE_ENV: f"attach-v2-{os.getpid()}"})
+    marker = f"attach-{uuid.uuid4().hex}"
+    with v2_scope(name) as scope, engine(tmp_path, marker, scope) as e:
+        assert f"0::/{name}" in Path(f"/proc/{e.proc.pid}/cgroup").read_text()
+        before = e.affinities()
+        config = attach_config(tmp_path, {"unit": name})
+        with DaemonProcess(config, tmp_path / "d.log", env=env) as d:
+            check_attached_and_detached(d, e, e.proc.pid, before)
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="binds other processes' threads: needs root")
 def test_the_daemon_waits_for_the_engine_and_finds_it_again_after_a_restart(
     tmp_path: Path,
