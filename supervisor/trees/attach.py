@@ -22,7 +22,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from supervisor.bind.binder import Binder
@@ -41,9 +41,11 @@ from supervisor.run.runner import Runner, Runtime
 from supervisor.run.spec import SpecOf
 from supervisor.state import ProcessStatus
 from supervisor.topology.cgroup import V1_CPUSET_ROOT, Cpuset, cpuset_of, read_cpuset
-from supervisor.trees.adopt import AdoptingFleet
+from supervisor.trees.adopt import AdoptingFleet, Candidate, read_adoptees
 from supervisor.trees.find_engine import FoundEngine, find_engine
-from supervisor.watch.apply import CgroupsLike
+from supervisor.watch.adoption import decide_detach
+from supervisor.watch.apply import Applier, CgroupsLike
+from supervisor.watch.decide import Decision
 
 log = logging.getLogger("placement_supervisor.attach")
 
@@ -94,30 +96,37 @@ def restore_affinities(
     fs: HostFS,
     root: ProcessId,
     before: Mapping[ProcessId, frozenset[int]],
-    adopted: Iterable[ProcessId] = (),
+    adopted: Mapping[ProcKey, ProcessId] | None = None,
 ) -> Detached:
-    """Every thread of every process of the tree, and of each `adopted` worker and
-    its tree (one orphaned by its engine's exit is no longer below the root), back
-    to the affinity its process had when found; one born since gets the root's.
-    Blocking."""
-    binder = Binder(fs)
+    """Every thread of every process of the engine's tree, and of each `adopted`
+    worker's tree (one orphaned by its engine's exit is no longer below the root),
+    back to the affinity its process had when found; one born since gets the
+    root's. Through the one Applier (identity checks included). Blocking."""
     fallback = before.get(root)
-    found = tree_pids(fs, root)
-    for worker in adopted:
-        found.update(tree_pids(fs, worker))
-    processes = threads = failed = 0
-    for pid, start in found.items():
-        ident = ProcessId(pid, start)
-        cpus = before.get(ident, fallback)
-        if cpus is None or not ident.is_running(fs):
-            continue
-        try:
-            bind = binder.set_process_affinity(pid, cpus)
-        except KernelError:
+    heads: list[tuple[ProcKey, ProcessId]] = [*(adopted or {}).items(), ("engine", root)]
+    taken: set[int] = set()
+    decisions: list[Decision] = []
+    starts: dict[ProcKey, int | None] = {}
+    processes = 0
+    for key, head in heads:
+        pids = [p for p in tree_pids(fs, head) if p not in taken]
+        taken.update(pids)
+        if not pids:
             continue  # gone
-        processes += 1
-        threads += len(bind.bound)
-        failed += len(bind.failed)
+        adoptees = read_adoptees(fs, Candidate(head.pid, head.start_time, 0), pids)
+        cpus_of = {
+            a.pid: cpus
+            for a in adoptees
+            if a.start_time is not None
+            and (cpus := before.get(ProcessId(a.pid, a.start_time), fallback)) is not None
+        }
+        processes += len(cpus_of)
+        decisions.append(decide_detach(key, adoptees, cpus_of))
+        starts[key] = head.start_time
+    applier = Applier(fs, Binder(fs), None, None)
+    outcomes = [o for out in applier.apply(decisions, starts) for o in out.threads.values()]
+    failed = sum(1 for o in outcomes if o.error is not None)
+    threads = sum(1 for o in outcomes if o.error is None and not o.gone)
     return Detached(processes, threads, failed)
 
 
@@ -261,7 +270,7 @@ class AttachRunner(Runner):
             action="find the next",
         )
 
-    async def detach(self, adopted: Iterable[ProcessId] = ()) -> Detached | None:
+    async def detach(self, adopted: Mapping[ProcKey, ProcessId]) -> Detached | None:
         """Put back the affinities of the engine's tree and of the `adopted`
         workers as found (the stop's); None when no engine was ever found."""
         found = self.found or self.last
@@ -330,7 +339,9 @@ class AttachingFleet(AdoptingFleet):
         """Stop watching (workers, then the engine), put back the affinities, and let
         go of every tree: nothing is signalled."""
         await super().shutdown()
-        workers = [r.at_stop.id for r in self.naming.runners.values() if r.at_stop is not None]
+        workers: dict[ProcKey, ProcessId] = {
+            k: r.at_stop.id for k, r in self.naming.runners.items() if r.at_stop is not None
+        }
         try:
             await self.attach.detach(workers)
         except Exception as err:  # best effort: the stop goes on, the engine runs on

@@ -33,6 +33,7 @@ from supervisor.listen import parse_listen
 from supervisor.procfs.stat import ProcStat
 from supervisor.serve.status import http_request
 from supervisor.trees.find_engine import cgroup_paths, dying, names, pick_root
+from supervisor.watch.adoption import Adoptee, decide_detach
 from tests.support.cgroup_v1 import v1_available, v1_cpuset
 from tests.support.children import thread_cpus
 from tests.support.daemon_support import INSTANCE_ENV, DaemonProcess, daemon_env, to_toml
@@ -135,6 +136,18 @@ def test_names_and_pick_root() -> None:
     assert pick_root({}, stats) is None
     assert dying("Name:\tpython\nShdPnd:\t0000000000000100\nSigPnd:\t0000000000000000\n")
     assert not dying("ShdPnd:\t0000000000004000\nSigPnd:\t0000000000000000\n")  # a TERM
+
+
+def test_decide_detach_puts_each_thread_back_and_nothing_else() -> None:
+    adoptees = [Adoptee(10, 100, ((10, 100), (11, 101))), Adoptee(20, 200, ((20, 200),))]
+    d = decide_detach("engine", adoptees, {10: frozenset({3, 1}), 20: [0]})
+    assert [(b.tid, b.cpus, b.start_time, b.pid) for b in d.binds] == [
+        (10, (1, 3), 100, 10),
+        (11, (1, 3), 101, 10),
+        (20, (0,), 200, 20),
+    ]
+    assert d.pid == 10 and d.moves == () and d.joins == ()
+    assert decide_detach(1, adoptees, {20: [0]}).binds[0].tid == 20  # 10 left alone
 
 
 # -- a real engine, a real daemon ---------------------------------------------------------------
