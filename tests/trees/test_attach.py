@@ -251,8 +251,13 @@ def attached(d: DaemonProcess, engine_pid: int) -> dict[str, Any] | None:
     return doc
 
 
-def check_attached_and_detached(
-    d: DaemonProcess, e: Engine, root: int, before: dict[int, set[str]], cpus: str = "0-1"
+def check_attached_and_detached(  # noqa: PLR0917 - one helper of these tests
+    d: DaemonProcess,
+    e: Engine,
+    root: int,
+    before: dict[int, set[str]],
+    cpus: str = "0-1",
+    drift: bool = False,
 ) -> None:
     """Placed, then stopped: every process still runs with the affinity it had when
     found (`before`, read before the daemon started)."""
@@ -261,6 +266,13 @@ def check_attached_and_detached(
     workers = {r["rank"]: r["pid"] for r in doc["ranks"]}
     assert set(workers.values()) <= set(e.tree())  # the engine's own workers
     assert len(d.events("attached")) == 1
+    if drift:
+        # Drift is checked as for any adopted worker: a thread moved away goes back.
+        rank = doc["ranks"][1]
+        tid = max(thread_cpus(rank["pid"]))
+        os.sched_setaffinity(tid, {0, 1})
+        want = format_cpulist(rank["cpus"])
+        poll(lambda: thread_cpus(rank["pid"]).get(tid) == want, timeout_s=30, what="re-bound")
     code = d.stop(timeout_s=30)
     assert code == 0, d.tail()
     assert "detached" in d.tail(20000)
@@ -279,7 +291,7 @@ def test_an_engine_started_by_a_shell_is_attached_by_match_and_left_running(
         before = e.affinities()
         with DaemonProcess(config, tmp_path / "d.log", env=env) as d:
             # The shell's command line holds the marker too: it is the root.
-            check_attached_and_detached(d, e, e.proc.pid, before)
+            check_attached_and_detached(d, e, e.proc.pid, before, drift=True)
 
 
 @pytest.mark.skipif(v1_available() is not None, reason=str(v1_available()))
