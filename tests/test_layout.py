@@ -460,9 +460,11 @@ def mutual_imports(folders: dict[str, set[str]]) -> list[str]:
     """Each pair of folders (or root modules) that import each other, "a <-> b":
     one of the two holds a name that belongs below both."""
     return sorted(
-        f"{a} <-> {b}" for a, targets in folders.items() for b in targets
+        f"{a} <-> {b}"
+        for a, targets in folders.items()
+        for b in targets
         if a < b and a in folders.get(b, set())
-    )  # fmt: skip
+    )
 
 
 def test_no_two_folders_import_each_other() -> None:

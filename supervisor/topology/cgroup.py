@@ -10,6 +10,7 @@ hierarchy that has the cpuset controller wins.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -132,16 +133,18 @@ def _read_mapped(fs: HostFS, line: CgroupLine) -> Cpuset | None:
     return _read_files(fs, version, line.path or "/", files)
 
 
-def read_cpuset(fs: HostFS, proc_cgroup: str = PROC_CGROUP) -> Cpuset | None:
-    """The cpuset confining this process (with `proc_cgroup` "proc/PID/cgroup",
-    that process), or None when the file is absent."""
-    text = fs.read_optional(proc_cgroup)
-    return None if text is None else cpuset_of(fs, text, proc_cgroup)
+def read_cpuset(fs: HostFS) -> Cpuset | None:
+    """The cpuset confining this process, or None when /proc/self/cgroup is absent."""
+    text = fs.read_optional(PROC_CGROUP)
+    if text is None:
+        return None
+    return cpuset_of(fs, parse_proc_cgroup(text))
 
 
-def cpuset_of(fs: HostFS, text: str, rel: str = PROC_CGROUP) -> Cpuset | None:
-    """The cpuset of the cgroups a /proc/PID/cgroup `text` names (read from `rel`)."""
-    lines = parse_proc_cgroup(text, rel)
+def cpuset_of(fs: HostFS, lines: Sequence[CgroupLine]) -> Cpuset | None:
+    """The cpuset of the process whose /proc/<pid>/cgroup is `lines`, as this
+    process's mount namespace shows it (a node agent reads another container's);
+    None when no line is a cpuset's or cgroup2's."""
     for line in lines:
         if "cpuset" in line.controllers:
             mapped = _read_mapped(fs, line)

@@ -22,7 +22,8 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from concurrent.futures import Executor
 from dataclasses import dataclass
 
 from supervisor.bind.binder import Binder
@@ -40,11 +41,11 @@ from supervisor.run.procs import first_of
 from supervisor.run.runner import Runner, Runtime
 from supervisor.run.spec import SpecOf
 from supervisor.state import ProcessStatus
-from supervisor.topology.cgroup import V1_CPUSET_ROOT, Cpuset, cpuset_of, read_cpuset
-from supervisor.trees.adopt import AdoptingFleet, Candidate, read_adoptees
+from supervisor.topology.cgroup import V1_CPUSET_ROOT, Cpuset, cpuset_of, parse_proc_cgroup
+from supervisor.trees.adopt import AdoptingFleet, AdoptRunner, Candidate, read_adoptees
 from supervisor.trees.find_engine import FoundEngine, find_engine
 from supervisor.watch.adoption import decide_detach
-from supervisor.watch.apply import Applier, CgroupsLike
+from supervisor.watch.apply import Applier
 from supervisor.watch.decide import Decision
 
 log = logging.getLogger("placement_supervisor.attach")
@@ -313,17 +314,22 @@ class AttachingFleet(AdoptingFleet):
         plan: PlanInForce,
         spec_of: SpecOf,
         target: AttachTarget,
-        cgroups: CgroupsLike | None,
+        *,
+        ranks: dict[int, AdoptRunner],
+        names: Callable[[int], int | None],
+        applier: Applier,
+        executor: Executor,
     ) -> None:
-        config = plan.config
         self.attach = AttachRunner(rt, "engine", spec_of, target)
+        self.ranks = ranks  # filled by AdoptingFleet
         super().__init__(
             rt,
             plan,
             spec_of,
-            config.workers,
-            cgroups,
-            engine=config.engine,
+            ranks=ranks,
+            names=names,
+            applier=applier,
+            executor=executor,
             engine_runner=lambda: self.attach,
         )
 
@@ -340,7 +346,7 @@ class AttachingFleet(AdoptingFleet):
         go of every tree: nothing is signalled."""
         await super().shutdown()
         workers: dict[ProcKey, ProcessId] = {
-            k: r.at_stop.id for k, r in self.naming.runners.items() if r.at_stop is not None
+            k: r.at_stop.id for k, r in self.ranks.items() if r.at_stop is not None
         }
         try:
             await self.attach.detach(workers)
@@ -353,8 +359,10 @@ class AttachingFleet(AdoptingFleet):
 
 
 def _cpuset_of_pid(fs: HostFS, pid: int) -> Cpuset | None:
+    rel = f"proc/{pid}/cgroup"
     try:
-        return read_cpuset(fs, f"proc/{pid}/cgroup")
+        text = fs.read_optional(rel)
+        return None if text is None else cpuset_of(fs, parse_proc_cgroup(text, rel))
     except (SupervisorError, OSError):
         return None  # gone, or a garbled file: nothing to compare with
 
@@ -368,9 +376,9 @@ def engine_cpuset(fs: HostFS, target: AttachTarget, me: int) -> Cpuset | None:
     if target.how == "cgroup":
         v1 = fs.exists(f"{V1_CPUSET_ROOT}/cpuset.cpus")
         text = f"1:cpuset:{target.value}\n" if v1 else f"0::{target.value}\n"
-        return cpuset_of(fs, text, f"engine.attach.cgroup {target.value}")
+        return cpuset_of(fs, parse_proc_cgroup(text, f"engine.attach.cgroup {target.value}"))
     found = find_engine(fs, target, me)
-    return None if found is None else read_cpuset(fs, f"proc/{found.pid}/cgroup")
+    return None if found is None else _cpuset_of_pid(fs, found.pid)
 
 
 def confine_to_engine(config: Config, fs: HostFS) -> frozenset[int] | None:
@@ -401,14 +409,6 @@ def confine_to_engine(config: Config, fs: HostFS) -> frozenset[int] | None:
         os.sched_setaffinity(0, within)
     log.info("engine cpuset %s cpus=%s action=plan within", fields, format_cpulist(within))
     return within
-
-
-def attaching_fleet(
-    rt: Runtime, plan: PlanInForce, spec_of: SpecOf, cgroups: CgroupsLike | None
-) -> AttachingFleet | None:
-    """The daemon's fleet when the config attaches to its engine; None otherwise."""
-    target = attach_target(plan.config)
-    return None if target is None else AttachingFleet(rt, plan, spec_of, target, cgroups)
 
 
 def attach_target(config: Config) -> AttachTarget | None:

@@ -71,7 +71,6 @@ def keeper(root: Path, recent_procs: RecentProcs | None = None) -> TreeKeeper:
         interval_s=1.0,
         cgroup_dir=cgroup_dir,
         direct_children=list,
-        use_connector=False,
         subreaper=False,
         recent_procs=recent_procs,
     )
@@ -161,7 +160,6 @@ def test_a_worker_being_adopted_stays_out_of_every_published_tree_until_its_root
                 interval_s=1.0,
                 cgroup_dir=lambda key: None,
                 direct_children=list,
-                use_connector=False,
                 subreaper=False,
             )
 

@@ -143,9 +143,13 @@ def main() -> int:
     make_nodes()
     run_case("ray", "raystandin", "ray_main", kind="ray", flags=["--workers", "2"], env={})
     run_case(
-        "vllm", "vllmstandin", "vllm_main", kind="vllm", flags=["--tensor-parallel-size", "2"],
+        "vllm",
+        "vllmstandin",
+        "vllm_main",
+        kind="vllm",
+        flags=["--tensor-parallel-size", "2"],
         env={OPEN_DEVICE_ENV: "reverse"},
-    )  # fmt: skip
+    )
     return CHECKS.exit_code()
 
 

@@ -103,6 +103,7 @@ def run_with_checker(
     topology, placement = prepare(config, env, FS)
     if slots:
         placement = with_slots(placement, slots)
+    stop = asyncio.Event()  # the shutdown trigger
     daemon = Daemon(
         config,
         topology,
@@ -111,6 +112,7 @@ def run_with_checker(
         fs=FS,
         api=False,
         check_loop=True,
+        shutdown_trigger=stop,
     )
 
     async def main() -> None:
@@ -120,8 +122,7 @@ def run_with_checker(
                 checker = await until(lambda: daemon.checker)
                 await scenario(daemon, checker)
             finally:
-                if daemon.rt is not None:
-                    daemon.rt.stopping.set()
+                stop.set()  # as SIGTERM would
                 assert await task == 0
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
@@ -240,6 +241,7 @@ def test_under_observe_drift_is_reported_and_left_alone(tmp_path: Path) -> None:
         assert counter(daemon, "drift_events", ("0", "thread_affinity")) == 1  # once
         assert counter(daemon, "rebinds", ("0", "thread_affinity")) == 0
         # POST /rebind runs one enforcing pass now, whatever the policy.
+        assert daemon.actions is not None
         summary = await daemon.actions.rebind(0)
         assert summary["processes"]["0"]["threads_rebound"] == 1
         assert affinity(comm_tid) == (0,)
