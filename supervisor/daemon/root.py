@@ -6,7 +6,8 @@ then one worker per rank, each spawned through the exec shim so it is bound
 from its first instruction, each in its own process group, each restarted by
 the policy of `supervisor.run.restart`. Every state change is an Event in the
 `StateStore`, which the API and metrics read. The processes are a fleet
-(supervisor.run.fleet: spawned, or with adopted workers), the plan they run by
+(supervisor.run.fleet: spawned, or with adopted workers, or an engine found
+rather than spawned: supervisor.trees.attach), the plan they run by
 the plan in force (supervisor.in_force), which only the check loop replaces.
 `Daemon.run` builds every part in dependency order (`_build`: the bind path,
 the guardian, the proc connector, the adopter, the tree keeper, the runtime,
