@@ -20,10 +20,13 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from supervisor.config_sections import (
+    ATTACH_HOWS,
+    AttachHow,
     check_env_name,
     check_exec_strings,
     check_template,
     load_account,
+    load_attach,
     load_placement,
     load_threads,
 )
@@ -81,6 +84,21 @@ class ProcessConfig:
     # [workers] spawned_by only: a rank waiting this long after the engine
     # started, while the tree has processes no rule matched, logs a WARNING.
     waiting_warning_s: float = field(default=WAITING_WARNING_S, kw_only=True)
+    # [engine] only: the running engine to place instead of a command to spawn
+    # (docs/attach.md); `command` is then empty.
+    attach: AttachTarget | None = field(default=None, kw_only=True)
+
+
+@dataclass(frozen=True, slots=True)
+class AttachTarget:
+    """`[engine] attach = { unit = "vllm.service" }`, `{ cgroup = "/x.slice/y" }` or
+    `{ match = "vllm serve" }`: how the supervisor finds an engine it did not start."""
+
+    how: AttachHow
+    value: str
+
+    def __str__(self) -> str:
+        return f"{self.how} = {self.value!r}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +190,8 @@ def _process(top: Table, key: str, *, template: bool) -> ProcessConfig:
     t = top.table(key)
     if template and t.has("spawned_by"):
         return _adopted_workers(t)
+    if not template and t.has("attach"):
+        return _attached_engine(t)
     argv = t.command("command")
     if template:
         check_template(t, "command", argv)
@@ -188,6 +208,19 @@ def _process(top: Table, key: str, *, template: bool) -> ProcessConfig:
             raise t.fail("command", f"{err} (read as {kind}'s flag)") from None
     t.done()
     return ProcessConfig(argv, env, user=user, group=group, kind=kind)
+
+
+def _attached_engine(t: Table) -> ProcessConfig:
+    """[engine] attach = { unit | cgroup | match = "..." } (docs/attach.md)."""
+    if t.has("command"):
+        raise t.fail("attach", "give either command or attach, not both")
+    how, value = load_attach(t, ATTACH_HOWS)
+    asked: EngineKind = t.choice("kind", "auto", ENGINE_KINDS)
+    # "auto" reads the kind from a match's words; a unit or cgroup tells nothing.
+    argv = tuple(value.split()) if how == "match" else ()
+    kind: ResolvedKind = recognise_kind(argv) if asked == "auto" else asked
+    t.done()
+    return ProcessConfig((), {}, kind=kind, attach=AttachTarget(how, value))
 
 
 def _adopted_workers(t: Table) -> ProcessConfig:
@@ -313,9 +346,20 @@ def parse_config(
     collects every key path the parser reads for this document, present or not."""
     top = Table(doc, "", file, asked)
     engine = _process(top, "engine", template=False) if top.has("engine") else None
-    if not top.has("workers"):
+    attached = engine is not None and engine.attach is not None
+    if attached and not top.has("workers"):
+        # An attached engine spawns its workers: `spawned_by = "engine"` is implied.
+        workers = ProcessConfig((), {}, "engine")
+    elif not top.has("workers"):
         raise top.fail("workers", "is required (the worker command template)")
-    workers = _process(top, "workers", template=True)
+    else:
+        workers = _process(top, "workers", template=True)
+    if attached and workers.spawned_by != "engine":
+        raise top.fail(
+            "workers",
+            'an attached engine spawns its own workers: give spawned_by = "engine" '
+            "(or leave [workers] out), not a command",
+        )
     accelerator: AcceleratorSetting = top.choice("accelerator", AUTO, SETTINGS)
     devices = top.str_list("devices")
     normalized = []
@@ -401,6 +445,14 @@ def parse_config(
         )
     if cfg.ready is not None and cfg.engine is None:
         raise top.fail("ready", "a readiness probe needs an [engine]")
+    if attached:
+        if cfg.ready is not None:
+            raise top.fail(
+                "ready", "not used with engine.attach: an attached engine is up once found"
+            )
+        # The supervisor makes no cgroups of its own for an engine it did not start: its
+        # processes stay in the unit's (docs/attach.md).
+        cfg = replace(cfg, cgroup="off")
     if cfg.engine is not None and not cfg.placement.engine:
         # Without a slot the engine would silently not run at all.
         raise ConfigError(
@@ -518,6 +570,7 @@ _EVERY_BRANCH: tuple[Mapping[str, Any], ...] = (
         "engine": {"command": ["engine"]},
         "workers": {"spawned_by": "engine", "rank_from": ["env:LOCAL_RANK"]},
     },
+    {"engine": {"attach": {"match": "vllm serve"}, "kind": "vllm"}},
 )
 # A name the operator chooses, as docs/planning.md writes it.
 _PLACEHOLDERS = (

@@ -11,12 +11,15 @@ import re
 import string
 from collections.abc import Mapping
 from fnmatch import fnmatchcase
+from typing import Literal
 
 from supervisor.config_table import Table
 from supervisor.plan.keys import ThreadRole
 from supervisor.plan.placement import Allocator, PlanSettings, Shortage, StrategySetting
 
 COMMAND_FIELDS = ("rank", "local_rank", "device_index", "bus_id", "world_size")
+AttachHow = Literal["unit", "cgroup", "match"]
+ATTACH_HOWS: tuple[AttachHow, ...] = ("unit", "cgroup", "match")
 
 
 def check_template(table: Table, key: str, argv: tuple[str, ...]) -> None:
@@ -170,3 +173,24 @@ def load_threads(t: Table) -> tuple[ThreadRole, ...]:
         sub.done()
     t.done()
     return tuple(roles)
+
+
+def load_attach(engine: Table, hows: tuple[AttachHow, ...]) -> tuple[AttachHow, str]:
+    """`[engine] attach = { unit | cgroup | match = "..." }`: exactly one, checked."""
+    sub = engine.table("attach")
+    given = [how for how in hows if sub.has(how)]
+    unknown = sorted(k for k in sub.doc if k not in hows)
+    if unknown:
+        raise sub.fail(unknown[0], f"unknown attach key; give one of {', '.join(hows)}")
+    if len(given) != 1:
+        raise engine.fail("attach", f"give exactly one of {', '.join(hows)}")
+    how = given[0]
+    value = sub.text(how, "").strip()
+    if not value or "\0" in value:
+        raise sub.fail(how, "must be a non-empty string without NUL bytes")
+    if how == "cgroup" and not value.startswith("/"):
+        raise sub.fail(how, f"a cgroup path starts with / (as in /proc/PID/cgroup), got {value!r}")
+    if how == "unit" and "/" in value:
+        raise sub.fail(how, f"a unit name, not a path, got {value!r}")
+    sub.done()
+    return how, value

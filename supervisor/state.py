@@ -60,7 +60,7 @@ EventKind = Literal[
     "ready", "ready_failed", "stopping", "error",
     "bind_failed", "drift", "rebind", "migrate", "cpuset", "plan", "plan_failed",
     "irq", "irq_moved", "irq_restored", "irqbalance", "adopt", "reload", "rank_conflict",
-    "rank_waiting",
+    "rank_waiting", "attached", "detached",
 ]  # fmt: skip
 DRIFT_KINDS: tuple[DriftKind, ...] = get_args(DriftKind)
 BIND_TARGETS: tuple[BindTarget, ...] = get_args(BindTarget)

@@ -101,7 +101,8 @@ def test_every_pattern_matches_a_real_thread_name(path: Path) -> None:
 @pytest.mark.parametrize("path", ALL, ids=lambda p: str(p.relative_to(CONFIGS)))
 def test_engine_commands_name_the_engines_own_environment(path: Path) -> None:
     config = load_example(path)
-    commands = [config.engine.command] if config.engine else []
+    # An attached engine (docs/attach.md) has no command of ours.
+    commands = [config.engine.command] if config.engine and config.engine.command else []
     if "spawned_by" not in raw(path)["workers"]:
         commands.append(config.workers.command)
     for argv in commands:

@@ -96,6 +96,8 @@ def _adopter_reasons(old: Config, new: Config) -> list[str]:
     if old.engine is None or new.engine is None:
         return []
     reasons: list[str] = []
+    if old.engine.attach != new.engine.attach:
+        reasons.append("engine.attach (the engine is found or spawned by it)")
     if old.engine.kind != new.engine.kind:
         reasons.append(f"engine.kind ({old.engine.kind} -> {new.engine.kind})")
     elif old.workers.spawned_by == "engine":

@@ -6,7 +6,8 @@ then one worker per rank, each spawned through the exec shim so it is bound
 from its first instruction, each in its own process group, each restarted by
 the policy of `supervisor.run.restart`. Every state change is an Event in the
 `StateStore`, which the API and metrics read. The processes are a fleet
-(supervisor.run.fleet: spawned, or with adopted workers), the plan they run by
+(supervisor.run.fleet: spawned, or with adopted workers, or an engine found
+rather than spawned: supervisor.trees.attach), the plan they run by
 the plan in force (supervisor.in_force), which only the check loop replaces.
 `Daemon.run` builds every part in dependency order (`_build`: the bind path,
 the guardian, the proc connector, the adopter, the tree keeper, the runtime,
@@ -71,6 +72,7 @@ from supervisor.topology.accelerators import CPU
 from supervisor.topology.discover import read_topology, reread_cpus
 from supervisor.topology.model import Topology
 from supervisor.trees.adopt import Adopter, AdoptingFleet, AdoptRunner
+from supervisor.trees.attach import AttachingFleet, attach_target, confine_to_engine
 from supervisor.trees.guardian import Guardian
 from supervisor.trees.keeper import TreeKeeper, open_events
 from supervisor.trees.proc_events import ProcEvents
@@ -346,6 +348,18 @@ class Daemon:
         )
         if naming is None or self.adopt_executor is None:
             self.fleet = fleet = spawned_fleet(rt, self.plan, self.specs)
+        elif (target := attach_target(self.config)) is not None:
+            # Attach mode (supervisor.trees.attach): the engine found, not spawned.
+            self.fleet = fleet = AttachingFleet(
+                rt,
+                self.plan,
+                self.specs,
+                target,
+                ranks=ranks,
+                names=naming.resolve,
+                applier=applier,
+                executor=self.adopt_executor,
+            )
         else:
             self.fleet = fleet = AdoptingFleet(
                 rt,
@@ -465,7 +479,8 @@ class Daemon:
             interval_s=lambda: self.config.drift.check_interval_s,  # the config in force
             cgroup_dir=self._cgroup_dir,
             direct_children=self._direct_children,
-            guardian=self.guardian,
+            # An attached engine's tree is not ours to end, not even if we die.
+            guardian=None if attach_target(self.config) is not None else self.guardian,
             events=events,
             events_how=events_how,
             quiet_intervals=quiet_intervals,
@@ -695,6 +710,7 @@ class DaemonActions:
 
 def prepare(config: Config, env: Mapping[str, str], fs: HostFS) -> tuple[Topology, Placement]:
     """Discover and plan; log the plan table and its warnings."""
+    confine_to_engine(config, fs)  # attach mode: plan within the engine's cgroup (trees.attach)
     topology = read_topology(fs, discovery_options(config, env))
     placement = plan(topology, config.placement)
     for line in render_plan_table(placement, topology).splitlines():

@@ -170,6 +170,7 @@ class AdoptRunner(Runner):
         self.bind_executor = executor if executor is not None else rt.executor
         self.offers: asyncio.Queue[Candidate] = asyncio.Queue()
         self.adopted: Candidate | None = None
+        self.at_stop: Candidate | None = None
         self.seen: set[tuple[int, int]] = set()  # adopted before (an offer may come twice)
         self.cgroup_dirs: tuple[str, ...] = ()
         self.all_nodes = tuple(all_nodes)
@@ -190,6 +191,8 @@ class AdoptRunner(Runner):
                 return
             await self._adopt_loop()
         finally:
+            if self.stopping:  # the worker at the stop, which the stop does not end itself
+                self.at_stop = self.adopted
             self.adopted = None
             if self.stopping:
                 self.set_status(state="stopped", pid=None, ppid=None, adopted=False)
@@ -551,6 +554,7 @@ class AdoptingFleet(RunnerFleet):
         names: Callable[[int], int | None],
         applier: Applier,
         executor: Executor,
+        engine_runner: Callable[[], Runner] | None = None,
     ) -> None:
         """`ranks`: the Adopter's mapping of rank runners, filled here; `names`: its
         `resolve`; `executor`: where adoptions bind (the root's ps-adopt thread)."""
@@ -558,7 +562,10 @@ class AdoptingFleet(RunnerFleet):
         runners: list[Runner] = []
         for key in plan_keys(plan):
             if key == "engine":
-                runners.append(Runner(rt, key, spec_of))
+                # Spawned, unless the caller finds it (supervisor.trees.attach).
+                runners.append(
+                    Runner(rt, key, spec_of) if engine_runner is None else engine_runner()
+                )
             else:
                 ranks[key] = AdoptRunner(rt, key, spec_of, nodes, applier, executor, names=names)
                 runners.append(ranks[key])

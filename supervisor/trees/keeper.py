@@ -140,6 +140,7 @@ class TreeKeeper:
         self.events_how = events_how
         self.roots: dict[ProcKey, Root] = {}
         self.adopted: set[ProcKey] = set()  # roots that are engine-spawned workers
+        self.released: set[ProcKey] = set()  # trees never to end (release)
         self.leaving_pids: set[int] = set()  # being adopted: in no published tree meanwhile
         self.members: dict[int, Member] = {}
         self.adopter = adopter  # names the engine's processes ([workers] spawned_by = "engine")
@@ -170,6 +171,7 @@ class TreeKeeper:
         self, key: ProcKey, pid: int, start_time: int | None, *, adopted: bool = False
     ) -> None:
         self.roots[key] = Root(key, pid, start_time, self.cgroup_dir(key))
+        self.released.discard(key)
         self.members.pop(pid, None)
         replayed = self._replay_forks(key, pid)
         if adopted:
@@ -207,6 +209,12 @@ class TreeKeeper:
         if root is not None and self.guardian is not None:
             self.guardian.forget(root.pid)
         self._watch()
+
+    def release(self, key: ProcKey) -> None:
+        """Forget `key`'s tree and never end it: an attached engine's (trees.attach)."""
+        self.released.add(key)
+        self.clear_root(key)
+        self.members = {p: m for p, m in self.members.items() if m.owner != key}
 
     def descendants(self, pid: int) -> list[int]:
         """Known members below `pid` by their parent links."""
@@ -549,7 +557,8 @@ class TreeKeeper:
 
     def tree_keys(self, key: ProcKey) -> set[ProcKey]:
         """`key` and, for the engine, every rank it spawned (adopted roots)."""
-        return {key, *self.adopted} if key == "engine" else {key}
+        keys = (key, *self.adopted) if key == "engine" else (key,)
+        return {k for k in keys if k not in self.released}
 
     def signal_tree(self, key: ProcKey, sig: int, *, roots: bool = False) -> int:
         """Send `sig` to every live process of the tree (pid + start time checked)."""

@@ -5,12 +5,14 @@ descendants (`Adoptee`: pid, start time, threads with theirs) into the
 `decide.Decision` that the one `watch.apply.Applier` carries out, identity
 checks included: join the rank's cgroups, every thread onto the rank's CPUs,
 the worker's pages onto the rank's nodes. `adoption_result` folds the
-Applier's `Outcomes` into what the adopting runner records.
+Applier's `Outcomes` into what the adopting runner records. `decide_detach`
+is attach mode's stop (supervisor.trees.attach): every thread back to the
+CPUs its process had when found, nothing else.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from supervisor.plan.keys import ProcKey
@@ -71,6 +73,21 @@ def decide_adoption(
     )
     joins = tuple((a.pid, a.start_time) for a in adoptees) if join else ()
     return Decision(key, worker.pid, Observation(), (), (), binds, moves, joins=joins)
+
+
+def decide_detach(
+    key: ProcKey, adoptees: Sequence[Adoptee], cpus_of: Mapping[int, Iterable[int]]
+) -> Decision:
+    """Every thread of `adoptees` (the first: the decision's process) back to its
+    process's CPUs in `cpus_of` (by pid; a process not in it is left alone): no
+    page moves, no cgroup joins."""
+    binds = tuple(
+        ThreadBind(tid, "", "", tuple(sorted(cpus_of[a.pid])), "thread_role", start, a.pid)
+        for a in adoptees
+        if a.pid in cpus_of
+        for tid, start in a.threads
+    )
+    return Decision(key, adoptees[0].pid, Observation(), (), (), binds, ())
 
 
 def adoption_result(d: Decision, out: Outcomes, processes: int) -> AdoptResult:

@@ -1,0 +1,416 @@
+"""Attach mode: place an engine the supervisor did not start (does I/O: /proc, affinities).
+
+With `[engine] attach = { unit | cgroup | match = "..." }` (docs/attach.md) the
+engine runs under its operator's own unit. `AttachRunner` stands where the
+engine's spawning `Runner` would: it looks for the engine (`find_engine`, once
+per check interval, with a log line every WAITING_LOG_S while there is none),
+records the CPU affinity of every process of its tree as found, makes it the
+engine's tree root (the check loop binds its threads, the adopter names its
+workers) and watches it; after it exits it looks again, and places the next
+one (a new pid and start time). `AttachingFleet` is the `AdoptingFleet` with
+that runner for the engine: its workers are adopted by the kind's rules.
+
+Nothing here signals, restarts or re-parents a process: a restart request is
+refused, and the stop detaches: every process of the engine's tree gets back
+the affinity it had when found (one found later, its root's), then the tree
+keeper forgets the trees (`release`) so that the daemon's stop ends none.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Executor
+from dataclasses import dataclass
+
+from supervisor.bind.binder import Binder
+from supervisor.config import AttachTarget, Config
+from supervisor.cpulist import format_cpulist
+from supervisor.errors import KernelError, SupervisorError
+from supervisor.hostfs import HostFS
+from supervisor.in_force import PlanInForce
+from supervisor.logs import format_fields
+from supervisor.plan.keys import ProcKey
+from supervisor.plan.replan import slots_by_key
+from supervisor.procfs.identity import ProcessId
+from supervisor.procfs.stat import children_map, scan_procs
+from supervisor.run.procs import first_of
+from supervisor.run.runner import Runner, Runtime
+from supervisor.run.spec import SpecOf
+from supervisor.state import ProcessStatus
+from supervisor.topology.cgroup import V1_CPUSET_ROOT, Cpuset, cpuset_of, parse_proc_cgroup
+from supervisor.trees.adopt import AdoptingFleet, AdoptRunner, Candidate, read_adoptees
+from supervisor.trees.find_engine import FoundEngine, find_engine
+from supervisor.watch.adoption import decide_detach
+from supervisor.watch.apply import Applier
+from supervisor.watch.decide import Decision
+
+log = logging.getLogger("placement_supervisor.attach")
+
+WAITING_LOG_S = 30.0  # while the engine is not there: one INFO line this often
+
+
+# -- what the tree looked like when found, and putting it back ----------------------
+
+
+def tree_pids(fs: HostFS, root: ProcessId) -> dict[int, int]:
+    """pid -> start time of `root` and every descendant by parent links now;
+    empty when `root` is gone. Blocking."""
+    stats = scan_procs(fs)
+    if not root.matches(stats.get(root.pid)):
+        return {}
+    children = children_map(stats)
+    out: dict[int, int] = {}
+    todo = [root.pid]
+    while todo:
+        pid = todo.pop()
+        if pid in out or pid not in stats:
+            continue
+        out[pid] = stats[pid].start_time
+        todo.extend(children.get(pid, ()))
+    return out
+
+
+def read_affinities(fs: HostFS, root: ProcessId) -> dict[ProcessId, frozenset[int]]:
+    """The CPU affinity of each process of the tree (its main thread's). Blocking."""
+    binder = Binder(fs)
+    out: dict[ProcessId, frozenset[int]] = {}
+    for pid, start in tree_pids(fs, root).items():
+        try:
+            out[ProcessId(pid, start)] = binder.get_thread_affinity(pid)
+        except KernelError:
+            continue  # exited meanwhile
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Detached:
+    processes: int  # whose threads were put back
+    threads: int
+    failed: int  # threads that refused (another user's, no CPU left in their cpuset)
+
+
+def restore_affinities(
+    fs: HostFS,
+    root: ProcessId,
+    before: Mapping[ProcessId, frozenset[int]],
+    adopted: Mapping[ProcKey, ProcessId] | None = None,
+) -> Detached:
+    """Every thread of every process of the engine's tree, and of each `adopted`
+    worker's tree (one orphaned by its engine's exit is no longer below the root),
+    back to the affinity its process had when found; one born since gets the
+    root's. Through the one Applier (identity checks included). Blocking."""
+    fallback = before.get(root)
+    heads: list[tuple[ProcKey, ProcessId]] = [*(adopted or {}).items(), ("engine", root)]
+    taken: set[int] = set()
+    decisions: list[Decision] = []
+    starts: dict[ProcKey, int | None] = {}
+    processes = 0
+    for key, head in heads:
+        pids = [p for p in tree_pids(fs, head) if p not in taken]
+        taken.update(pids)
+        if not pids:
+            continue  # gone
+        adoptees = read_adoptees(fs, Candidate(head.pid, head.start_time, 0), pids)
+        cpus_of = {
+            a.pid: cpus
+            for a in adoptees
+            if a.start_time is not None
+            and (cpus := before.get(ProcessId(a.pid, a.start_time), fallback)) is not None
+        }
+        processes += len(cpus_of)
+        decisions.append(decide_detach(key, adoptees, cpus_of))
+        starts[key] = head.start_time
+    applier = Applier(fs, Binder(fs), None, None)
+    outcomes = [o for out in applier.apply(decisions, starts) for o in out.threads.values()]
+    failed = sum(1 for o in outcomes if o.error is not None)
+    threads = sum(1 for o in outcomes if o.error is None and not o.gone)
+    return Detached(processes, threads, failed)
+
+
+def _set_done(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+# -- the engine's runner ------------------------------------------------------------------
+
+
+class AttachRunner(Runner):
+    """The engine, found rather than spawned; watched, never signalled."""
+
+    def __init__(self, rt: Runtime, key: ProcKey, spec_of: SpecOf, target: AttachTarget) -> None:
+        super().__init__(rt, key, spec_of)
+        self.target = target
+        self.found: FoundEngine | None = None
+        self.last: FoundEngine | None = None  # the last one found, until the next
+        self.before: dict[ProcessId, frozenset[int]] = {}  # the found tree's affinities
+
+    @property
+    def waiting_text(self) -> str:
+        return f"engine not running: waiting for {self.target}"
+
+    async def run(self) -> None:
+        try:
+            await self._attach_loop()
+        finally:
+            if self.stopping:
+                self.set_status(state="stopped", pid=None, ppid=None)
+
+    async def _attach_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.set_status(state="waiting", pid=None, ppid=None, adopted=True)
+        # READY=1 waits for no engine that may come much later (STATUS= says why).
+        self.launched.set()
+        logged_at: float | None = None
+        seen: FoundEngine | None = None  # found at the last look
+        while not self.stopping:
+            found = await loop.run_in_executor(
+                self.rt.executor, find_engine, self.rt.fs, self.target, os.getpid()
+            )
+            # Attached once two looks in a row find the same process: a shell
+            # about to exec, or a killed engine's orphan not yet reaped, is not it.
+            settled = found is not None and seen is not None and found.id == seen.id
+            seen = found
+            if found is None or not settled:
+                self.waiting = self.waiting_text
+                now = time.monotonic()
+                if found is None and (logged_at is None or now - logged_at >= WAITING_LOG_S):
+                    logged_at = now
+                    log.info("engine waiting attach=%r action=look again", str(self.target))
+                interval = self.rt.config.drift.check_interval_s
+                await first_of(asyncio.sleep(interval), self.rt.stopping.wait())
+                continue
+            assert found is not None
+            self.waiting = None
+            logged_at = seen = None
+            if await self._attach(found):
+                await self._watch(found)
+
+    async def _attach(self, found: FoundEngine) -> bool:
+        loop = asyncio.get_running_loop()
+        before = await loop.run_in_executor(self.rt.executor, read_affinities, self.rt.fs, found.id)
+        if found.id not in before:
+            return False  # exited before we got to it
+        self.found, self.last, self.before = found, found, before
+        cpuset = await loop.run_in_executor(self.rt.executor, _cpuset_of_pid, self.rt.fs, found.pid)
+        planned = frozenset(
+            c for slot in slots_by_key(self.rt.plan.placement).values() for c in slot.cpus
+        )
+        outside = sorted(planned - cpuset.cpus) if cpuset is not None and cpuset.cpus else []
+        if self.rt.trees is not None:
+            self.rt.trees.set_root(self.key, found.pid, found.start_time)
+        self.set_status(
+            state="running",
+            pid=found.pid,
+            start_time=found.start_time,
+            ppid=found.ppid,
+            adopted=True,
+            bound=True,
+            cpus_bound=True,
+        )
+        self.recorder.note(
+            "attached",
+            self.key,
+            f"engine: attached to pid {found.pid} ({self.target})",
+            log_message="attached",
+            pid=found.pid,
+            ppid=found.ppid,
+            cgroup=found.cgroup,
+            processes=len(before),
+            cgroup_cpus=None if cpuset is None or cpuset.cpus is None else sorted(cpuset.cpus),
+            cpus_outside=outside,
+            action="place",
+        )
+        if outside:
+            # The kernel keeps each thread within its cgroup's CPUs: a slot wholly
+            # outside them cannot be bound (bind_failed), a slot partly outside shrinks.
+            self.recorder.note(
+                "error",
+                self.key,
+                f"engine: the plan uses CPUs {format_cpulist(outside)} outside the engine's "
+                f"cgroup {cpuset.path if cpuset else ''} (docs/attach.md)",
+                log_message="engine cpuset narrower than the plan",
+                level=logging.WARNING,
+                cpus=format_cpulist(outside),
+                action="bind within",
+            )
+        self.ready.set()
+        return True
+
+    async def _watch(self, found: FoundEngine) -> None:
+        """Until the engine exits (its pidfd, or a look each check) or the daemon stops."""
+        loop = asyncio.get_running_loop()
+        exited: asyncio.Future[None] = loop.create_future()
+        fd = found.id.open_pidfd(self.rt.fs)
+        if fd is not None:
+            loop.add_reader(fd, _set_done, exited)
+        try:
+            while not self.stopping and not exited.done() and found.id.is_running(self.rt.fs):
+                poll = () if fd is not None else (asyncio.sleep(1.0),)
+                await first_of(exited, self.rt.stopping.wait(), *poll)
+        finally:
+            if fd is not None:
+                loop.remove_reader(fd)
+                os.close(fd)
+        if self.stopping:
+            return
+        self.found = None
+        if self.rt.trees is not None:
+            self.rt.trees.clear_root(self.key)
+        self.set_status(state="waiting", pid=None, ppid=None)
+        self.recorder.note(
+            "exit",
+            self.key,
+            f"engine: attached pid {found.pid} exited; waiting for the next ({self.target})",
+            log_message="attached exit",
+            pid=found.pid,
+            action="find the next",
+        )
+
+    async def detach(self, adopted: Mapping[ProcKey, ProcessId]) -> Detached | None:
+        """Put back the affinities of the engine's tree and of the `adopted`
+        workers as found (the stop's); None when no engine was ever found."""
+        found = self.found or self.last
+        if found is None:
+            return None
+        loop = asyncio.get_running_loop()
+        done = await loop.run_in_executor(
+            self.rt.executor, restore_affinities, self.rt.fs, found.id, self.before, adopted
+        )
+        self.recorder.note(
+            "detached",
+            self.key,
+            f"engine: detached from pid {found.pid}: {done.threads} threads of "
+            f"{done.processes} processes back to their affinity as found",
+            log_message="detached",
+            pid=found.pid,
+            processes=done.processes,
+            threads=done.threads,
+            failed=done.failed,
+            action="leave running",
+        )
+        return done
+
+    async def shutdown(self) -> None:
+        """Stop watching; the engine runs on (its affinities: `detach`)."""
+        self.request_stop()
+        if self.task is not None:
+            await asyncio.gather(self.task, return_exceptions=True)
+
+
+# -- the fleet -------------------------------------------------------------------------------
+
+
+class AttachingFleet(AdoptingFleet):
+    """An attached engine (`AttachRunner`) and one adopted rank per planned rank."""
+
+    def __init__(
+        self,
+        rt: Runtime,
+        plan: PlanInForce,
+        spec_of: SpecOf,
+        target: AttachTarget,
+        *,
+        ranks: dict[int, AdoptRunner],
+        names: Callable[[int], int | None],
+        applier: Applier,
+        executor: Executor,
+    ) -> None:
+        self.attach = AttachRunner(rt, "engine", spec_of, target)
+        self.ranks = ranks  # filled by AdoptingFleet
+        super().__init__(
+            rt,
+            plan,
+            spec_of,
+            ranks=ranks,
+            names=names,
+            applier=applier,
+            executor=executor,
+            engine_runner=lambda: self.attach,
+        )
+
+    def request_restart(self, key: ProcKey) -> ProcessStatus:
+        if key not in self:
+            raise KeyError(key)
+        raise SupervisorError(
+            "attached: the supervisor never restarts a process it did not start "
+            "(restart the engine's own unit)"
+        )
+
+    async def shutdown(self) -> None:
+        """Stop watching (workers, then the engine), put back the affinities, and let
+        go of every tree: nothing is signalled."""
+        await super().shutdown()
+        workers: dict[ProcKey, ProcessId] = {
+            k: r.at_stop.id for k, r in self.ranks.items() if r.at_stop is not None
+        }
+        try:
+            await self.attach.detach(workers)
+        except Exception as err:  # best effort: the stop goes on, the engine runs on
+            log.exception("detach failed error=%r action=continue", err)
+        trees = self.rt.trees
+        if trees is not None:
+            for key in self.keys:
+                trees.release(key)
+
+
+def _cpuset_of_pid(fs: HostFS, pid: int) -> Cpuset | None:
+    rel = f"proc/{pid}/cgroup"
+    try:
+        text = fs.read_optional(rel)
+        return None if text is None else cpuset_of(fs, parse_proc_cgroup(text, rel))
+    except (SupervisorError, OSError):
+        return None  # gone, or a garbled file: nothing to compare with
+
+
+# -- planning within the engine's cgroup ------------------------------------------------------
+
+
+def engine_cpuset(fs: HostFS, target: AttachTarget, me: int) -> Cpuset | None:
+    """The cpuset of the engine's cgroup: a `cgroup` target's own directory (whether
+    or not the engine runs), else that of the engine running now (None: none runs)."""
+    if target.how == "cgroup":
+        v1 = fs.exists(f"{V1_CPUSET_ROOT}/cpuset.cpus")
+        text = f"1:cpuset:{target.value}\n" if v1 else f"0::{target.value}\n"
+        return cpuset_of(fs, parse_proc_cgroup(text, f"engine.attach.cgroup {target.value}"))
+    found = find_engine(fs, target, me)
+    return None if found is None else _cpuset_of_pid(fs, found.pid)
+
+
+def confine_to_engine(config: Config, fs: HostFS) -> frozenset[int] | None:
+    """Attach mode, before discovery: the supervisor's own CPU affinity narrowed to
+    the CPUs of the engine's cgroup (where known now), as if its unit said
+    CPUAffinity= them: the plan, and every re-plan after a cpuset change, then
+    fits in them. The CPUs kept, or None when nothing was narrowed. Blocking."""
+    target = attach_target(config)
+    if target is None or not fs.is_live:
+        return None
+    try:
+        cpuset = engine_cpuset(fs, target, os.getpid())
+    except (SupervisorError, OSError) as err:
+        log.warning("engine cpuset unreadable error=%r action=plan within own", str(err))
+        return None
+    if cpuset is None or cpuset.cpus is None:
+        log.info("engine cpuset unknown attach=%r action=plan within own", str(target))
+        return None
+    own = frozenset(os.sched_getaffinity(0))
+    within = own & cpuset.cpus
+    fields = format_fields(
+        cgroup=cpuset.path, engine_cpus=format_cpulist(cpuset.cpus), own=format_cpulist(own)
+    )
+    if not within:
+        log.warning("engine cpuset disjoint %s action=plan within own", fields)
+        return None
+    if within != own:
+        os.sched_setaffinity(0, within)
+    log.info("engine cpuset %s cpus=%s action=plan within", fields, format_cpulist(within))
+    return within
+
+
+def attach_target(config: Config) -> AttachTarget | None:
+    """What `[engine] attach` names, or None when the engine is spawned."""
+    return None if config.engine is None else config.engine.attach
