@@ -7,8 +7,9 @@ store, the one bind path with a real Binder, an executor) around processes
 the test starts itself, runs the loop at the config's interval, and stops it
 through its `stopping` event when the test is done. The processes are real,
 their threads are read from /proc and bound with sched_setaffinity(2): only
-the daemon around them is left out. They start unbound (no shim), so the
-loop's first passes bind them as it binds a thread it sees for the first time.
+the daemon around them is left out. Each starts on its slot's main CPUs, as
+the shim would start it (the memory policy left out), so its later threads
+inherit them and the loop finds what it finds under the daemon.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 
 from supervisor.bind.binder import Binder
 from supervisor.config import Config
+from supervisor.cpulist import format_cpulist
 from supervisor.hostfs import HostFS
 from supervisor.in_force import PlanInForce
 from supervisor.plan.keys import ProcKey
@@ -81,14 +83,16 @@ async def checking(
     stopping = asyncio.Event()
     task: asyncio.Task[None] | None = None
     try:
+        plan = PlanInForce(config, topology, placement)
         for key, argv in commands.items():
-            procs[key] = subprocess.Popen(list(argv), env=dict(os.environ))
+            # taskset(1) sets the CPUs before the program's first instruction, as the shim.
+            main = format_cpulist(plan.slot(key).role_cpus("main"))
+            procs[key] = subprocess.Popen(["taskset", "-c", main, *argv], env=dict(os.environ))
         statuses = {
             key: ProcessStatus(key, "running", p.pid, id=ProcessId.read(FS, p.pid))
             for key, p in procs.items()
         }
         store = StateStore(Snapshot(placement, topology, MappingProxyType(statuses)))
-        plan = PlanInForce(config, topology, placement)
 
         def supervised() -> list[Supervised]:
             snap = store.snapshot

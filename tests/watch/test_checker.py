@@ -1,8 +1,10 @@
 """The check loop against real processes: drift found, counted, enforced or only reported.
 
-Each test runs the real `Daemon` in-process (real children through the real
-shim) with its check loop (supervisor.watch.loop) at a short interval, and
-perturbs or inspects the children through real syscalls and /proc. Slots are
+Most tests run the check loop (supervisor.watch.loop) alone, at a short
+interval, over a real child the harness starts (tests/support/check_harness.py);
+the demo's test runs the real `Daemon` in-process (the engine, the shim, the
+start-up hook) with its loop. Both perturb or inspect the children through real
+syscalls and /proc. Slots are
 crafted where this 2-CPU host's own plan would merge every role into `main`:
 a role test needs roles on different CPUs.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sys
 import tomllib
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -26,6 +29,7 @@ from supervisor.hostfs import HostFS
 from supervisor.plan.keys import ProcKey
 from supervisor.plan.placement import Placement, RankPlacement, Slot
 from supervisor.watch.loop import CheckLoop
+from tests.support.check_harness import CheckHarness, checking
 from tests.support.children import NAMED_THREADS_CHILD, write_child
 from tests.support.daemon_support import DEMO_WORKER, free_port, merge_config, to_toml
 from tests.support.poll import until
@@ -130,6 +134,33 @@ def run_with_checker(
     return daemon
 
 
+def run_checked(
+    config: Config,
+    scenario: Callable[[CheckHarness], Awaitable[None]],
+    *,
+    slots: dict[ProcKey, Slot],
+    timeout_s: float = 60.0,
+) -> None:
+    """`scenario` against the check loop alone (tests/support/check_harness.py):
+    rank 0's worker command started by the harness, no daemon around it."""
+    topology, placement = prepare(config, dict(os.environ), FS)
+    placement = with_slots(placement, slots)
+    argv = [
+        sys.executable if a == "python" else a.replace("{rank}", "0")
+        for a in config.workers.command
+    ]
+
+    async def main() -> None:
+        async with (
+            asyncio.timeout(timeout_s),
+            checking(config, topology, placement, {0: argv}) as h,
+        ):
+            await scenario(h)
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(main())
+
+
 async def checks_pass(daemon: Daemon, n: int) -> None:
     """Wait until `n` more check passes have finished."""
     start = daemon.store.snapshot.counters.checks
@@ -187,32 +218,31 @@ def test_a_thread_pushed_off_its_cpus_is_put_back_and_counted(tmp_path: Path) ->
     config = config_of(child_doc(script, out, {"threads": ["comm"]}), tmp_path)
     slot = rank_slot((0,), comm=(1,))
 
-    async def scenario(daemon: Daemon, checker: CheckLoop) -> None:
-        await until(lambda: daemon.store.snapshot.processes[0].state == "running")
-        pid = pid_of(daemon, 0)
+    async def scenario(h: CheckHarness) -> None:
+        pid = h.pid(0)
         report = await child_report(out, "0", pid, threads=2)
         comm_tid = report["threads"]["comm"]
         # The first checks put every thread on its role: main on 0, comm on 1.
         await until(lambda: affinity(pid) == (0,) and affinity(comm_tid) == (1,))
-        await checks_pass(daemon, 2)
-        assert counter(daemon, "rebinds", ("0", "thread_role")) >= 2
-        assert counter(daemon, "drift_events", ("0", "thread_affinity")) == 0
+        await h.checks(2)
+        assert h.counter("rebinds", ("0", "thread_role")) >= 2
+        assert h.counter("drift_events", ("0", "thread_affinity")) == 0
         # Push the comm thread onto main's CPU from outside.
         os.sched_setaffinity(comm_tid, {0})
         await until(lambda: affinity(comm_tid) == (1,), timeout_s=5)
-        await until(lambda: counter(daemon, "rebinds", ("0", "thread_affinity")) == 1)
-        assert counter(daemon, "drift_events", ("0", "thread_affinity")) == 1
-        drift = events(daemon, "drift", 0)
+        await until(lambda: h.counter("rebinds", ("0", "thread_affinity")) == 1)
+        assert h.counter("drift_events", ("0", "thread_affinity")) == 1
+        drift = h.events("drift", 0)
         assert drift and f"tid {comm_tid}" in drift[-1].fields["targets"]
         assert drift[-1].fields["outcome"] == ["fixed"]
-        await checks_pass(daemon, 3)
+        await h.checks(3)
         # Fixed: counted once, nothing left in the published drift.
-        assert counter(daemon, "drift_events", ("0", "thread_affinity")) == 1
-        assert daemon.store.snapshot.drift[0] == ()
-        observed = {t.tid: t for t in daemon.store.snapshot.observed[0].threads}
+        assert h.counter("drift_events", ("0", "thread_affinity")) == 1
+        assert h.store.snapshot.drift[0] == ()
+        observed = {t.tid: t for t in h.store.snapshot.observed[0].threads}
         assert observed[comm_tid].role == "comm" and observed[comm_tid].cpus == (1,)
 
-    run_with_checker(config, scenario, slots={0: slot})
+    run_checked(config, scenario, slots={0: slot})
 
 
 @pytest.mark.timeout(90)
@@ -224,31 +254,29 @@ def test_under_observe_drift_is_reported_and_left_alone(tmp_path: Path) -> None:
     config = config_of(doc, tmp_path)
     slot = rank_slot((0,))  # main only: the shim's binding is already right
 
-    async def scenario(daemon: Daemon, checker: CheckLoop) -> None:
-        await until(lambda: daemon.store.snapshot.processes[0].state == "running")
-        pid = pid_of(daemon, 0)
+    async def scenario(h: CheckHarness) -> None:
+        pid = h.pid(0)
         report = await child_report(out, "0", pid, threads=2)
         comm_tid = report["threads"]["comm"]
-        await checks_pass(daemon, 2)
-        assert daemon.store.snapshot.drift[0] == ()
+        await h.checks(2)
+        assert h.store.snapshot.drift[0] == ()
         os.sched_setaffinity(comm_tid, {1})
-        await until(lambda: daemon.store.snapshot.drift.get(0))
-        await checks_pass(daemon, 3)
-        (finding,) = daemon.store.snapshot.drift[0]
+        await until(lambda: h.store.snapshot.drift.get(0))
+        await h.checks(3)
+        (finding,) = h.store.snapshot.drift[0]
         assert finding.kind == "thread_affinity" and finding.target == f"tid {comm_tid}"
         assert finding.action == "observe" and finding.expected == "0" and finding.actual == "1"
         assert affinity(comm_tid) == (1,)  # left alone
-        assert counter(daemon, "drift_events", ("0", "thread_affinity")) == 1  # once
-        assert counter(daemon, "rebinds", ("0", "thread_affinity")) == 0
+        assert h.counter("drift_events", ("0", "thread_affinity")) == 1  # once
+        assert h.counter("rebinds", ("0", "thread_affinity")) == 0
         # POST /rebind runs one enforcing pass now, whatever the policy.
-        assert daemon.actions is not None
-        summary = await daemon.actions.rebind(0)
+        summary = await h.checker.rebind(0)
         assert summary["processes"]["0"]["threads_rebound"] == 1
         assert affinity(comm_tid) == (0,)
-        assert counter(daemon, "rebinds", ("0", "api")) == 1
-        assert daemon.store.snapshot.drift[0] == ()
+        assert h.counter("rebinds", ("0", "api")) == 1
+        assert h.store.snapshot.drift[0] == ()
 
-    run_with_checker(config, scenario, slots={0: slot})
+    run_checked(config, scenario, slots={0: slot})
 
 
 # -- thread roles (issue 4) -----------------------------------------------------------------
@@ -262,13 +290,12 @@ def test_late_threads_are_bound_and_pinned_threads_respected(tmp_path: Path) -> 
     # main spans both CPUs so that a thread can pin itself inside it.
     slot = rank_slot((0, 1), comm=(1,), release=(0,))
 
-    async def scenario(daemon: Daemon, checker: CheckLoop) -> None:
-        await until(lambda: daemon.store.snapshot.processes[0].state == "running")
-        pid = pid_of(daemon, 0)
+    async def scenario(h: CheckHarness) -> None:
+        pid = h.pid(0)
         report = await child_report(out, "0", pid, threads=3)
         tids = report["threads"]
         await until(lambda: affinity(tids["release"]) == (0,))
-        await checks_pass(daemon, 3)
+        await h.checks(3)
         assert affinity(tids["pinned"]) == (0,)  # pinned inside main: respected
         assert affinity(tids["main"]) == (0, 1)
         (out / "0.late").touch()
@@ -276,10 +303,10 @@ def test_late_threads_are_bound_and_pinned_threads_respected(tmp_path: Path) -> 
         late = report["threads"]["comm-late"]
         assert comm(pid, late) == "comm-late"
         await until(lambda: affinity(late) == (1,))  # checks every 0.1 s; a loaded CI box is slow
-        assert counter(daemon, "drift_events", ("0", "thread_affinity")) == 0
-        assert any(late in e.fields.get("tids", []) for e in events(daemon, "rebind", 0))
+        assert h.counter("drift_events", ("0", "thread_affinity")) == 0
+        assert any(late in e.fields.get("tids", []) for e in h.events("rebind", 0))
 
-    run_with_checker(config, scenario, slots={0: slot})
+    run_checked(config, scenario, slots={0: slot})
 
 
 @pytest.mark.timeout(90)
@@ -288,13 +315,12 @@ def test_enforce_pinned_moves_a_pinned_thread(tmp_path: Path) -> None:
     spec = {"pin": {"name": "pinned", "cpus": [0]}}
     config = config_of(child_doc(script, out, spec, drift={"enforce_pinned": True}), tmp_path)
 
-    async def scenario(daemon: Daemon, checker: CheckLoop) -> None:
-        await until(lambda: daemon.store.snapshot.processes[0].state == "running")
-        pid = pid_of(daemon, 0)
+    async def scenario(h: CheckHarness) -> None:
+        pid = h.pid(0)
         report = await child_report(out, "0", pid, threads=2)
         await until(lambda: affinity(report["threads"]["pinned"]) == (0, 1))
 
-    run_with_checker(config, scenario, slots={0: rank_slot((0, 1))})
+    run_checked(config, scenario, slots={0: rank_slot((0, 1))})
 
 
 @pytest.mark.timeout(120)
@@ -372,18 +398,17 @@ def test_a_refused_bind_is_counted_once_and_isolated(tmp_path: Path) -> None:
     missing = max(os.sched_getaffinity(0)) + 64
     slot = Slot((0, missing), (0,), {"main": (0,), "comm": (missing,)})
 
-    async def scenario(daemon: Daemon, checker: CheckLoop) -> None:
-        await until(lambda: daemon.store.snapshot.processes[0].state == "running")
-        pid = pid_of(daemon, 0)
+    async def scenario(h: CheckHarness) -> None:
+        pid = h.pid(0)
         report = await child_report(out, "0", pid, threads=2)
-        await until(lambda: counter(daemon, "bind_failures", ("0", "thread", "invalid")))
-        await checks_pass(daemon, 4)
-        assert counter(daemon, "bind_failures", ("0", "thread", "invalid")) == 1  # once
-        (finding,) = daemon.store.snapshot.drift[0]
+        await until(lambda: h.counter("bind_failures", ("0", "thread", "invalid")))
+        await h.checks(4)
+        assert h.counter("bind_failures", ("0", "thread", "invalid")) == 1  # once
+        (finding,) = h.store.snapshot.drift[0]
         assert finding.target == f"tid {report['threads']['comm']}" and finding.action == "failed"
         assert affinity(pid) == (0,)  # the rest of the process is still bound
-        assert daemon.store.snapshot.processes[0].state == "running"
-        failed = events(daemon, "bind_failed", 0)
+        assert h.store.snapshot.processes[0].state == "running"
+        failed = h.events("bind_failed", 0)
         assert len(failed) == 1 and "EINVAL" in failed[0].message
 
-    run_with_checker(config, scenario, slots={0: slot})
+    run_checked(config, scenario, slots={0: slot})
