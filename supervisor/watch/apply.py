@@ -19,7 +19,6 @@ from __future__ import annotations
 import errno
 import logging
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
 from supervisor.bind.binder import Binder
@@ -48,14 +47,6 @@ class CgroupsLike(Protocol):
     def create(self, key: ProcKey, slot: Slot) -> tuple[str, ...]: ...
 
     def repair(self, key: ProcKey, slot: Slot, pids: Sequence[int]) -> None: ...
-
-
-@dataclass(frozen=True, slots=True)
-class Target:
-    """Which process a decision is for: its pid and start time (None: unknown)."""
-
-    pid: int
-    start_time: int | None
 
 
 class Applier:
