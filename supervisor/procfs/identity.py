@@ -35,9 +35,12 @@ def open_pidfd(pid: int) -> int | None:
     return fd
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, order=True)
 class ProcessId:
-    """A process for its whole life: its pid and its start time."""
+    """A process for its whole life: its pid and its start time.
+
+    Hashable and ordered (pid, then start time): sets and maps of processes are
+    keyed by it, and a sorted listing reads in pid order."""
 
     pid: int
     start_time: int
@@ -45,6 +48,11 @@ class ProcessId:
     @classmethod
     def of(cls, stat: ProcStat) -> ProcessId:
         return cls(stat.pid, stat.start_time)
+
+    @classmethod
+    def if_known(cls, pid: int, start_time: int | None) -> ProcessId | None:
+        """The process at `pid` that started at `start_time`; None while that is unknown."""
+        return None if start_time is None else cls(pid, start_time)
 
     @classmethod
     def read(cls, fs: HostFS, pid: int) -> ProcessId | None:

@@ -156,7 +156,7 @@ class TreeKeeper:
     def set_root(
         self, key: ProcKey, pid: int, start_time: int | None, *, adopted: bool = False
     ) -> None:
-        self.roots[key] = Root(key, pid, start_time, self.cgroup_dir(key))
+        self.roots[key] = Root(key, pid, ProcessId.if_known(pid, start_time), self.cgroup_dir(key))
         self.members.pop(pid, None)
         replayed = self._replay_forks(key, pid)
         if adopted:
@@ -165,7 +165,7 @@ class TreeKeeper:
             moved = {pid, *self.descendants(pid)}
             for child in moved - {pid}:
                 m = self.members[child]
-                self.members[child] = Member(m.pid, m.start_time, m.ppid, key)
+                self.members[child] = Member(m.id, m.ppid, key)
             self._unpublish(moved)
             self.leaving_pids -= moved
         if self.guardian is not None and start_time is not None:
@@ -291,12 +291,12 @@ class TreeKeeper:
         self.unowned_forks = {c: (p, t) for c, (p, t) in self.unowned_forks.items() if t >= cutoff}
         self._watch()
         for pid in gone:
-            self.exited[pid] = known[pid].start_time
+            self.exited[pid] = known[pid].id.start_time
         if self.guardian is not None:
             for pid in gone:
                 self.guardian.forget(pid)
             for m in fresh.values():
-                self.guardian.process(m.pid, m.start_time)
+                self.guardian.process(m.pid, m.id.start_time)
         for pid, error in result.unreadable:
             self.read_failures.note(pid, error)
         self.leaving_pids &= result.members.keys()
@@ -385,7 +385,7 @@ class TreeKeeper:
                 gone = members.pop(pid, None)
                 if gone is not None:
                     exited = True
-                    self.exited[pid] = gone.start_time
+                    self.exited[pid] = gone.id.start_time
                     if self.guardian is not None:
                         self.guardian.forget(pid)
             else:  # exec, comm: a new name
@@ -444,10 +444,10 @@ class TreeKeeper:
         stat = read_proc_stat(self.fs, pid)
         if stat is None:
             return None  # gone already; its children still find their owner (lineage)
-        member = Member(pid, stat.start_time, ppid, owner)
+        member = Member(ProcessId.of(stat), ppid, owner)
         self.members[pid] = member
         if self.guardian is not None:
-            self.guardian.process(member.pid, member.start_time)
+            self.guardian.process(pid, stat.start_time)
         return member
 
     def _offer(self, members: Iterable[Member]) -> None:
@@ -506,7 +506,7 @@ class TreeKeeper:
             self.exited.clear()
             return 0
         candidates = dict(self.exited)
-        candidates.update((m.pid, m.start_time) for m in self.members.values())
+        candidates.update((m.pid, m.id.start_time) for m in self.members.values())
         direct = set(self.direct_children())
         reaped, gone = reap_members(self.fs, self.me, direct, candidates, strays=self.subreaper)
         for pid in gone:
@@ -522,11 +522,11 @@ class TreeKeeper:
         """pid -> start time of every member (and with `roots`, root) owned by `keys`,
         plus whatever their cgroups hold now."""
         keys = set(keys)
-        out = {m.pid: m.start_time for m in self.members.values() if m.owner in keys}
+        out = {m.pid: m.id.start_time for m in self.members.values() if m.owner in keys}
         for key in keys:
             root = self.roots.get(key)
-            if roots and root is not None and root.start_time is not None:
-                out[root.pid] = root.start_time
+            if roots and root is not None and root.id is not None:
+                out[root.pid] = root.id.start_time
             directory = self.cgroup_dir(key)
             if directory is not None:
                 for pid in read_cgroup_procs(self.fs, directory):

@@ -67,11 +67,11 @@ def test_a_real_worker_is_bound_through_the_applier_and_a_reused_pid_is_not() ->
         assert ident is not None
         os.sched_setaffinity(child.pid, {0, 1})
         # Another start time: the pid names another process now. Nothing is written.
-        stale = Candidate(child.pid, ident.start_time + 1, os.getpid())
+        stale = Candidate(ProcessId(child.pid, ident.start_time + 1), os.getpid())
         result = adopt_process(FS, applier, 0, stale, [child.pid], SLOT, [0], False)
         assert result.gone
         assert all(os.sched_getaffinity(t) == {0, 1} for t in child.threads.values())
-        candidate = Candidate(child.pid, ident.start_time, os.getpid())
+        candidate = Candidate(ident, os.getpid())
         (adoptee,) = read_adoptees(FS, candidate, [child.pid])
         assert {tid for tid, _ in adoptee.threads} >= set(child.threads.values())
         result = adopt_process(FS, applier, 0, candidate, [child.pid], SLOT, [0], False)
@@ -104,13 +104,17 @@ def test_the_applier_joins_the_rank_s_cgroup_before_binding(cgroups: ManagedCgro
     with ThreadedChild(["a"]) as child:
         ident = ProcessId.read(FS, child.pid)
         assert ident is not None
-        stale = Candidate(child.pid, ident.start_time + 1, os.getpid())
+        stale = Candidate(ProcessId(child.pid, ident.start_time + 1), os.getpid())
         (out,) = applier.apply(
-            [decide_adoption(0, [Adoptee(child.pid, stale.start_time, ())], SLOT, [0], join=True)],
-            {0: stale.start_time},
+            [
+                decide_adoption(
+                    0, [Adoptee(child.pid, stale.id.start_time, ())], SLOT, [0], join=True
+                )
+            ],
+            {0: stale.id.start_time},
         )
         assert out.gone and cgroups.manager.read_procs(pc) == []
-        candidate = Candidate(child.pid, ident.start_time, os.getpid())
+        candidate = Candidate(ident, os.getpid())
         result = adopt_process(FS, applier, 0, candidate, [child.pid], SLOT, [0], True)
         assert result.errors == () and result.moved == 1
         assert cgroups.manager.read_procs(pc) == [child.pid]
