@@ -68,6 +68,10 @@ class ProcessId:
         """True while `pid` still names this process (a zombie included)."""
         return self.matches(read_proc_stat(fs, self.pid))
 
+    def leads(self, fs: HostFS) -> bool:
+        """True while `pid`'s main thread is this process's (`is_leader_since`)."""
+        return is_leader_since(fs, self.pid, self.start_time)
+
     def is_running(self, fs: HostFS) -> bool:
         """True while `pid` names this process and it has not exited (no zombie)."""
         stat = read_proc_stat(fs, self.pid)

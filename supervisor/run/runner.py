@@ -37,6 +37,7 @@ from supervisor.in_force import PlanInForce
 from supervisor.logs import format_fields
 from supervisor.plan.keys import ProcKey, key_label
 from supervisor.plan.placement import Slot
+from supervisor.procfs.identity import ProcessId
 from supervisor.procfs.stat import read_proc_stat
 from supervisor.run import restart
 from supervisor.run.probe import await_ready
@@ -459,7 +460,7 @@ class Runner:
         data = await read_until_eof(read_fd, REPORT_TIMEOUT_S)
         stat = await loop.run_in_executor(self.rt.executor, read_proc_stat, self.rt.fs, child.pid)
         start_time = stat.start_time if stat is not None else None
-        self.set_status(pid=child.pid, start_time=start_time)
+        self.set_status(pid=child.pid, id=ProcessId.if_known(child.pid, start_time))
         if self.rt.trees is not None:
             self.rt.trees.set_root(self.key, child.pid, start_time)
         try:

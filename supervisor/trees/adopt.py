@@ -145,7 +145,7 @@ def adopt_process(  # noqa: PLR0917 - one call site, run in the executor
         return AdoptResult(True, (), (), 0)
     adoptees = read_adoptees(fs, candidate, pids)
     decision = decide_adoption(key, adoptees, slot, all_nodes, join=join)
-    (out,) = applier.apply([decision], {key: candidate.id.start_time})
+    (out,) = applier.apply([decision], {key: candidate.id})
     return adoption_result(decision, out, len(adoptees))
 
 
@@ -282,7 +282,7 @@ class AdoptRunner(Runner):
             mempolicy=mempolicy,
             state="running",
             pid=candidate.pid,
-            start_time=candidate.id.start_time,
+            id=candidate.id,
             ppid=candidate.ppid,
             adopted=True,
             cgroup=self.cgroup_dirs[0] if self.cgroup_dirs else None,

@@ -145,9 +145,7 @@ def read_member_info(fs: HostFS, member: Member) -> TreeMember | None:
         cpus = tuple(sorted(os.sched_getaffinity(member.pid)))
     except OSError:
         return None
-    return TreeMember(
-        member.pid, member.ppid, cmdline[:CMDLINE_MAX_CHARS], cpus, member.id.start_time
-    )
+    return TreeMember(member.id, member.ppid, cmdline[:CMDLINE_MAX_CHARS], cpus)
 
 
 # -- processes that cannot be read ------------------------------------------------------

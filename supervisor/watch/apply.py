@@ -30,7 +30,7 @@ from supervisor.logs import format_fields
 from supervisor.plan.keys import ProcKey, key_label
 from supervisor.plan.placement import Placement, Slot
 from supervisor.plan.replan import AllowedSet
-from supervisor.procfs.identity import is_leader_since, is_thread_of
+from supervisor.procfs.identity import ProcessId, is_leader_since, is_thread_of
 from supervisor.watch.decide import Decision, MemoryMove, ThreadBind
 from supervisor.watch.scan import IrqKeeperLike
 from supervisor.watch.settle import Outcome, Outcomes
@@ -69,14 +69,16 @@ class Applier:
     def apply(
         self,
         decisions: Sequence[Decision],
-        starts: Mapping[ProcKey, int | None],
+        ids: Mapping[ProcKey, ProcessId | None],
         placement: Placement | None = None,
     ) -> list[Outcomes]:
-        """Every bind of a pass. `starts`: each process's start time (pid reuse);
+        """Every bind of a pass. `ids`: who each process is (pid reuse; None or
+        absent: unknown, whatever runs at the decision's pid is it);
         `placement`: the plan in force, whose IRQs a decision's re-write puts back."""
         out: list[Outcomes] = []
         for d in decisions:
-            start = starts.get(d.key)
+            ident = ids.get(d.key)
+            start = None if ident is None else ident.start_time
             if (d.binds or d.moves or d.joins or d.cgroup) and not is_leader_since(
                 self.fs, d.pid, start
             ):
@@ -92,7 +94,7 @@ class Applier:
             threads = {
                 b.tid: self.bind_thread(d.pid if b.pid is None else b.pid, b) for b in d.binds
             }
-            moves = tuple(self.migrate(d.pid, starts.get(d.key), m) for m in d.moves)
+            moves = tuple(self.migrate(d.pid, start, m) for m in d.moves)
             irq = (
                 self.enforce_irqs(d.key, placement)
                 if d.irq_reason is not None and placement is not None

@@ -111,7 +111,7 @@ def test_the_applier_joins_the_rank_s_cgroup_before_binding(cgroups: ManagedCgro
                     0, [Adoptee(child.pid, stale.id.start_time, ())], SLOT, [0], join=True
                 )
             ],
-            {0: stale.id.start_time},
+            {0: stale.id},
         )
         assert out.gone and cgroups.manager.read_procs(pc) == []
         candidate = Candidate(ident, os.getpid())

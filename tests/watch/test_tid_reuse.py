@@ -26,6 +26,7 @@ from supervisor.config import Config, DriftConfig, ProcessConfig
 from supervisor.hostfs import HostFS
 from supervisor.in_force import PlanInForce
 from supervisor.plan.placement import Placement, Slot
+from supervisor.procfs.identity import ProcessId
 from supervisor.state import ProcessStatus, Snapshot, StateStore
 from supervisor.topology.discover import read_topology
 from supervisor.watch.apply import Applier
@@ -88,7 +89,7 @@ def affinity(tid: int) -> set[int]:
 
 def check_loop(pid: int, start_time: int | None, slot: Slot) -> tuple[CheckLoop, StateStore]:
     topology = read_topology(FS)
-    status = ProcessStatus(0, "running", pid=pid, start_time=start_time)
+    status = ProcessStatus(0, "running", pid=pid, id=ProcessId.if_known(pid, start_time))
     placement = Placement("test", None, ())
     store = StateStore(Snapshot(placement, topology, MappingProxyType({0: status})))
     loop = CheckLoop(
