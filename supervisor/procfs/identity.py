@@ -120,6 +120,23 @@ class ProcessId:
 # -- threads ---------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True, order=True)
+class ThreadId:
+    """A thread of a known process for its whole life: its tid and its start time.
+
+    Not a ProcessId: a tid is checked under its own thread group's task
+    directory (/proc/<pid>/task/<tid>), which answers only for that group's
+    threads, never through /proc/<tid> (any process's thread) as ProcessId's
+    reads, signals and pidfds would do."""
+
+    tid: int
+    start_time: int
+
+    def is_thread_of(self, fs: HostFS, pid: int) -> bool:
+        """True while `tid` is still this thread, in process `pid`."""
+        return is_thread_of(fs, pid, self.tid, self.start_time)
+
+
 def parse_status_tgid(text: str) -> int | None:
     """The Tgid of a /proc/.../status text (pure); None when absent."""
     for line in text.splitlines():

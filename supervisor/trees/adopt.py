@@ -39,7 +39,7 @@ from supervisor.in_force import PlanInForce
 from supervisor.plan.keys import ProcKey, key_label
 from supervisor.plan.placement import Placement, Slot
 from supervisor.procfs.files import list_tids, read_cmdline, read_environ
-from supervisor.procfs.identity import ProcessId, read_thread_start
+from supervisor.procfs.identity import ProcessId, ThreadId, read_thread_start
 from supervisor.procfs.numa_maps import read_task_policy
 from supervisor.run.fleet import RunnerFleet, plan_keys
 from supervisor.run.procs import first_of
@@ -113,19 +113,15 @@ def read_adoptees(fs: HostFS, candidate: Candidate, pids: Sequence[int]) -> list
     start times: what the Applier checks before each write. Blocking."""
     out: list[Adoptee] = []
     for pid in pids:
-        if pid == candidate.pid:
-            start: int | None = candidate.id.start_time
-        else:
-            ident = ProcessId.read(fs, pid)
-            if ident is None:
-                continue  # exited meanwhile
-            start = ident.start_time
+        ident = candidate.id if pid == candidate.pid else ProcessId.read(fs, pid)
+        if ident is None:
+            continue  # exited meanwhile
         try:
             tids = list_tids(fs, pid)
         except OSError:
             tids = []
         threads = ((tid, read_thread_start(fs, pid, tid)) for tid in tids)
-        out.append(Adoptee(pid, start, tuple((t, ts) for t, ts in threads if ts is not None)))
+        out.append(Adoptee(ident, tuple(ThreadId(t, ts) for t, ts in threads if ts is not None)))
     return out
 
 

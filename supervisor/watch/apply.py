@@ -90,7 +90,7 @@ class Applier:
             # The cgroups first: their cpuset then bounds whatever the process does
             # next (and a thread bind outside a wrong cpuset would fail).
             cgroup = self.repair_cgroup(d) if d.cgroup is not None else None
-            joins = tuple(self.join(d.key, pid, since) for pid, since in d.joins)
+            joins = tuple(self.join(d.key, ident) for ident in d.joins)
             threads = {
                 b.tid: self.bind_thread(d.pid if b.pid is None else b.pid, b) for b in d.binds
             }
@@ -103,17 +103,16 @@ class Applier:
             out.append(Outcomes(threads, moves, irq, joins, cgroup=cgroup))
         return out
 
-    def join(self, key: ProcKey, pid: int, start_time: int | None) -> Outcome:
-        """Move process `pid` into the cgroups of `key`, only while it is the process
-        that started at `start_time`."""
+    def join(self, key: ProcKey, ident: ProcessId) -> Outcome:
+        """Move process `ident` into the cgroups of `key`, only while its pid is it."""
         cgroups = self.cgroups
         pc = cgroups.made.get(key) if cgroups is not None else None
         if cgroups is None or pc is None:
             return Outcome()
-        if not is_leader_since(self.fs, pid, start_time):
+        if not ident.leads(self.fs):
             return Outcome(gone=True)
         try:
-            cgroups.manager.join(pc, pid)
+            cgroups.manager.join(pc, ident.pid)
         except Gone:
             return Outcome(gone=True)
         except KernelError as err:

@@ -27,6 +27,7 @@ from typing import Any, Literal
 from supervisor.cpulist import format_cpulist
 from supervisor.plan.keys import ProcKey, key_label
 from supervisor.plan.placement import Slot
+from supervisor.procfs.identity import ProcessId
 from supervisor.state import (
     DRIFT_KINDS,
     Finding,
@@ -191,7 +192,7 @@ class Decision:
     cgroup: CgroupRepair | None = None  # before the thread binds: they need its cpuset
     state: RepairState = field(default_factory=RepairState)
     # (pid, start time) to move into the process's cgroups, before any bind (adoption)
-    joins: tuple[tuple[int, int | None], ...] = ()
+    joins: tuple[ProcessId, ...] = ()
 
 
 def has_work(d: Decision) -> bool:
