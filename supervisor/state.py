@@ -17,7 +17,7 @@ from typing import Any, Literal, get_args
 
 from supervisor.plan.keys import ProcKey, key_label
 from supervisor.plan.placement import Placement, Slot
-from supervisor.procfs.identity import ProcessId
+from supervisor.procfs.identity import ProcessId, ThreadId
 from supervisor.topology.accelerators import CPU
 from supervisor.topology.model import Topology
 
@@ -232,7 +232,9 @@ class ThreadObservation:
     name: str
     role: str
     cpus: tuple[int, ...]
-    start_time: int | None = None  # stat field 22: a write checks the tid still names it
+    # Who the thread is (tid + start time): a write checks the tid still names it.
+    # None where its start time was not read (a one-shot read): the Tgid alone.
+    id: ThreadId | None = None
     pid: int | None = None  # the tree member it runs in; None: the supervised process itself
 
 

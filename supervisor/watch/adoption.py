@@ -62,7 +62,7 @@ def decide_adoption(
     cpus = tuple(sorted(slot.cpus))
     # "thread_role": a thread put in its place for the first time, not drift.
     binds = tuple(
-        ThreadBind(t.tid, "", "", cpus, "thread_role", t.start_time, a.pid)
+        ThreadBind(t.tid, "", "", cpus, "thread_role", t, a.pid)
         for a in adoptees
         for t in a.threads
     )

@@ -143,7 +143,7 @@ class Applier:
     def bind_thread(self, pid: int, b: ThreadBind) -> Outcome:
         """sched_setaffinity(2) on `b.tid`, only while it is the thread of `pid` the
         scan saw; a tid that is no longer that thread counts as gone."""
-        if not is_thread_of(self.fs, pid, b.tid, b.start_time):
+        if not self._is_thread(pid, b):
             return Outcome(gone=True)
         try:
             kept = self.binder.set_thread_affinity(b.tid, b.cpus)
@@ -151,7 +151,7 @@ class Applier:
             return Outcome(gone=True)
         except KernelError as err:
             return Outcome(error=err)
-        if not is_thread_of(self.fs, pid, b.tid, b.start_time):
+        if not self._is_thread(pid, b):
             # Reused between the check and the write (a window of microseconds):
             # say so; the tid is never written again, the scan drops it.
             log.warning(
@@ -172,6 +172,13 @@ class Applier:
             )
             return Outcome(error=partial, kept=tuple(sorted(kept)))
         return Outcome(kept=tuple(sorted(kept)))
+
+    def _is_thread(self, pid: int, b: ThreadBind) -> bool:
+        """`b.tid` is still the thread of `pid` the scan saw (by its Tgid alone
+        where the scan had no start time for it)."""
+        if b.id is None:
+            return is_thread_of(self.fs, pid, b.tid, None)
+        return b.id.is_thread_of(self.fs, pid)
 
     def migrate(self, pid: int, start_time: int | None, m: MemoryMove) -> Outcome:
         if not is_leader_since(self.fs, pid, start_time):

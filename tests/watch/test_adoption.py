@@ -31,10 +31,10 @@ def test_the_decision_binds_every_thread_of_every_process_and_moves_remote_pages
     child = Adoptee(ProcessId(200, 9), (ThreadId(200, 9),))
     d = decide_adoption(3, [worker, child], Slot(cpus=(5, 4), mems=(1,)), [0, 1], join=True)
     assert (d.key, d.pid) == (3, 100)
-    assert [(b.pid, b.tid, b.start_time, b.cpus) for b in d.binds] == [
-        (100, 100, 7, (4, 5)),
-        (100, 101, 8, (4, 5)),
-        (200, 200, 9, (4, 5)),
+    assert [(b.pid, b.id, b.cpus) for b in d.binds] == [
+        (100, ThreadId(100, 7), (4, 5)),
+        (100, ThreadId(101, 8), (4, 5)),
+        (200, ThreadId(200, 9), (4, 5)),
     ]
     assert {b.reason for b in d.binds} == {"thread_role"}
     (move,) = d.moves

@@ -26,7 +26,7 @@ from supervisor.config import Config, DriftConfig, ProcessConfig
 from supervisor.hostfs import HostFS
 from supervisor.in_force import PlanInForce
 from supervisor.plan.placement import Placement, Slot
-from supervisor.procfs.identity import ProcessId
+from supervisor.procfs.identity import ProcessId, ThreadId
 from supervisor.state import ProcessStatus, Snapshot, StateStore
 from supervisor.topology.discover import read_topology
 from supervisor.watch.apply import Applier
@@ -194,7 +194,7 @@ def test_the_applier_never_writes_a_tid_of_another_process() -> None:
         assert affinity(other.pid) == {1}
         # A thread of the child with the wrong start time (its tid reused).
         tid = int(child.ask("start"))
-        stale = ThreadBind(tid, "worker", "main", (1,), "thread_affinity", start_time=1)
+        stale = ThreadBind(tid, "worker", "main", (1,), "thread_affinity", id=ThreadId(tid, 1))
         assert applier.bind_thread(child.proc.pid, stale).gone
         assert affinity(tid) == {0}
         # The same thread, named right: bound.
