@@ -50,11 +50,6 @@ class ProcessId:
         return cls(stat.pid, stat.start_time)
 
     @classmethod
-    def if_known(cls, pid: int, start_time: int | None) -> ProcessId | None:
-        """The process at `pid` that started at `start_time`; None while that is unknown."""
-        return None if start_time is None else cls(pid, start_time)
-
-    @classmethod
     def read(cls, fs: HostFS, pid: int) -> ProcessId | None:
         """The process that holds `pid` now; None when there is none."""
         stat = read_proc_stat(fs, pid)

@@ -69,8 +69,9 @@ class ProcessTrees(Protocol):
     """The daemon's tree keeper (`supervisor.trees.keeper.TreeKeeper`)."""
 
     def set_root(
-        self, key: ProcKey, pid: int, start_time: int | None, *, adopted: bool = False
-    ) -> None: ...
+        self, key: ProcKey, pid: int, ident: ProcessId | None, *, adopted: bool = False
+    ) -> None:
+        """`pid` is `key`'s root; `ident`, who it is (None until its start time is read)."""
 
     def clear_root(self, key: ProcKey) -> None: ...
 
@@ -459,10 +460,10 @@ class Runner:
             self.rt.trees.set_root(self.key, child.pid, None)
         data = await read_until_eof(read_fd, REPORT_TIMEOUT_S)
         stat = await loop.run_in_executor(self.rt.executor, read_proc_stat, self.rt.fs, child.pid)
-        start_time = stat.start_time if stat is not None else None
-        self.set_status(pid=child.pid, id=ProcessId.if_known(child.pid, start_time))
+        ident = ProcessId.of(stat) if stat is not None else None
+        self.set_status(pid=child.pid, id=ident)
         if self.rt.trees is not None:
-            self.rt.trees.set_root(self.key, child.pid, start_time)
+            self.rt.trees.set_root(self.key, child.pid, ident)
         try:
             report = parse_shim_report(data)
         except ShimReportError as err:

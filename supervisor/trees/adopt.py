@@ -266,7 +266,7 @@ class AdoptRunner(Runner):
             return False  # exited while it was bound: never `running`
         self.seen.add(candidate.id)
         if trees is not None:
-            trees.set_root(self.key, candidate.pid, candidate.id.start_time, adopted=True)
+            trees.set_root(self.key, candidate.pid, candidate.id, adopted=True)
         for target, reason, message in result.errors:
             self.record_bind_failure(target, reason, message)
         bound = not result.errors and result.cpus == tuple(sorted(slot.cpus))

@@ -154,9 +154,9 @@ class TreeKeeper:
     # -- roots ---------------------------------------------------------------
 
     def set_root(
-        self, key: ProcKey, pid: int, start_time: int | None, *, adopted: bool = False
+        self, key: ProcKey, pid: int, ident: ProcessId | None, *, adopted: bool = False
     ) -> None:
-        self.roots[key] = Root(key, pid, ProcessId.if_known(pid, start_time), self.cgroup_dir(key))
+        self.roots[key] = Root(key, pid, ident, self.cgroup_dir(key))
         self.members.pop(pid, None)
         replayed = self._replay_forks(key, pid)
         if adopted:
@@ -168,7 +168,7 @@ class TreeKeeper:
                 self.members[child] = Member(m.id, m.ppid, key)
             self._unpublish(moved)
             self.leaving_pids -= moved
-        if self.guardian is not None and (ident := self.roots[key].id) is not None:
+        if self.guardian is not None and ident is not None:
             self.guardian.process(ident)
         self._watch()
         self._offer(replayed)

@@ -89,7 +89,8 @@ def affinity(tid: int) -> set[int]:
 
 def check_loop(pid: int, start_time: int | None, slot: Slot) -> tuple[CheckLoop, StateStore]:
     topology = read_topology(FS)
-    status = ProcessStatus(0, "running", pid=pid, id=ProcessId.if_known(pid, start_time))
+    ident = None if start_time is None else ProcessId(pid, start_time)
+    status = ProcessStatus(0, "running", pid=pid, id=ident)
     placement = Placement("test", None, ())
     store = StateStore(Snapshot(placement, topology, MappingProxyType({0: status})))
     loop = CheckLoop(
