@@ -468,7 +468,7 @@ class Adopter:
             verdict = self.verdicts.get(m.pid)
             expected = verdict is None or verdict.expected or self.rules is None
             if passes == UNNAMED_AFTER_PASSES and expected:
-                self.recorder.unnamed(m.pid, ident.start_time)
+                self.recorder.unnamed(ident)
         self.named &= live
         for ident in list(self.unnamed_passes):
             if ident not in live:
