@@ -197,6 +197,24 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return EXIT_CONFIG if problems else 0
 
 
+def _cmd_containers(args: argparse.Namespace) -> int:
+    from supervisor.agent.containers import find_containers  # noqa: PLC0415 - this command only
+
+    found = find_containers(HostFS(args.root or "/"), extra_roots=tuple(args.cgroup_root or ()))
+    if args.json:
+        print(dump_json({"containers": [c.to_doc() for c in found]}))
+        return 0
+    if not found:
+        print("no containers found (kubelet, Docker, containerd, CRI-O or Podman cgroups)")
+    for c in found:
+        doc = c.to_doc()
+        pod = f" pod {doc['pod_uid']}" if doc["pod_uid"] else ""
+        print(f"{c.ref.container_id[:12]} {c.ref.layout}{pod} pid {c.main.pid} kind {c.kind}")
+        print(f"  cgroup {c.ref.cgroup}: cpus {doc['cpus']} mems {doc['mems']}")
+        print(f"  devices {', '.join(c.devices) or '-'}; {len(c.pids)} processes: {c.command}")
+    return 0
+
+
 def _cmd_check(args: argparse.Namespace) -> int:
     # What `run` probes at start, probed the same way now (nothing left changed).
     from supervisor.daemon.check import render_findings, run_checks  # noqa: PLC0415
@@ -317,6 +335,25 @@ def build_parser() -> argparse.ArgumentParser:
         "--config", metavar="FILE", help='what the config wants (cgroup = "off", [irq] enabled)'
     )
     p.set_defaults(func=_cmd_check)
+
+    p = sub.add_parser(
+        "containers",
+        help="list the containers on this host, as a node agent finds them",
+        description="List the containers whose processes run on this host, found from "
+        "/proc and the cgroup tree alone (kubelet cgroupfs and systemd layouts, Docker, "
+        "containerd, CRI-O, Podman): each one's main process, engine kind, allowed CPUs "
+        "and memory nodes, and the accelerators its processes hold open.",
+    )
+    p.add_argument("--root", help="host tree root (default /)")
+    p.add_argument(
+        "--cgroup-root",
+        action="append",
+        metavar="PATH",
+        help="a cgroup whose every child is a container (e.g. runc's --cgroups-path parent); "
+        "repeatable",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_cmd_containers)
 
     p = sub.add_parser("snapshot", help="copy every file discovery reads into OUT")
     p.add_argument("out", metavar="OUT", help="directory to create")

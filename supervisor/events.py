@@ -445,9 +445,13 @@ class Recorder:
         self.store.count("restarts_requested", key_label(key))
 
     def cpuset_changed(
-        self, old_cpus: frozenset[int], old_mems: frozenset[int], new_cpus: frozenset[int],
-        new_mems: frozenset[int], action: str,
-    ) -> None:  # fmt: skip
+        self,
+        old_cpus: frozenset[int],
+        old_mems: frozenset[int],
+        new_cpus: frozenset[int],
+        new_mems: frozenset[int],
+        action: str,
+    ) -> None:
         c = self.store.snapshot.counters
         self.store.update(counters=replace(c, cpuset_changes=c.cpuset_changes + 1))
         self.store.emit(

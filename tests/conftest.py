@@ -1,12 +1,13 @@
 """Shared pytest fixtures: where the repo is, and the test guest runner; the
 session-end check that the run leaves the host as it found it
-(tests/support/host_residue.py)."""
+(tests/support/host_residue.py); the per-test check that no event loop
+closed with its tasks still running (tests/support/leaked_tasks.py)."""
 
 from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from tests.support.host_residue import (  # noqa: E402
     pytest_sessionstart,
     pytest_terminal_summary,
 )
+from tests.support.leaked_tasks import leaked_tasks  # noqa: E402
 
 __all__ = [
     "pytest_addoption",
@@ -33,6 +35,22 @@ __all__ = [
 @pytest.fixture(scope="session")
 def repo() -> Path:
     return REPO
+
+
+@pytest.fixture(scope="session")
+def example_root(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """The named example host (supervisor.examples), built once per session:
+    `example_root("dgx-h100")` is its tree's root. Tests read it, never write it."""
+    from supervisor.examples.catalogue import find_example  # noqa: PLC0415
+
+    built: dict[str, Path] = {}
+
+    def root(name: str) -> Path:
+        if name not in built:
+            built[name] = find_example(name).build(tmp_path_factory.mktemp(f"example-{name}"))
+        return built[name]
+
+    return root
 
 
 @pytest.fixture
@@ -71,6 +89,16 @@ def _remove_test_cgroups() -> Iterator[None]:
     for parent, hierarchy in ((V1_CPUSET, V1_CPUSET), (memory, V1_MEMORY)):
         if parent is not None and (parent / name).exists():
             remove_v1_tree(parent / name, hierarchy)
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_tasks(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fails a test whose event loops closed with tasks still running
+    (tests/support/leaked_tasks.py), unless it is marked `leaks_tasks`."""
+    with leaked_tasks() as found:
+        yield
+    if found and request.node.get_closest_marker("leaks_tasks") is None:
+        pytest.fail("an event loop closed with tasks still running: " + "; ".join(found))
 
 
 @pytest.hookimpl(hookwrapper=True)

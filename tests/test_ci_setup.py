@@ -38,10 +38,13 @@ def private_apt(tmp_path: Path) -> list[str]:
     (tmp_path / "sources.list").write_text("")
     (tmp_path / "sources.list.d").mkdir()
     return [
-        "-o", f"Dir::State::Lists={lists}",
-        "-o", f"Dir::Etc::sourcelist={tmp_path / 'sources.list'}",
-        "-o", f"Dir::Etc::sourceparts={tmp_path / 'sources.list.d'}",
-    ]  # fmt: skip
+        "-o",
+        f"Dir::State::Lists={lists}",
+        "-o",
+        f"Dir::Etc::sourcelist={tmp_path / 'sources.list'}",
+        "-o",
+        f"Dir::Etc::sourceparts={tmp_path / 'sources.list.d'}",
+    ]
 
 
 @pytest.fixture

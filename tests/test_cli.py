@@ -171,9 +171,20 @@ def test_table_output_in_process(dgx: Path, capsys: pytest.CaptureFixture[str]) 
     lines = out.splitlines()
     assert lines[0] == "strategy: numa-affine"
     assert lines[1].split() == [
-        "rank", "device", "bdf", "node", "cpu-nodes", "cpus", "mems",
-        "irq", "main", "comm", "so_compiler", "strategy", "irqs",
-    ]  # fmt: skip
+        "rank",
+        "device",
+        "bdf",
+        "node",
+        "cpu-nodes",
+        "cpus",
+        "mems",
+        "irq",
+        "main",
+        "comm",
+        "so_compiler",
+        "strategy",
+        "irqs",
+    ]
     assert lines[2].split()[:7] == ["0", "nvidia0", "0000:1b:00.0", "0", "0", "0-13,112-125", "0"]
     assert lines[-1].startswith("engine ")
 

@@ -29,7 +29,11 @@ import pytest
 
 from supervisor.cpulist import format_cpulist
 from tests.support.children import COMM_THREADS_WORKER, thread_cpus
-from tests.support.daemon_support import free_port, get_json, poll, write_cpuset_config
+from tests.support.daemon_support import (
+    free_port,
+    get_json,
+    write_cpuset_config,
+)
 from tests.support.oci import (
     Profile,
     container_pid,
@@ -40,6 +44,7 @@ from tests.support.oci import (
     running,
     state,
 )
+from tests.support.poll import poll
 
 pytestmark = pytest.mark.root
 ROUNDS = 6

@@ -19,8 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.daemon_support import poll, to_toml
+from tests.support.daemon_support import (
+    to_toml,
+)
 from tests.support.oci import Profile, host_pids, init_pid, runc, running, state
+from tests.support.poll import poll
 from tests.test_container import get, live, needs_runc, start
 
 pytestmark = pytest.mark.root

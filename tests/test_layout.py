@@ -460,9 +460,11 @@ def mutual_imports(folders: dict[str, set[str]]) -> list[str]:
     """Each pair of folders (or root modules) that import each other, "a <-> b":
     one of the two holds a name that belongs below both."""
     return sorted(
-        f"{a} <-> {b}" for a, targets in folders.items() for b in targets
+        f"{a} <-> {b}"
+        for a, targets in folders.items()
+        for b in targets
         if a < b and a in folders.get(b, set())
-    )  # fmt: skip
+    )
 
 
 def test_no_two_folders_import_each_other() -> None:
@@ -494,6 +496,33 @@ def test_the_folder_graph_shows_the_flow() -> None:
     assert not folders["plan/"] & {"bind/", "run/", "trees/", "serve/", "daemon/", "config"}
     assert {"run/", "trees/", "watch/", "serve/"} <= folders["daemon/"]
     assert "config" not in folders["engines/"] and "engines/" in folders["config"]
+
+
+def unmirrored(package: Path, tests: Path) -> list[str]:
+    """Each folder of the package that has no folder of tests beside the others
+    (tests/<name>/): where a reader looks for a module's tests is its folder's name."""
+    return sorted(
+        f"{d.name}/"
+        for d in package.iterdir()
+        if (d / "__init__.py").is_file() and not (tests / d.name).is_dir()
+    )
+
+
+def test_tests_mirror_the_package_folders() -> None:
+    assert len([d for d in PACKAGE.iterdir() if (d / "__init__.py").is_file()]) > 10
+    assert unmirrored(PACKAGE, ROOT / "tests") == []
+
+
+def test_a_folder_without_its_tests_is_named(tmp_path: Path) -> None:
+    root = _tree(tmp_path, BASE)
+    tests = tmp_path / "tests"
+    for d in (root / "supervisor").iterdir():
+        if (d / "__init__.py").is_file():
+            (tests / d.name).mkdir(parents=True)
+    assert unmirrored(root / "supervisor", tests) == []
+    (root / "supervisor" / "agent").mkdir()
+    (root / "supervisor" / "agent" / "__init__.py").write_text("")
+    assert unmirrored(root / "supervisor", tests) == ["agent/"]
 
 
 if __name__ == "__main__":  # .venv/bin/python -m tests.test_layout

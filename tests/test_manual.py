@@ -17,7 +17,7 @@ from supervisor.manual import render_bash_completion, render_manpage
 REPO = Path(__file__).resolve().parent.parent
 MAN = REPO / "docs/man/placement-supervisor.1"
 COMPLETION = REPO / "docs/completion/placement-supervisor"
-COMMANDS = ("topology", "plan", "check", "snapshot", "run", "status", "reload")
+COMMANDS = ("topology", "plan", "check", "containers", "snapshot", "run", "status", "reload")
 
 
 def test_the_shipped_files_are_what_the_parser_generates() -> None:
@@ -33,8 +33,11 @@ def test_man_renders_every_command_and_option_without_a_warning() -> None:
     done = subprocess.run(
         ["man", "--warnings", "-l", str(MAN)],
         env=dict(os.environ, MANWIDTH="100", MANPAGER="cat", PAGER="cat"),
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert done.returncode == 0 and done.stderr == "", done.stderr
     text = done.stdout
     assert "PLACEMENT-SUPERVISOR(1)" in text
@@ -54,8 +57,12 @@ def _complete(*words: str, cwd: Path = REPO) -> list[str]:
     )
     done = subprocess.run(
         ["bash", "-c", script, "bash", "placement-supervisor", *words],
-        cwd=cwd, capture_output=True, text=True, timeout=30, check=True,
-    )  # fmt: skip
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
     return [line for line in done.stdout.splitlines() if line]
 
 

@@ -245,10 +245,6 @@ class CgroupManager:
         self.setup = setup
         self.instance = f"{PREFIX}-{suffix}" if suffix else PREFIX
         self._procs_read: dict[str, tuple[float, str]] = {}  # rel -> (monotonic, cgroup.procs)
-        # Checks a /proc/<pid>/cgroup confirmation stands for (`observe`); 1: every
-        # check reads cgroup.procs. The daemon raises it to MEMBERSHIP_READ_EVERY
-        # while the tree keeper's proc connector reports the forks.
-        self.membership_every = 1
         self._inside: dict[tuple[str, ...], _Inside] = {}
         self.page_size = page_size or os.sysconf("SC_PAGE_SIZE")
         self._prepared = False
@@ -501,12 +497,17 @@ class CgroupManager:
         text = self._read(f"{pc.memory_dir}/memory.numa_stat")
         return parse_numa_stat(text, self.page_size if pc.version == 1 else 1)
 
-    def observe(self, pc: ProcessCgroup, pid: int) -> CgroupObservation:
+    def observe(
+        self, pc: ProcessCgroup, pid: int, *, membership_every: int = 1
+    ) -> CgroupObservation:
         """The cgroup as it is now: dirs someone removed, its cpuset as written
-        (v2), whether `pid` is still in it. Raises KernelError when unreadable."""
+        (v2), whether `pid` is still in it. Raises KernelError when unreadable.
+        `membership_every`: the checks a /proc/<pid>/cgroup confirmation stands
+        for; 1: every check reads cgroup.procs (the daemon's check loop passes
+        MEMBERSHIP_READ_EVERY while the tree keeper's proc connector reports forks)."""
         missing: list[str] = []
         outside = False
-        membership = self._membership(pc, pid)
+        membership = self._membership(pc, pid, membership_every)
         if membership is not None:
             for rel in pc.rels:
                 try:
@@ -531,14 +532,14 @@ class CgroupManager:
                 missing.append(self.fs.path(pc.cpuset_dir))  # removed between the reads
         return CgroupObservation(tuple(missing), cpus, mems, outside and not missing)
 
-    def _membership(self, pc: ProcessCgroup, pid: int) -> str | None:
+    def _membership(self, pc: ProcessCgroup, pid: int, every: int) -> str | None:
         """None when `pid`'s /proc/<pid>/cgroup reads as it did at a cgroup.procs
-        read (fewer than `membership_every` checks ago) that found it inside every
+        read (fewer than `every` checks ago) that found it inside every
         dir: it is inside still, and no dir was removed (rmdir(2) of a cgroup with
         a process in it fails, EBUSY). Else that text ("" when unread): read the
         cgroup.procs files. Issue 17, item 6: a v1 cgroup.procs read builds and
         sorts a list of every thread (45 us hot for 101 threads, against 10)."""
-        if self.membership_every <= 1:
+        if every <= 1:
             return ""
         try:
             raw = self.fs.read_live(f"proc/{pid}/cgroup", 64 * 1024, f"pid {pid}")
@@ -548,8 +549,8 @@ class CgroupManager:
         last = self._inside.get(pc.rels)
         if last is None or last.pid != pid or last.text != text or not text:
             return text
-        last.checks += 1  # at `membership_every`, cgroup.procs again: the keeper's reading ages
-        return text if last.checks >= self.membership_every else None
+        last.checks += 1  # at `every`, cgroup.procs again: the keeper's reading ages
+        return text if last.checks >= every else None
 
     def repair(
         self, pc: ProcessCgroup, cpus: Iterable[int], mems: Iterable[int], pids: Iterable[int]

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Mapping
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -40,7 +41,6 @@ from supervisor.plan.render import render_plan_table
 from supervisor.plan.replan import changed_keys, same_processes
 from supervisor.run import users
 from supervisor.run.fleet import Fleet
-from supervisor.run.runner import Runtime
 from supervisor.run.spec import ChildSpec, PlanSpecs
 from supervisor.state import ReloadResult, ReloadVerdict, StateStore
 from supervisor.topology.discover import read_topology
@@ -150,7 +150,7 @@ def respawn_keys(
     )
 
 
-def _specs_before(d: Reloadable, topology: Topology) -> Mapping[ProcKey, ChildSpec]:
+def _specs_before(d: Reloader, topology: Topology) -> Mapping[ProcKey, ChildSpec]:
     """The specs to tell the config's changes by: the config in force planned on the
     topology the reload read. A slot that moved only because the cpuset did (a write
     the check loop has not re-planned for yet) is then re-bound in place by the
@@ -184,38 +184,38 @@ class TokenUser(Protocol):
     def use_token(self, token: bytes) -> None: ...
 
 
-class Reloadable(Protocol):
-    """What a reload reads and replaces of the daemon (supervisor.daemon.Daemon is one)."""
-
-    @property
-    def plan(self) -> PlanInForce: ...
-    @property
-    def env(self) -> Mapping[str, str]: ...
-    @property
-    def fs(self) -> HostFS: ...
-    @property
-    def specs(self) -> PlanSpecs: ...
-    @property
-    def store(self) -> StateStore: ...
-    @property
-    def recorder(self) -> Recorder: ...
-    @property
-    def status(self) -> ServiceStatus: ...
-    @property
-    def runtime(self) -> Runtime: ...
-    @property
-    def checker(self) -> CheckLoop | None: ...
-    @property
-    def fleet(self) -> Fleet | None: ...
-    @property
-    def server(self) -> TokenUser | None: ...
-
-
 class Reloader:
-    """Reloads the daemon's config file on request, one reload at a time."""
+    """Reloads the daemon's config file on request, one reload at a time; made with
+    what a reload reads and replaces (supervisor.daemon.root builds it)."""
 
-    def __init__(self, daemon: Reloadable) -> None:
-        self.daemon = daemon
+    def __init__(
+        self,
+        *,
+        plan: PlanInForce,
+        env: Mapping[str, str],
+        fs: HostFS,
+        specs: PlanSpecs,
+        store: StateStore,
+        recorder: Recorder,
+        status: ServiceStatus,
+        executor: Executor,
+        stopping: asyncio.Event,
+        checker: CheckLoop,
+        fleet: Fleet,
+        server: TokenUser | None,
+    ) -> None:
+        self.plan = plan
+        self.env = env
+        self.fs = fs
+        self.specs = specs
+        self.store = store
+        self.recorder = recorder
+        self.status = status
+        self.executor = executor
+        self.stopping = stopping
+        self.checker = checker
+        self.fleet = fleet
+        self.server = server
         self.wanted = asyncio.Event()
 
     def request(self, signum: int) -> None:
@@ -224,29 +224,22 @@ class Reloader:
         self.wanted.set()
 
     async def run(self, started: asyncio.Event) -> None:
-        """Reload once per wake, after the start (a HUP during it waits), until stopped;
-        meanwhile the file's hash on disk is read every CONFIG_WATCH_S (`watch_file`)."""
-        stopping = self.daemon.runtime.stopping
-        # The file's hash on disk beside the one in force, read between reloads too.
-        watch = asyncio.create_task(self.watch_file(), name="config_watch")
-        try:
-            while not stopping.is_set():
-                await self.wanted.wait()
-                await started.wait()
-                if stopping.is_set():
-                    return
-                self.wanted.clear()
-                await self.reload_once()
-        finally:
-            watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watch
+        """Reload once per wake, after the start (a HUP during it waits), until stopped.
+        The root runs `watch_file` beside it."""
+        stopping = self.stopping
+        while not stopping.is_set():
+            await self.wanted.wait()
+            await started.wait()
+            if stopping.is_set():
+                return
+            self.wanted.clear()
+            await self.reload_once()
 
     async def reload_once(self) -> Reloaded:
         """RELOADING=1, the reload, READY=1 (whatever came of it: the daemon runs on).
         The verdict stays in the snapshot (STATUS=, /placement, the metrics) until the
         next reload."""
-        d = self.daemon
+        d = self
         path = d.plan.config.path
         d.status.reloading(path)
         done = Reloaded("invalid", "the reload did not finish")
@@ -263,13 +256,13 @@ class Reloader:
     async def read_on_disk(self) -> None:
         """The config file's sha256 as it is on disk now into the snapshot (None when
         it cannot be read), in the executor."""
-        d = self.daemon
+        d = self
         path = d.plan.config.path
         digest: str | None = None
         if path is not None:
             loop = asyncio.get_running_loop()
             try:
-                digest = await loop.run_in_executor(d.runtime.executor, read_config_digest, path)
+                digest = await loop.run_in_executor(d.executor, read_config_digest, path)
             except ConfigError:
                 digest = None
         if digest != d.store.snapshot.config_on_disk_hash:
@@ -278,7 +271,7 @@ class Reloader:
     async def watch_file(self, interval_s: float = CONFIG_WATCH_S) -> None:
         """Read the file's hash every `interval_s` until stopped: an edit nobody
         reloaded shows beside the hash in force."""
-        stopping = self.daemon.runtime.stopping
+        stopping = self.stopping
         while not stopping.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stopping.wait(), interval_s)
@@ -286,9 +279,9 @@ class Reloader:
                 await self.read_on_disk()
 
     async def _reload(self, path: str | None) -> Reloaded:
-        d = self.daemon
+        d = self
         loop = asyncio.get_running_loop()
-        executor = d.runtime.executor
+        executor = d.executor
         if path is None:
             return self._refused(None, None, ["the daemon was started without a config file"])
         try:
@@ -345,18 +338,15 @@ class Reloader:
         d.specs.accounts = dict(accounts)
         if d.server is not None and token is not None:
             d.server.use_token(token)
-        assert d.checker is not None
         await d.checker.install(placement, topology, config=config)
         d.store.update(
             config_hash=digest,
             local_memory_threshold=config.drift.local_memory_threshold,
             ready_timeout_s=None if config.ready is None else config.ready.timeout_s,
         )
-        fleet = d.fleet
-        restarted = tuple(k for k in respawn if fleet is not None and k in fleet)
+        restarted = tuple(k for k in respawn if k in d.fleet)
         for key in restarted:
-            assert fleet is not None
-            fleet.request_restart(key)
+            d.fleet.request_restart(key)
         message = f"config reloaded: {len(moved)} re-bound in place, {len(restarted)} restarted"
         d.recorder.note(
             "reload",
@@ -376,7 +366,7 @@ class Reloader:
         self, path: str | None, digest: str | None, reasons: list[str] | tuple[str, ...]
     ) -> Reloaded:
         text = f"needs a restart: {', '.join(reasons)}"
-        self.daemon.recorder.note(
+        self.recorder.note(
             "reload",
             None,
             f"reload refused: {text}",

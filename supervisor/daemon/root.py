@@ -8,8 +8,15 @@ the policy of `supervisor.run.restart`. Every state change is an Event in the
 `StateStore`, which the API and metrics read. The processes are a fleet
 (supervisor.run.fleet: spawned, or with adopted workers), the plan they run by
 the plan in force (supervisor.in_force), which only the check loop replaces.
-SIGTERM/SIGINT only set a flag; the shutdown that follows stops workers first,
-then the engine. SIGHUP only asks for a config reload (supervisor.daemon.reload).
+`Daemon.run` builds every part in dependency order (`_build`: the bind path,
+the guardian, the proc connector, the adopter, the tree keeper, the runtime,
+the fleet, the check loop, the API, the reloader), each given what it uses by
+keyword, then runs the root's tasks in one asyncio.TaskGroup (`_supervise`).
+SIGTERM/SIGINT only set the shutdown trigger (an asyncio.Event that an
+embedding program may pass in and set); the shutdown that follows, in the
+TaskGroup's finally, stops workers first, then the engine. A second SIGTERM/
+SIGINT in the real daemon exits at once (`_exit_now`). SIGHUP only asks for a
+config reload (supervisor.daemon.reload).
 """
 
 from __future__ import annotations
@@ -22,11 +29,12 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from types import MappingProxyType
 from typing import Any, Protocol
 
+from supervisor.bind.binder import Binder
 from supervisor.bind.capability import probe_capabilities
 from supervisor.bind.cgroup import MEMBERSHIP_READ_EVERY
 from supervisor.bind.irq_checkpoint import IrqCheckpoint
@@ -62,9 +70,11 @@ from supervisor.state import Capability, CapabilityName, ProcessStatus, Snapshot
 from supervisor.topology.accelerators import CPU
 from supervisor.topology.discover import read_topology, reread_cpus
 from supervisor.topology.model import Topology
-from supervisor.trees.adopt import AdoptingFleet
+from supervisor.trees.adopt import Adopter, AdoptingFleet, AdoptRunner
 from supervisor.trees.guardian import Guardian
-from supervisor.trees.keeper import TreeKeeper
+from supervisor.trees.keeper import TreeKeeper, open_events
+from supervisor.trees.proc_events import ProcEvents
+from supervisor.watch.apply import Applier
 from supervisor.watch.irqs import IrqKeeper
 from supervisor.watch.loop import CheckLoop
 
@@ -72,7 +82,7 @@ try:  # uvloop where it is installed; asyncio's own loop otherwise
     import uvloop as _uvloop
 
     new_uvloop: Callable[[], asyncio.AbstractEventLoop] | None = _uvloop.new_event_loop
-except ImportError:  # tests/test_daemon.py runs this branch in a subprocess
+except ImportError:  # tests/daemon/test_root.py runs this branch in a subprocess
     new_uvloop = None
 
 log = logging.getLogger("placement_supervisor.daemon")
@@ -81,6 +91,9 @@ log = logging.getLogger("placement_supervisor.daemon")
 # (the benchmark's baseline; a host that forbids netlink sockets needs nothing).
 PROC_EVENTS_ENV = "PLACEMENT_SUPERVISOR_PROC_EVENTS"
 EXECUTOR_THREADS = 2
+# A forced exit (a second SIGTERM/SIGINT) exits 128 + the signal, as a shell
+# reports a death by that signal.
+FORCED_EXIT_BASE = 128
 
 
 # -- seams the composition root fills ----------------------------------------------
@@ -118,21 +131,34 @@ class Daemon:
         irq_checkpoint: IrqCheckpoint | None = None,
         capabilities: Mapping[CapabilityName, Capability] | None = None,
         config_hash: str | None = None,
+        hangups: Hangups | None = None,
+        shutdown_trigger: asyncio.Event | None = None,
+        force_exit: bool = False,
     ) -> None:
         self.plan = PlanInForce(config, topology, placement)
         self.listen = listen
         self.env = dict(os.environ if env is None else env)
         self.notifier = notifier if notifier is not None else Notifier.from_env(self.env)
         self.check_loop = check_loop  # run the check loop (POST /rebind works either way)
+        # Set by SIGTERM/SIGINT, or by the program that embeds the daemon (tests):
+        # the ordered stop follows (hypercorn's `shutdown_trigger`).
+        self.shutdown_trigger = (
+            shutdown_trigger if shutdown_trigger is not None else asyncio.Event()
+        )
+        # A second SIGTERM/SIGINT exits at once (`_exit_now`): only the real
+        # daemon (run_command), never a program that embeds one.
+        self.force_exit = force_exit
+        # Run's parts, made by `_build` in dependency order.
         self.checker: CheckLoop | None = None
-        self.check_task: asyncio.Task[None] | None = None
+        self.actions: DaemonActions | None = None  # the API's
+        self.reloader: Reloader | None = None  # SIGHUP
+        self.tasks: dict[str, asyncio.Task[None]] = {}  # the root's, in run's TaskGroup
         self.want_api = api
         self.want_guardian = guardian
         # A child subreaper changes the whole process: only the real daemon
         # (run_command) is one, never a program that embeds a Daemon.
         self.subreaper = subreaper
         self.guardian: Guardian | None = None
-        self.guardian_task: asyncio.Task[None] | None = None
         self.trees: TreeKeeper | None = None
         self.server: Server | None = None
         kind = placement.ranks[0].device.kind if placement.ranks else CPU.name
@@ -172,12 +198,11 @@ class Daemon:
         self.irq_checkpoint = irq_checkpoint  # the originals on disk, for after a crash
         self.irq_keeper = IrqKeeper(self.fs, config.irq, checkpoint=irq_checkpoint)
         self.recorder = Recorder(self.store, log)
-        self.irq_task: asyncio.Task[None] | None = None
         self.fleet: Fleet | None = None
+        self.adopt_executor: ThreadPoolExecutor | None = None  # adoptions' binds (ps-adopt)
         self.rt: Runtime | None = None
         self.signals_received = 0
         self.failed = False  # a supervision task died: the daemon exits 1
-        self.actions = DaemonActions(self)  # the API's
         self.status = ServiceStatus(
             self.store,
             self.notifier,
@@ -185,8 +210,7 @@ class Daemon:
             lambda: self.fleet,
             lambda: self.rt is not None and self.rt.stopping.is_set(),
         )
-        self.reloader = Reloader(self)  # SIGHUP
-        self.hangups: Hangups | None = None  # run_command's, installed before the config read
+        self.hangups = hangups  # run_command's, installed before the config read
         self.started = asyncio.Event()  # READY=1 sent: a reload may run
 
     @property
@@ -205,131 +229,250 @@ class Daemon:
         return self.rt
 
     def _on_signal(self, signum: int) -> None:
-        # Only set the flag: the shutdown itself runs in `run()`.
+        # Only set the trigger: the shutdown itself runs in `run()`. A second
+        # SIGTERM/SIGINT is someone who will not wait for the ordered stop.
         self.signals_received += 1
-        if self.rt is not None:
-            self.rt.stopping.set()
+        if self.signals_received > 1 and self.force_exit:
+            self._exit_now(signum)
+        self.shutdown_trigger.set()
+
+    def _exit_now(self, signum: int) -> None:
+        """The forced exit: one log line, then `os._exit`. What the ordered stop
+        would have ended ends all the same: each direct child has PR_SET_PDEATHSIG
+        =KILL (the shim's prctl(2)), and the guardian, seeing its pipe close, kills
+        the trees' processes, removes the cgroups and puts the IRQs back
+        (supervisor.trees.guardian); the kernel drops the instance lock."""
+        log.error(
+            "forced exit %s",
+            format_fields(
+                signal=signal.Signals(signum).name,
+                children=len(self.fleet.child_pids()) if self.fleet is not None else 0,
+                exit_code=FORCED_EXIT_BASE + signum,
+                action="exit now, the kernel and the guardian kill what is left",
+            ),
+        )
+        for handler in logging.getLogger().handlers:
+            with contextlib.suppress(Exception):  # a broken stream must not hold the exit
+                handler.flush()
+        os._exit(FORCED_EXIT_BASE + signum)
 
     # -- the main coroutine ----------------------------------------------------
 
     async def run(self) -> int:
+        """Build the parts, run the root's tasks in one TaskGroup until the shutdown
+        trigger fires (or a supervision dies), then the ordered stop in its finally."""
         loop = asyncio.get_running_loop()
         executor = ThreadPoolExecutor(EXECUTOR_THREADS, thread_name_prefix="ps-proc")
-        self.rt = Runtime(
-            self.plan,
-            self.store,
-            self.fs,
-            executor,
-            cgroups=self.cgroups,
-            on_state_change=self.status.publish,
-        )
         installed: list[signal.Signals] = []
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self._on_signal, signum)
             installed.append(signum)
         # A HUP (systemctl reload, kill -HUP, a closed terminal's to our group) is a
         # reload, never a death; the children, in their own sessions, never see it.
+        # Until the reloader is attached (once built), each HUP is noted (`early`).
         hangups = self.hangups if self.hangups is not None else Hangups().install()
-        hangups.attach(loop, self.reloader.request)
-        if hangups.early:  # the config may have changed since it was read: once more
-            self.reloader.request(signal.SIGHUP)
-        reload_task = asyncio.create_task(self.reloader.run(self.started), name="reload")
-        watchdog: asyncio.Task[None] | None = None
         try:
-            self.checker = checker = self._check_loop(self.rt)
-            await self._start_api(lambda: checker.stale_after_s)  # of the config in force
-            self.fleet = fleet = self._make_fleet(self.rt)
-            self._start_trees(fleet)
-            if self.guardian is not None:
-                self.guardian_task = asyncio.create_task(self._watch_guardian(), name="guardian")
-            self.irq_task = asyncio.create_task(self._apply_irqs(), name="irq_apply")
-            fleet.start()
-            interval = watchdog_interval_s(self.env, os.getpid())
-            if interval is not None:
-                watchdog = asyncio.create_task(self.status.watchdog_loop(interval), name="watchdog")
-            # The check loop starts once the IRQs are applied (its IRQ checks
-            # compare against them), not once every process is up: an engine
-            # can take many minutes to load a model, and its threads, the
-            # workers waiting on it, and /healthz all need checking meanwhile.
-            await first_of(self.irq_task, self.rt.stopping.wait())
-            if not self.rt.stopping.is_set() and self.check_loop:
-                self.check_task = asyncio.create_task(
-                    self._run_check_loop(self.checker), name="check_loop"
-                )
-            await self._wait_started()
-            if not self.rt.stopping.is_set():
-                self.status.notify_ready()
-                self.started.set()
-                # What start-up built (modules, config, plan, topology) lives as
-                # long as the daemon: frozen, the cyclic collector stops walking
-                # it at every collection, which a fork storm's short-lived
-                # objects trigger many times a second (8% of a storm's cost).
-                gc.freeze()
-            await self._wait_stop()
+            async with asyncio.TaskGroup() as group:
+                try:
+                    await self._build(executor)
+                    await self._supervise(group, hangups)
+                finally:
+                    # The ordered stop, while the watchdog still pings; then the
+                    # root's tasks left (the TaskGroup awaits them).
+                    await self._shutdown()
+                    for task in self.tasks.values():
+                        task.cancel()
+        except BaseExceptionGroup as errors:
+            # One error out, as before the TaskGroup: a ConfigError stays exit 2.
+            raise errors.exceptions[0] from None
         finally:
-            reload_task.cancel()  # a reload in flight ends here: the stop goes first
-            with contextlib.suppress(asyncio.CancelledError):
-                await reload_task
-            await self._shutdown()
-            for task in (watchdog,) if watchdog is not None else ():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
             for signum in installed:
                 loop.remove_signal_handler(signum)
             hangups.detach()  # still the handler: a HUP now is noted, never a death
             executor.shutdown(wait=False, cancel_futures=True)
+            if self.adopt_executor is not None:
+                self.adopt_executor.shutdown(wait=False, cancel_futures=True)
             if self.fleet is not None:
                 self.fleet.close()
             self.notifier.close()
         return 1 if self.failed else 0
 
-    def _start_trees(self, fleet: Fleet) -> None:
-        """The guardian (first: it must outlive us), then the tree keeper."""
-        # Who names the engine's processes: the adopting fleet's, handed to the keeper here.
-        naming = fleet.naming if isinstance(fleet, AdoptingFleet) else None
-        assert self.rt is not None
-        if self.want_guardian:
-            dirs = (
-                []
-                if self.cgroups is None
-                else [self.fs.path(d) for d in self.cgroups.instance_dirs]
+    async def _build(self, executor: ThreadPoolExecutor) -> None:
+        """Every part in dependency order, each given what it uses by keyword."""
+        stopping = asyncio.Event()  # the stop under way: every part's flag
+        # One bind path (watch.apply) for the check loop and the adoptions.
+        applier = Applier(self.fs, Binder(self.fs), self.irq_keeper, self.cgroups)
+        self.guardian = self._start_guardian()  # first: it must outlive us
+        events, events_how = (
+            open_events(self.fs)
+            if os.geteuid() == 0 and self.env.get(PROC_EVENTS_ENV) != "0"
+            else (None, None)
+        )
+        # Forks reach the keeper as events: the check loop reads each rank's
+        # cgroup.procs every few checks only, and the keeper's quiet pass takes
+        # a reading that old (issue 17, item 6; bind.cgroup).
+        forks_as_events = self.cgroups is not None and events is not None
+        membership_every = MEMBERSHIP_READ_EVERY if forks_as_events else 1
+        naming: Adopter | None = None
+        ranks: dict[int, AdoptRunner] = {}  # the adopting fleet's, filled as it makes them
+        if self.config.workers.spawned_by == "engine":
+            naming = Adopter(
+                fs=self.fs,
+                store=self.store,
+                stopping=stopping,
+                runners=ranks,
+                workers=self.config.workers,
+                placement=self.plan.placement,
+                engine=self.config.engine,
             )
-            self.guardian = Guardian.start(self.rt.python, dirs[0] if dirs else "")
-            if self.guardian is not None:
-                for path in dirs:
-                    self.guardian.cgroup(path)
-                if (cp := self.irq_checkpoint) is not None:  # before the first IRQ write
-                    self.guardian.irq_checkpoint(cp.path, cp.pid)
-        self.trees = TreeKeeper(
+            # The binds of adoptions run on a thread of their own (the daemon's
+            # pool may be busy with a check pass): it keeps fork-to-bound short.
+            self.adopt_executor = ThreadPoolExecutor(1, thread_name_prefix="ps-adopt")
+        self.trees = trees = self._tree_keeper(
+            naming,
+            events=events,
+            events_how=events_how,
+            quiet_intervals=membership_every + 1 if forks_as_events else 1,
+        )
+        self.rt = rt = Runtime(
+            self.plan,
+            self.store,
+            self.fs,
+            executor,
+            stopping=stopping,
+            cgroups=self.cgroups,
+            on_state_change=self.status.publish,
+            trees=trees,
+        )
+        if naming is None or self.adopt_executor is None:
+            self.fleet = fleet = spawned_fleet(rt, self.plan, self.specs)
+        else:
+            self.fleet = fleet = AdoptingFleet(
+                rt,
+                self.plan,
+                self.specs,
+                ranks=ranks,
+                names=naming.resolve,
+                applier=applier,
+                executor=self.adopt_executor,
+            )
+        self.checker = checker = self._check_loop(rt, fleet, applier, membership_every)
+        self.actions = DaemonActions(
+            keys=self.keys,
+            checker=checker,
+            fleet=fleet,
+            stopping=stopping,
+            recorder=self.recorder,
+        )
+        self.server = await self._start_api(self.actions, lambda: checker.stale_after_s)
+        self.reloader = Reloader(
+            plan=self.plan,
+            env=self.env,
+            fs=self.fs,
+            specs=self.specs,
+            store=self.store,
+            recorder=self.recorder,
+            status=self.status,
+            executor=executor,
+            stopping=stopping,
+            checker=checker,
+            fleet=fleet,
+            server=self.server,
+        )
+
+    async def _supervise(self, group: asyncio.TaskGroup, hangups: Hangups) -> None:
+        """Start the root's tasks in `group`, then supervise until the stop."""
+        rt, fleet, checker, reloader = self.runtime, self.fleet, self.checker, self.reloader
+        assert fleet is not None and checker is not None and reloader is not None
+        tasks = self.tasks
+        assert self.trees is not None
+        # The subreaper, the connector's reader, the pass task (stopped by the stop:
+        # it ends what is left of each tree first).
+        self.trees.start(group)
+        tasks["shutdown_trigger"] = group.create_task(self._stop_on_trigger(), name="trigger")
+        hangups.attach(asyncio.get_running_loop(), reloader.request)
+        if hangups.early:  # the config may have changed since it was read: once more
+            reloader.request(signal.SIGHUP)
+        tasks["reload"] = group.create_task(reloader.run(self.started), name="reload")
+        # The file's hash on disk beside the one in force, read between reloads too.
+        tasks["config_watch"] = group.create_task(reloader.watch_file(), name="config_watch")
+        if self.guardian is not None:
+            tasks["guardian"] = group.create_task(self._watch_guardian(), name="guardian")
+        tasks["irq_apply"] = irq_task = group.create_task(self._apply_irqs(), name="irq_apply")
+        fleet.start()
+        interval = watchdog_interval_s(self.env, os.getpid())
+        if interval is not None:
+            tasks["watchdog"] = group.create_task(
+                self.status.watchdog_loop(interval), name="watchdog"
+            )
+        # The check loop starts once the IRQs are applied (its IRQ checks
+        # compare against them), not once every process is up: an engine
+        # can take many minutes to load a model, and its threads, the
+        # workers waiting on it, and /healthz all need checking meanwhile.
+        await first_of(irq_task, rt.stopping.wait())
+        if not rt.stopping.is_set() and self.check_loop:
+            tasks["check_loop"] = group.create_task(
+                self._run_check_loop(checker), name="check_loop"
+            )
+        await self._wait_started()
+        if not rt.stopping.is_set():
+            self.status.notify_ready()
+            self.started.set()
+            # What start-up built (modules, config, plan, topology) lives as
+            # long as the daemon: frozen, the cyclic collector stops walking
+            # it at every collection, which a fork storm's short-lived
+            # objects trigger many times a second (8% of a storm's cost).
+            gc.freeze()
+        await self._wait_stop()
+
+    async def _stop_on_trigger(self) -> None:
+        """The shutdown trigger (a signal's, or the embedding program's) starts the stop."""
+        await self.shutdown_trigger.wait()
+        self.runtime.stopping.set()
+
+    async def _stop_task(self, name: str) -> None:
+        task = self.tasks.pop(name, None)
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def _start_guardian(self) -> Guardian | None:
+        """The guardian, told the cgroups and the IRQ checkpoint before any write."""
+        if not self.want_guardian:
+            return None
+        dirs = [] if self.cgroups is None else [self.fs.path(d) for d in self.cgroups.instance_dirs]
+        guardian = Guardian.start(self.specs.python, dirs[0] if dirs else "")
+        if guardian is not None:
+            for path in dirs:
+                guardian.cgroup(path)
+            if (cp := self.irq_checkpoint) is not None:  # before the first IRQ write
+                guardian.irq_checkpoint(cp.path, cp.pid)
+        return guardian
+
+    def _tree_keeper(
+        self,
+        naming: Adopter | None,
+        *,
+        events: ProcEvents | None,
+        events_how: str | None,
+        quiet_intervals: int,
+    ) -> TreeKeeper:
+        """The tree keeper; `naming` names the engine's processes (adopted workers)."""
+        return TreeKeeper(
             self.fs,
             self.store,
             interval_s=lambda: self.config.drift.check_interval_s,  # the config in force
             cgroup_dir=self._cgroup_dir,
             direct_children=self._direct_children,
             guardian=self.guardian,
-            use_connector=os.geteuid() == 0 and self.env.get(PROC_EVENTS_ENV) != "0",
+            events=events,
+            events_how=events_how,
+            quiet_intervals=quiet_intervals,
             subreaper=self.subreaper,
             adopter=naming,
             on_refresh=None if naming is None else naming.note_pass,
             recent_procs=None if self.cgroups is None else self.cgroups.manager.recent_procs,
-        )
-        self.rt.trees = self.trees
-        self.trees.start()
-        if self.cgroups is not None and self.trees.events is not None:
-            # Forks reach the keeper as events: the check loop reads each rank's
-            # cgroup.procs every few checks only, and the keeper's quiet pass
-            # takes a reading that old (issue 17, item 6; bind.cgroup).
-            self.cgroups.manager.membership_every = MEMBERSHIP_READ_EVERY
-            self.trees.quiet_intervals = MEMBERSHIP_READ_EVERY + 1
-
-    def _make_fleet(self, rt: Runtime) -> Fleet:
-        """The spawned fleet; with `[workers] spawned_by = "engine"`, the adopting one."""
-        workers = self.config.workers
-        if workers.spawned_by != "engine":
-            return spawned_fleet(rt, self.plan, self.specs)
-        return AdoptingFleet(
-            rt, self.plan, self.specs, workers, self.cgroups, engine=self.config.engine
         )
 
     def _cgroup_dir(self, key: ProcKey) -> str | None:
@@ -341,10 +484,11 @@ class Daemon:
             pids.append(self.guardian.pid)
         return pids
 
-    async def _start_api(self, stale_after_s: Callable[[], float]) -> None:
+    async def _start_api(
+        self, actions: Actions, stale_after_s: Callable[[], float]
+    ) -> Server | None:
         if not self.want_api:
-            return
-        actions: Actions = self.actions
+            return None
         server = ApiServer(
             self.store, actions, self.config.api, self.listen, stale_after_s=stale_after_s
         )
@@ -356,7 +500,7 @@ class Daemon:
             # The API cannot listen (port taken, a path that is not a socket):
             # exit 2, not 1, which Restart=on-failure would retry forever.
             raise ConfigError(str(err)) from None
-        self.server = server
+        return server
 
     async def _wait_started(self) -> None:
         """Until every runner has made its first spawn (bound, or failed to) or
@@ -385,7 +529,9 @@ class Daemon:
         self.failed = True  # exit 1: systemd's Restart=on-failure applies
         self.runtime.stopping.set()
 
-    def _check_loop(self, rt: Runtime) -> CheckLoop:
+    def _check_loop(
+        self, rt: Runtime, fleet: Fleet, applier: Applier, membership_every: int
+    ) -> CheckLoop:
         """The check loop with exactly the collaborators it uses."""
         fs = self.fs
         return CheckLoop(
@@ -393,11 +539,13 @@ class Daemon:
             plan=self.plan,
             fs=fs,
             executor=rt.executor,
-            supervised=lambda: [] if self.fleet is None else self.fleet.supervised(),
+            supervised=fleet.supervised,
             stopping=rt.stopping,
+            applier=applier,
             irqs=self.irq_keeper,
             cgroups=self.cgroups,
             read_topology=lambda old: reread_cpus(fs, old),
+            membership_every=membership_every,
         )
 
     async def _watch_guardian(self) -> None:
@@ -447,9 +595,9 @@ class Daemon:
 
     async def _restore_irqs(self) -> None:
         """Original IRQ affinities back, once any apply still in flight has finished."""
-        if self.irq_task is not None:
+        if (apply := self.tasks.pop("irq_apply", None)) is not None:
             with contextlib.suppress(asyncio.CancelledError):
-                await self.irq_task
+                await apply
         loop = asyncio.get_running_loop()
         try:
             await loop.run_in_executor(self.runtime.executor, self.irq_keeper.restore)
@@ -459,7 +607,15 @@ class Daemon:
             self.recorder.facts(self.irq_keeper.take_facts())
 
     async def _shutdown(self) -> None:
-        assert self.rt is not None
+        """The ordered stop: workers first, then the engine, then what is left."""
+        await self._stop_task("reload")  # a reload in flight ends here: the stop goes first
+        await self._stop_task("config_watch")
+        if self.rt is None:  # the build failed early: what it made is closed, no more
+            if self.trees is not None:
+                await self.trees.stop()  # the connector's socket
+            if self.guardian is not None:
+                self.guardian.close()  # a clean stop: it exits without killing
+            return
         self.rt.stopping.set()
         self.rt.stop_started_at = time.monotonic()  # every wait from here fits stop_grace_s
         self.store.update(stopping=True)
@@ -472,11 +628,8 @@ class Daemon:
             processes=len(self.keys),
             action="stop workers",
         )
-        for task in (self.check_task, self.guardian_task):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        await self._stop_task("check_loop")
+        await self._stop_task("guardian")
         if self.fleet is not None:
             await self.fleet.shutdown()  # workers first, then the engine
         if self.trees is not None:
@@ -496,40 +649,45 @@ class Daemon:
             await self.server.stop()
         log.info("stopped %s", format_fields(status=self.status.line()))
 
-    # -- actions (API) ---------------------------------------------------------
 
-    async def restart_rank(self, key: ProcKey) -> dict[str, Any]:
-        if self.rt is None or self.rt.stopping.is_set() or self.fleet is None:
+class DaemonActions:
+    """The API's changing calls (implements supervisor.serve.routes.Actions), made
+    with the parts they use."""
+
+    def __init__(
+        self,
+        *,
+        keys: Collection[ProcKey],
+        checker: CheckLoop,
+        fleet: Fleet,
+        stopping: asyncio.Event,
+        recorder: Recorder,
+    ) -> None:
+        self.keys = keys
+        self.checker = checker
+        self.fleet = fleet
+        self.stopping = stopping
+        self.recorder = recorder
+
+    async def rebind(self, rank: ProcKey | None) -> dict[str, Any]:
+        """One enforcing pass of the check loop now (the one rebind path)."""
+        if rank is not None and rank not in self.keys:
+            raise KeyError(rank)  # -> 404
+        return await self.checker.rebind(rank)
+
+    async def restart(self, rank: ProcKey) -> dict[str, Any]:
+        if self.stopping.is_set():
             raise SupervisorError("the supervisor is stopping")
-        old = self.fleet.request_restart(key)  # KeyError -> 404
+        old = self.fleet.request_restart(rank)  # KeyError -> 404
         self.recorder.note(
             "restart_requested",
-            key,
-            f"{key_label(key)}: restart requested",
+            rank,
+            f"{key_label(rank)}: restart requested",
             log_message="restart requested",
             previous_state=old.state,
             action="restart",
         )
-        return {"rank": key_label(key), "previous_state": old.state, "previous_pid": old.pid}
-
-
-class DaemonActions:
-    """The API's changing calls, done on the daemon (implements supervisor.serve.routes.Actions)."""
-
-    def __init__(self, daemon: Daemon) -> None:
-        self.daemon = daemon
-
-    async def rebind(self, rank: ProcKey | None) -> dict[str, Any]:
-        """One enforcing pass of the check loop now (the one rebind path)."""
-        if rank is not None and rank not in self.daemon.keys:
-            raise KeyError(rank)  # -> 404
-        checker = self.daemon.checker
-        if checker is None:
-            raise SupervisorError("the supervisor is not running")
-        return await checker.rebind(rank)
-
-    async def restart(self, rank: ProcKey) -> dict[str, Any]:
-        return await self.daemon.restart_rank(rank)
+        return {"rank": key_label(rank), "previous_state": old.state, "previous_pid": old.pid}
 
 
 # -- the command -------------------------------------------------------------------

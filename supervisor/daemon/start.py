@@ -97,12 +97,13 @@ def run_command(args: argparse.Namespace) -> int:
             irq_checkpoint=checkpoint,
             capabilities=capabilities,
             config_hash=digest,
+            hangups=hangups,
+            force_exit=True,
         )
     except BaseException:
         if cgroups is not None:
             remove_cgroups(cgroups, [])
         raise
-    daemon.hangups = hangups
     log.info(
         "starting %s",
         format_fields(

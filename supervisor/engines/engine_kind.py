@@ -25,6 +25,12 @@ def recognise_kind(argv: Sequence[str]) -> ResolvedKind:
     `python -m torch.distributed.run`, `ray start`; "custom" for anything else."""
     if not argv:
         return "custom"
+    script = _python_script(argv)
+    if script is not None:
+        # `vllm serve` as a running process shows its console script behind the
+        # interpreter (`/usr/bin/python3 /usr/local/bin/vllm serve ...`): what a
+        # node agent or an attach by command line reads from /proc/<pid>/cmdline.
+        argv = argv[script:]
     first = os.path.basename(argv[0])
     if first == "vllm" and "serve" in argv[1:2]:
         return "vllm"
@@ -41,6 +47,23 @@ def recognise_kind(argv: Sequence[str]) -> ResolvedKind:
         if module in ("torch.distributed.run", "torch.distributed.launch"):
             return "torchrun"
     return "custom"
+
+
+CONSOLE_SCRIPTS = ("vllm", "torchrun", "ray")  # the entry points whose shebang is python
+
+
+def _python_script(argv: Sequence[str]) -> int | None:
+    """The index of a known console script run by its interpreter
+    (`python3 [opts] /path/vllm ...`), or None."""
+    if not os.path.basename(argv[0]).startswith("python"):
+        return None
+    for i, word in enumerate(argv[1:], start=1):
+        if word.startswith("-"):
+            if word in ("-m", "-c"):
+                return None
+            continue
+        return i if os.path.basename(word) in CONSOLE_SCRIPTS else None
+    return None
 
 
 def _python_module(argv: Sequence[str]) -> str | None:

@@ -465,8 +465,12 @@ class FakeHost:
                 f"{d}/topology/package_cpus_list", format_cpulist(package_cpus & online) + "\n"
             )
             if self._l3_cores:  # cache/index3: the L3 of `_l3_cores` cores in a row
-                l3 = {c for c, s in self._cpus.items() if s.package == spec.package
-                      and s.core // self._l3_cores == spec.core // self._l3_cores}  # fmt: skip
+                l3 = {
+                    c
+                    for c, s in self._cpus.items()
+                    if s.package == spec.package
+                    and s.core // self._l3_cores == spec.core // self._l3_cores
+                }
                 self._write(f"{d}/cache/index3/level", "3\n")
                 self._write(f"{d}/cache/index3/shared_cpu_list", format_cpulist(l3) + "\n")
 

@@ -2,7 +2,7 @@
 
 Each entry names a builder of supervisor.examples.hosts and says, in one line,
 what `topology --root` of its tree shows: sockets, NUMA nodes, CPUs and
-accelerators (tests/test_examples.py holds each line to the discovered tree).
+accelerators (tests/examples/test_examples.py holds each line to the discovered tree).
 A name is matched case-insensitively, "_" as "-"; an alias is the builder's
 own name, as the tests call it.
 """

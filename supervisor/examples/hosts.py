@@ -144,11 +144,13 @@ def npu_smi_capture(h: FakeHost, chips: list[NpuChip], version: str = "24.1.rc2"
         return f"| {a:<26}| {b:<14}| {c:<51}|"
 
     table = [
-        bar, f"| {f'npu-smi {version}   Version: {version}':<94}|", bar,
+        bar,
+        f"| {f'npu-smi {version}   Version: {version}':<94}|",
+        bar,
         row("NPU   Name", "Health", "Power(W)    Temp(C)           Hugepages-Usage(page)"),
         row("Chip", "Bus-Id", "AICore(%)   Memory-Usage(MB)  HBM-Usage(MB)"),
         dbl,
-    ]  # fmt: skip
+    ]
     npus = sorted({c[0] for c in chips})
     for npu in npus:
         mine = [c for c in chips if c[0] == npu and c[3] is not None]
@@ -214,8 +216,10 @@ def ascend_a2(base: Path, nodes_per_socket: int = 2, cpuset: str | None = None) 
             irq_names=["sq_send_trigger_irq", "cq_update_irq"],
         )
         h.dev_node(f"davinci{logical}")
-        chips += [(logical, 0, logical, f"0000:{bus}:00.0", "Ascend 910B3"),
-                  (logical, 1, None, None, "Mcu")]  # fmt: skip
+        chips += [
+            (logical, 0, logical, f"0000:{bus}:00.0", "Ascend 910B3"),
+            (logical, 1, None, None, "Mcu"),
+        ]
     h.dev_node("davinci_manager")
     npu_smi_capture(h, chips)
     h.virtual_netdev("lo")

@@ -10,6 +10,7 @@ hierarchy that has the cpuset controller wins.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -137,7 +138,13 @@ def read_cpuset(fs: HostFS) -> Cpuset | None:
     text = fs.read_optional(PROC_CGROUP)
     if text is None:
         return None
-    lines = parse_proc_cgroup(text)
+    return cpuset_of(fs, parse_proc_cgroup(text))
+
+
+def cpuset_of(fs: HostFS, lines: Sequence[CgroupLine]) -> Cpuset | None:
+    """The cpuset of the process whose /proc/<pid>/cgroup is `lines`, as this
+    process's mount namespace shows it (a node agent reads another container's);
+    None when no line is a cpuset's or cgroup2's."""
     for line in lines:
         if "cpuset" in line.controllers:
             mapped = _read_mapped(fs, line)

@@ -24,10 +24,9 @@ import os
 import signal
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import Executor
 from dataclasses import dataclass
 
-from supervisor.bind.binder import Binder
 from supervisor.config import ProcessConfig
 from supervisor.engines.kind_rules import rules_for
 from supervisor.engines.naming import Verdict, decide_rank, waiting_warnings
@@ -45,11 +44,11 @@ from supervisor.run.fleet import RunnerFleet, plan_keys
 from supervisor.run.procs import first_of
 from supervisor.run.runner import Runner, Runtime
 from supervisor.run.spec import SpecOf
-from supervisor.state import MemPolicyStep
+from supervisor.state import MemPolicyStep, StateStore
 from supervisor.topology.device_minors import device_rank_by_number, read_char_devices
 from supervisor.trees.tree import Member, ReadFailures
 from supervisor.watch.adoption import Adoptee, AdoptResult, adoption_result, decide_adoption
-from supervisor.watch.apply import Applier, CgroupsLike
+from supervisor.watch.apply import Applier
 
 log = logging.getLogger("placement_supervisor.adopt")
 
@@ -159,6 +158,8 @@ class AdoptRunner(Runner):
         all_nodes: Sequence[int],
         applier: Applier,
         executor: Executor | None = None,
+        *,
+        names: Callable[[int], int | None],
     ) -> None:
         super().__init__(rt, key, spec_of)
         # The binds of an adoption run here: a thread of their own (the daemon's
@@ -171,8 +172,7 @@ class AdoptRunner(Runner):
         self.all_nodes = tuple(all_nodes)
         self.applier = applier
         self.recorder = Recorder(rt.store, log)  # its lines under this module's logger
-        # The rank the sources give a pid now (the Adopter's `resolve`).
-        self.names: Callable[[int], int | None] = lambda pid: None
+        self.names = names  # the rank the sources give a pid now (the Adopter's `resolve`)
 
     def offer(self, candidate: Candidate) -> None:
         """A process the sources named this rank. Queued even while the rank
@@ -368,30 +368,34 @@ class Adopter:
 
     def __init__(
         self,
-        rt: Runtime,
+        *,
+        fs: HostFS,
+        store: StateStore,
+        stopping: asyncio.Event,
         runners: Mapping[int, AdoptRunner],
         workers: ProcessConfig,
         placement: Placement,
-        *,
         engine: ProcessConfig | None = None,
     ) -> None:
-        self.rt = rt
+        self.fs = fs
+        self.store = store
+        self.stopping = stopping
+        # The fleet's rank runners, filled as the fleet makes them (each asks
+        # `resolve`, and this offers to each: the one cycle, through a mapping).
         self.runners = runners
         self.sources: tuple[RankSource, ...] = workers.rank_from
         rules = None if engine is None else rules_for(engine.kind, engine.command, engine.env)
         self.rules = None if rules is None or rules.kind == "custom" else rules
         self.local_ranks, self.device_ranks = rank_tables(placement)
-        self.number_ranks = device_rank_by_number(read_char_devices(rt.fs), bdf_ranks(placement))
-        for runner in runners.values():
-            runner.names = self.resolve
+        self.number_ranks = device_rank_by_number(read_char_devices(fs), bdf_ranks(placement))
         self.want_fds = any(s.kind == "device" for s in self.sources) or (
             self.rules is not None and self.rules.want_fds
         )
         self.env_names = frozenset(s.name for s in self.sources if s.kind == "env") | (
             frozenset() if self.rules is None else self.rules.env_names
         )
-        self.read_failures = ReadFailures(rt.store, log)
-        self.recorder = Recorder(rt.store, log)
+        self.read_failures = ReadFailures(store, log)
+        self.recorder = Recorder(store, log)
         self.named: set[ProcessId] = set()
         self.unnamed_passes: dict[ProcessId, int] = {}
         self.verdicts: dict[int, Verdict] = {}  # pid -> the last verdict (the warning's titles)
@@ -403,7 +407,7 @@ class Adopter:
     def __call__(self, member: Member) -> None:
         """Name `member` now and offer it to its rank (on the loop: two small
         /proc reads; a hop to a busy pool thread was most of the latency)."""
-        if self.rt.stopping.is_set():
+        if self.stopping.is_set():
             return
         rank = self.resolve(member.pid)
         if rank is None:
@@ -416,9 +420,7 @@ class Adopter:
     def resolve(self, pid: int) -> int | None:
         """The rank the sources give `pid` now (None: unnamed, or gone)."""
         try:
-            facts = read_proc_facts(
-                self.rt.fs, pid, env_names=self.env_names, want_fds=self.want_fds
-            )
+            facts = read_proc_facts(self.fs, pid, env_names=self.env_names, want_fds=self.want_fds)
         except KernelError as err:
             self.read_failures.note(pid, err)
             return None
@@ -513,7 +515,7 @@ class Adopter:
             rule=rule,
         ):
             self.warned.add(w.rank)
-            self.rt.store.count("waiting_warnings", key_label(w.rank))
+            self.store.count("waiting_warnings", key_label(w.rank))
             self.recorder.note(
                 "rank_waiting",
                 w.rank,
@@ -540,30 +542,23 @@ class AdoptingFleet(RunnerFleet):
         rt: Runtime,
         plan: PlanInForce,
         spec_of: SpecOf,
-        workers: ProcessConfig,
-        cgroups: CgroupsLike | None,
         *,
-        engine: ProcessConfig | None = None,
+        ranks: dict[int, AdoptRunner],
+        names: Callable[[int], int | None],
+        applier: Applier,
+        executor: Executor,
     ) -> None:
-        # The binds of adoptions run on a thread of their own (the daemon's pool
-        # may be busy with a check pass): it keeps fork-to-bound short.
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="ps-adopt")
-        applier = Applier(rt.fs, Binder(rt.fs), None, cgroups)
+        """`ranks`: the Adopter's mapping of rank runners, filled here; `names`: its
+        `resolve`; `executor`: where adoptions bind (the root's ps-adopt thread)."""
         nodes = [n.id for n in plan.topology.nodes]
         runners: list[Runner] = []
-        ranks: dict[int, AdoptRunner] = {}
         for key in plan_keys(plan):
             if key == "engine":
                 runners.append(Runner(rt, key, spec_of))
             else:
-                ranks[key] = AdoptRunner(rt, key, spec_of, nodes, applier, self.executor)
+                ranks[key] = AdoptRunner(rt, key, spec_of, nodes, applier, executor, names=names)
                 runners.append(ranks[key])
         super().__init__(rt, plan, runners)
-        # The tree keeper's callbacks, which the root hands over (daemon/root.py).
-        self.naming = Adopter(rt, ranks, workers, plan.placement, engine=engine)
-
-    def close(self) -> None:
-        self.executor.shutdown(wait=False, cancel_futures=True)
 
 
 def adopted_mempolicy(fs: HostFS, pid: int, slot: Slot) -> MemPolicyStep | None:

@@ -95,6 +95,13 @@ STORM_SETTLE_S = 0.1
 Adopter = Callable[[Member], None]
 
 
+def open_events(fs: HostFS) -> tuple[ProcEvents | None, str]:
+    """The proc connector for a tree keeper, or (None, why not)."""
+    if nested_pid_namespace(fs.readlink("proc/self/ns/pid")):
+        return None, "in a child pid namespace (a container): the connector reports host pids"
+    return open_proc_events()
+
+
 class TreeKeeper:
     """Every tree of one daemon. Call its methods from the event loop."""
 
@@ -108,7 +115,9 @@ class TreeKeeper:
         cgroup_dir: Callable[[ProcKey], str | None],
         direct_children: Callable[[], Iterable[int]],
         guardian: Guardian | None = None,
-        use_connector: bool = True,
+        events: ProcEvents | None = None,
+        events_how: str | None = None,
+        quiet_intervals: int = 1,
         subreaper: bool = True,
         adopter: Adopter | None = None,
         on_refresh: Callable[[Mapping[int, Member]], None] | None = None,
@@ -125,14 +134,16 @@ class TreeKeeper:
         self.cgroup_dir = cgroup_dir
         self.direct_children = direct_children
         self.guardian = guardian
-        self.use_connector = use_connector
+        # The proc connector (`open_events`), or None: forks seen at each pass only.
+        # `events_how`: how it was opened, or why not (logged at start; None: not asked).
+        self.events = events
+        self.events_how = events_how
         self.roots: dict[ProcKey, Root] = {}
         self.adopted: set[ProcKey] = set()  # roots that are engine-spawned workers
         self.leaving_pids: set[int] = set()  # being adopted: in no published tree meanwhile
         self.members: dict[int, Member] = {}
         self.adopter = adopter  # names the engine's processes ([workers] spawned_by = "engine")
         self.on_refresh = on_refresh  # after each pass, with every tree's members
-        self.events: ProcEvents | None = None
         self.task: asyncio.Task[None] | None = None
         self.me = os.getpid()
         self.exited: dict[int, ProcessId] = {}  # members gone from the trees, maybe not reaped
@@ -147,7 +158,9 @@ class TreeKeeper:
         self.full_passes = 0  # those that walked all of /proc
         self.in_cgroups = False  # at the last pass, every root was in its cgroup
         self.recent_procs = recent_procs  # the check loop's cgroup.procs reads (quiet.py)
-        self.quiet_intervals = 1  # a quiet pass takes readings this many intervals old (daemon)
+        # A quiet pass takes cgroup.procs readings this many intervals old: more than 1
+        # where the check loop reads them every few checks (the daemon's, with events).
+        self.quiet_intervals = quiet_intervals
         self._last: LastPass | None = None
         self._overruns = 0  # the connector's, at the last full pass
 
@@ -208,20 +221,17 @@ class TreeKeeper:
 
     # -- running -------------------------------------------------------------------
 
-    def start(self) -> None:
+    def start(self, group: asyncio.TaskGroup | None = None) -> None:
+        """The subreaper, the connector's reader, and the pass task (in `group`,
+        the daemon's TaskGroup, where one is given)."""
         if self.subreaper:
             if set_child_subreaper():
                 log.info("subreaper %s", format_fields(pid=self.me, action="orphans come back"))
             else:
                 log.warning("subreaper refused %s", format_fields(action="orphans go to init"))
-        if self.use_connector:
-            self.events, how = (
-                (None, "in a child pid namespace (a container): the connector reports host pids")
-                if nested_pid_namespace(self.fs.readlink("proc/self/ns/pid"))
-                else open_proc_events()
-            )
-            if self.events is not None:
-                self.events.attach(self._on_events)
+        if self.events is not None:
+            self.events.attach(self._on_events)
+        if (how := self.events_how) is not None:
             log.info(
                 "process events %s",
                 format_fields(
@@ -230,7 +240,8 @@ class TreeKeeper:
                     interval_s=f"{self.interval_of():g}",
                 ),
             )
-        self.task = asyncio.create_task(self._loop(), name="tree_keeper")
+        spawn = asyncio.create_task if group is None else group.create_task
+        self.task = spawn(self._loop(), name="tree_keeper")
 
     async def stop(self) -> None:
         if self._settle_at is not None:

@@ -26,7 +26,6 @@ from dataclasses import replace
 from types import MappingProxyType
 from typing import Any
 
-from supervisor.bind.binder import Binder
 from supervisor.config import Config, DriftConfig
 from supervisor.cpulist import format_cpulist
 from supervisor.errors import KernelError, SupervisorError
@@ -92,10 +91,11 @@ class CheckLoop:
         executor: Executor,
         supervised: Callable[[], Iterable[Supervised]],
         stopping: asyncio.Event,
+        applier: Applier,
         irqs: IrqKeeperLike | None = None,
         cgroups: CgroupsLike | None = None,
         read_topology: Callable[[Topology], Topology] | None = None,
-        binder: Binder | None = None,
+        membership_every: int = 1,
     ) -> None:
         self.store = store
         self.plan = plan
@@ -105,8 +105,10 @@ class CheckLoop:
         self.stopping = stopping
         self.irqs = irqs
         self.cgroups = cgroups
-        self.binder = binder if binder is not None else Binder(fs)
-        self.applier = Applier(fs, self.binder, irqs, cgroups)
+        # Each rank's cgroup.procs read every this many checks (bind.cgroup).
+        self.membership_every = membership_every
+        self.applier = applier  # the one bind path (watch.apply), the root's
+        self.binder = applier.binder
         self.record = Recorder(store, log)
         # read_topology: what a cpuset change can change, re-read (blocking); None: no re-plan.
         self.replanning = (
@@ -296,6 +298,7 @@ class CheckLoop:
                 placement=placement,
                 with_allowed=with_allowed,
                 cpuset_cache=self.cpuset_cache,
+                membership_every=self.membership_every,
             ),
         )
         self._irq_facts()

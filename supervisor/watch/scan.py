@@ -227,6 +227,7 @@ def scan(
     placement: Placement | None = None,
     with_allowed: bool = True,
     cpuset_cache: CpusetCache | None = None,
+    membership_every: int = 1,
 ) -> ScanResult:
     """Every read of one pass; failures isolated per process, the IRQs (of
     `placement`, the plan in force) and the host."""
@@ -281,7 +282,7 @@ def scan(
         delivered = irq_obs.get(t.key, delivered)
         if t.own is not None and cgroups is not None:
             try:
-                own = cgroups.observe(t.own, t.pid)
+                own = cgroups.observe(t.own, t.pid, membership_every=membership_every)
             except KernelError as err:
                 member_errors[t.key] = (*member_errors.get(t.key, ()), (t.pid, str(err)))
         if (

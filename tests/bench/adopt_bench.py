@@ -50,8 +50,8 @@ from tests.support.daemon_support import (
     DaemonProcess,
     daemon_env,
     to_toml,
-    wait_until,
 )
+from tests.support.poll import wait_until
 
 FS = HostFS("/")
 CLK_TCK = os.sysconf("SC_CLK_TCK")

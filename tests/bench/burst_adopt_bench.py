@@ -27,7 +27,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.support.daemon_support import INSTANCE_ENV, DaemonProcess, daemon_env, poll, to_toml
+from tests.support.daemon_support import (
+    INSTANCE_ENV,
+    DaemonProcess,
+    daemon_env,
+    to_toml,
+)
+from tests.support.poll import poll
 
 ENGINE = r"""
 import json, os, sys, time

@@ -41,7 +41,12 @@ from supervisor.run.spec import ChildSpec
 from supervisor.state import ProcessStatus, Snapshot, StateStore
 from supervisor.topology.discover import read_topology
 from supervisor.topology.model import DiscoveryOptions
-from tests.support.daemon_support import REPO, DaemonProcess, entries, wait_until
+from tests.support.daemon_support import (
+    REPO,
+    DaemonProcess,
+    entries,
+)
+from tests.support.poll import wait_until
 
 FS = HostFS("/")
 CLK_TCK = os.sysconf("SC_CLK_TCK")

@@ -98,8 +98,10 @@ def bench_host(name: str, root: Path, reps: int, lscpu: str) -> None:
     disc_s = median_s(discovery_only, reps)
     plan_s = median_s(plan_only, reps)
     lscpu_s = median_s(shell_out, reps)
-    print(f"== {name}: {len(topology.cpus)} CPUs, {len(topology.nodes)} nodes, "
-          f"{len(topology.devices)} devices, {len(topology.irqs)} IRQs; reps={reps}")  # fmt: skip
+    print(
+        f"== {name}: {len(topology.cpus)} CPUs, {len(topology.nodes)} nodes, "
+        f"{len(topology.devices)} devices, {len(topology.irqs)} IRQs; reps={reps}"
+    )
     print(f"  ours: discovery + plan      {ours_s * 1e3:8.2f} ms  ({files} files read)")
     print(f"        discovery alone       {disc_s * 1e3:8.2f} ms")
     print(f"        plan alone            {plan_s * 1e3:8.2f} ms")

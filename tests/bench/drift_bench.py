@@ -40,10 +40,10 @@ from tests.support.cgroup_v1 import v1_available, write_v1_cpus
 from tests.support.daemon_support import (
     DaemonProcess,
     confined_daemon,
-    poll,
     rank_pids,
     thread_cpus_as_planned,
 )
+from tests.support.poll import poll
 
 TARGET_P99_S = 0.25
 TARGET_IDLE_CORE_PERCENT = 0.5

@@ -31,9 +31,9 @@ from tests.support.daemon_support import (
     INSTANCE_ENV,
     DaemonProcess,
     daemon_env,
-    poll,
     to_toml,
 )
+from tests.support.poll import poll
 
 FS = HostFS("/")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -171,8 +171,10 @@ def main() -> None:
     for name, values in results.items():
         each = ", ".join(f"{v:.2f}" for v in values)
         print(f"{name:13s} daemon CPU {med[name]:6.2f}% of a core  ({each})")
-    print(f"storm/quiet: {med['storm'] / max(med['quiet'], 1e-6):.1f}x; "
-          f"storm - quiet: {med['storm'] - med['quiet']:.2f} points (target <= 2%)")  # fmt: skip
+    print(
+        f"storm/quiet: {med['storm'] / max(med['quiet'], 1e-6):.1f}x; "
+        f"storm - quiet: {med['storm'] - med['quiet']:.2f} points (target <= 2%)"
+    )
 
 
 if __name__ == "__main__":

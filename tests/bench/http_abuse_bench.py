@@ -31,7 +31,12 @@ from pathlib import Path
 
 from supervisor.hostfs import HostFS
 from supervisor.run.procs import read_proc_stat
-from tests.support.daemon_support import DaemonProcess, daemon_env, poll, to_toml
+from tests.support.daemon_support import (
+    DaemonProcess,
+    daemon_env,
+    to_toml,
+)
+from tests.support.poll import poll
 
 FS = HostFS("/")
 CLK_TCK = os.sysconf("SC_CLK_TCK")

@@ -44,8 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
     args = parser.parse_args(argv)
     repeat = 5 if args.quick else 21
-    print(f"{'sockets':>8} {'rows':>8} {'new ms':>8} {'dump ms':>8} {'setns ms':>8} "
-          f"{'stream ms':>10} {'old ms':>8} {'old/new':>8} {'old/stream':>10}")  # fmt: skip
+    print(
+        f"{'sockets':>8} {'rows':>8} {'new ms':>8} {'dump ms':>8} {'setns ms':>8} "
+        f"{'stream ms':>10} {'old ms':>8} {'old/new':>8} {'old/stream':>10}"
+    )
     for sockets in (1_000, 100_000):
         r = measure(sockets, repeat)
         new, old, stream = r["netlink_s"], r["old_s"], r["stream_s"]

@@ -51,8 +51,8 @@ from tests.support.daemon_support import (
     DaemonProcess,
     daemon_env,
     to_toml,
-    wait_until,
 )
+from tests.support.poll import wait_until
 
 CASES = ("alone", "plain", "supervised", "numactl")
 LABELS = dict(zip(CASES, ("(a) alone", "(b) plain", "(c) supervised", "(d) numactl"), strict=True))

@@ -24,7 +24,7 @@ from supervisor.errors import KernelError
 from supervisor.hostfs import HostFS
 from supervisor.state import CgroupObservation
 from tests.support.children import close_process, start_shimmed
-from tests.support.daemon_support import wait_until
+from tests.support.poll import wait_until
 
 MIB = 1 << 20
 
@@ -265,24 +265,26 @@ def test_a_check_reads_cgroup_procs_every_few_checks_while_proc_cgroup_is_unchan
         assert manager.recent_procs(rel, 60) == sorted([proc.pid, other.pid])
         parent.write_text(str(other.pid))
 
-        manager.membership_every = 3
-        assert manager.observe(pc, proc.pid) == inside  # read: [proc]
+        def observe() -> CgroupObservation:  # as the check loop does with the connector on
+            return manager.observe(pc, proc.pid, membership_every=3)
+
+        assert observe() == inside  # read: [proc]
         assert manager.recent_procs(rel, 60) == [proc.pid]
         move_in()
         for _ in range(2):  # confirmed by /proc/<pid>/cgroup: the file is not read
-            assert manager.observe(pc, proc.pid) == inside
+            assert observe() == inside
             assert manager.recent_procs(rel, 60) == [proc.pid]
-        assert manager.observe(pc, proc.pid) == inside  # the third: read again
+        assert observe() == inside  # the third: read again
         assert manager.recent_procs(rel, 60) == sorted([proc.pid, other.pid])
 
         parent.write_text(str(proc.pid))  # someone moves the process out
-        assert manager.observe(pc, proc.pid) == CgroupObservation((), None, None, True)
+        assert observe() == CgroupObservation((), None, None, True)
         (Path(manager.fs.path(rel)) / "cgroup.procs").write_text(str(proc.pid))
-        assert manager.observe(pc, proc.pid) == inside
+        assert observe() == inside
         parent.write_text(str(other.pid))
         parent.write_text(str(proc.pid))
         Path(manager.fs.path(rel)).rmdir()  # and removes the dir
-        missing = manager.observe(pc, proc.pid)
+        missing = observe()
         assert missing.missing == (manager.fs.path(rel),), missing
     finally:
         other.kill()

@@ -29,7 +29,7 @@ from supervisor.bind.irq_checkpoint_data import (
 )
 from supervisor.daemon.state_dir import irq_checkpoint_name, irq_checkpoint_path, state_dirs
 from supervisor.hostfs import HostFS
-from tests.support.daemon_support import poll
+from tests.support.poll import poll
 
 BOOT = "4cae50d6-cca6-4a55-bee8-e690cd2dbebd"
 DATA = IrqCheckpointData(BOOT, 4242, {41: frozenset({0, 1}), 42: frozenset({2, 3})})

@@ -11,7 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.daemon_support import REPO, DaemonProcess, daemon_env, poll, to_toml
+from tests.support.daemon_support import (
+    REPO,
+    DaemonProcess,
+    daemon_env,
+    to_toml,
+)
+from tests.support.poll import poll
 
 PROBES = (
     "mempolicy",

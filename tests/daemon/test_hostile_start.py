@@ -22,7 +22,13 @@ import pytest
 from supervisor.bind.irq import detect_irqbalance
 from supervisor.hostfs import HostFS
 from supervisor.trees.guardian import GUARDIAN_TAG, live_guardian
-from tests.support.daemon_support import INSTANCE_ENV, DaemonProcess, daemon_env, poll, to_toml
+from tests.support.daemon_support import (
+    INSTANCE_ENV,
+    DaemonProcess,
+    daemon_env,
+    to_toml,
+)
+from tests.support.poll import poll
 
 BIG_WORDS = ["x" * 100_000 for _ in range(12)]  # 1.2 MB
 

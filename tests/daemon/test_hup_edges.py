@@ -14,7 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.daemon.instance_lock import lock_name
-from tests.support.daemon_support import INSTANCE_ENV, DaemonProcess, daemon_env, poll, to_toml
+from tests.support.daemon_support import (
+    INSTANCE_ENV,
+    DaemonProcess,
+    daemon_env,
+    to_toml,
+)
+from tests.support.poll import poll
 
 HUP_BIT = 1 << (signal.SIGHUP - 1)
 

@@ -29,10 +29,10 @@ from tests.support.daemon_support import (
     DaemonProcess,
     daemon_env,
     free_port,
-    poll,
     run_supervisor,
     to_toml,
 )
+from tests.support.poll import poll
 
 NOBODY = pwd.getpwnam("nobody")
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="becoming `nobody` needs root")
@@ -363,7 +363,7 @@ def test_a_daemon_killed_leaves_a_file_the_next_start_takes_over(tmp_path: Path)
     lock = tmp_path / "run" / "kill-test.lock"
     with DaemonProcess(config, tmp_path / "first.log", env=env) as first:
         poll(first.running, timeout_s=60)
-        # SIGKILL: no handler runs (a HUP is a reload now, tests/test_daemon_reload.py).
+        # SIGKILL: no handler runs (a HUP is a reload now, tests/daemon/test_reload_daemon.py).
         first.proc.send_signal(signal.SIGKILL)
         assert first.proc.wait(timeout=20) == -signal.SIGKILL
     assert lock.read_text() == f"{first.pid}\n"  # left behind, holding no lock

@@ -20,9 +20,9 @@ from tests.support.daemon_support import (
     child_config,
     daemon_env,
     entries,
-    poll,
     to_toml,
 )
+from tests.support.poll import poll
 
 
 def _pids(doc: dict[str, Any]) -> dict[str, int]:

@@ -280,10 +280,23 @@ def test_the_docs_name_every_key_the_pod_config_changes_and_count_them() -> None
 
 def test_the_pod_config_plans_on_a_dgx_h100() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "supervisor", "plan", "--config", str(BASE / "vllm.toml"),
-         "--no-checks", "--example", "dgx-h100"],
-        capture_output=True, text=True, timeout=120, check=False, env=_no_visibility_env(),
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "supervisor",
+            "plan",
+            "--config",
+            str(BASE / "vllm.toml"),
+            "--no-checks",
+            "--example",
+            "dgx-h100",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env=_no_visibility_env(),
+    )
     assert result.returncode == 0, result.stderr
     assert "nvidia7" in result.stdout
 
@@ -311,10 +324,24 @@ def dgx_pod(base_dir: Path, per_node_cores: int) -> Path:
 
 def plan_json(root: Path) -> tuple[int, dict[str, Any] | None, str]:
     result = subprocess.run(
-        [sys.executable, "-m", "supervisor", "plan", "--config", str(BASE / "vllm.toml"),
-         "--no-checks", "--root", str(root), "--json"],
-        capture_output=True, text=True, timeout=120, check=False, env=_no_visibility_env(),
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "supervisor",
+            "plan",
+            "--config",
+            str(BASE / "vllm.toml"),
+            "--no-checks",
+            "--root",
+            str(root),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env=_no_visibility_env(),
+    )
     doc = json.loads(result.stdout) if result.returncode == 0 else None
     return result.returncode, doc, result.stderr
 
@@ -360,8 +387,11 @@ def test_the_copies_are_current() -> None:
     # sync.py --check: byte-for-byte, what kustomize reads from base/.
     result = subprocess.run(
         [sys.executable, str(KUBE / "sync.py"), "--check"],
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert result.returncode == 0, result.stdout
 
 
@@ -380,8 +410,11 @@ def test_the_overlay_keeps_the_base_pod_and_sets_its_own(overlay: list[dict[str,
     c = container(overlay)
     assert c["image"].startswith("registry.example.com/")
     pod = one(overlay, "Deployment")["spec"]["template"]["spec"]
-    claims = {v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"]
-              if "persistentVolumeClaim" in v}  # fmt: skip
+    claims = {
+        v["persistentVolumeClaim"]["claimName"]
+        for v in pod["volumes"]
+        if "persistentVolumeClaim" in v
+    }
     assert claims == {d["metadata"]["name"] for d in by_kind(overlay, "PersistentVolumeClaim")}
     for kind in ("PodMonitor", "PrometheusRule"):
         assert one(overlay, kind)["metadata"]["labels"]["release"] == "monitoring"

@@ -149,8 +149,13 @@ def run_tree(env: dict[str, str], program: str, *args: str, extra: str = "") -> 
     code = f"import sys; sys.argv[1:] = {list(args)!r}\n" + program
     done = subprocess.run(
         [sys.executable, "-c", LAUNCHER, code, extra],
-        env=env, cwd=REPO, capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     assert "placement-supervisor hook" not in done.stderr, done.stderr
     result: dict[str, Any] = json.loads(out.read_text())

@@ -211,9 +211,13 @@ def test_waiting_warnings() -> None:
         Verdict(None, False, "rule", "python"),
     ]
     common: dict[str, Any] = {
-        "threshold_s": 30.0, "waiting": {1, 0}, "warned": set(), "seen": seen,
-        "titled": {"VLLM::EngineCore"}, "rule": "rule",
-    }  # fmt: skip
+        "threshold_s": 30.0,
+        "waiting": {1, 0},
+        "warned": set(),
+        "seen": seen,
+        "titled": {"VLLM::EngineCore"},
+        "rule": "rule",
+    }
     assert waiting_warnings(waited_s=29.9, **common) == []
     got = waiting_warnings(waited_s=30.0, **common)
     assert [w.rank for w in got] == [0, 1]

@@ -28,10 +28,28 @@ S = ["python", "-m", "sglang.launch_server", "--model-path", "m"]
             # DP over two nodes, two DP ranks each (data_parallel_node_size 2,
             # nnodes_within_dp 1): node 1 runs the engine cores of DP 2 and 3
             # as local DP ranks 0 and 1.
-            ["-tp", "2", "-dp", "4", "-dpl", "2", "-dpr", "2", "--nnodes", "2",
-             "--node-rank", "1", "--headless"],
-            {"VLLM::Worker_DP2_TP0": 0, "VLLM::Worker_DP2_TP1": 1, "VLLM::Worker_DP3_TP0": 2,
-             "VLLM::Worker_DP3_TP1": 3, "VLLM::Worker_DP1_TP1": None},
+            [
+                "-tp",
+                "2",
+                "-dp",
+                "4",
+                "-dpl",
+                "2",
+                "-dpr",
+                "2",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                "1",
+                "--headless",
+            ],
+            {
+                "VLLM::Worker_DP2_TP0": 0,
+                "VLLM::Worker_DP2_TP1": 1,
+                "VLLM::Worker_DP3_TP0": 2,
+                "VLLM::Worker_DP3_TP1": 3,
+                "VLLM::Worker_DP1_TP1": None,
+            },
             id="dp-over-nodes-node1",
         ),
         pytest.param(
@@ -80,7 +98,7 @@ S = ["python", "-m", "sglang.launch_server", "--model-path", "m"]
             id="secondary-node-equals",
         ),
     ],
-)  # fmt: skip
+)
 def test_vllm_multi_node_devices(flags: list[str], titles: dict[str, int | None]) -> None:
     layout = vllm_layout(V + flags)
     got = {title: name_vllm(layout, "VLLM", title).local_rank for title in titles}
@@ -103,43 +121,67 @@ def test_vllm_node_sizes_follow_parallel_config() -> None:
         pytest.param(
             # TP over two nodes: node 1 runs TP ranks 2-3 on GPUs 0-1.
             ["--tp", "4", "--nnodes", "2", "--node-rank", "1"],
-            {"sglang::scheduler_TP2": 0, "sglang::scheduler_TP3": 1,
-             "sglang::scheduler_TP1": None},
+            {"sglang::scheduler_TP2": 0, "sglang::scheduler_TP3": 1, "sglang::scheduler_TP1": None},
             id="tp-over-nodes",
         ),
         pytest.param(
             # One PP stage per node: node 1 runs stage 1 from GPU 0.
             ["--tp", "2", "--pp", "2", "--nnodes", "2", "--node-rank", "1"],
-            {"sglang::scheduler_PP1_TP0": 0, "sglang::scheduler_PP1_TP1": 1,
-             "sglang::scheduler_PP0_TP0": None},
+            {
+                "sglang::scheduler_PP1_TP0": 0,
+                "sglang::scheduler_PP1_TP1": 1,
+                "sglang::scheduler_PP0_TP0": None,
+            },
             id="pp-over-nodes",
         ),
         pytest.param(
             # Four nodes, two stages: each stage's TP group spans two nodes.
             ["--tp", "4", "--pp", "2", "--nnodes", "4", "--node-rank", "3"],
-            {"sglang::scheduler_PP1_TP2": 0, "sglang::scheduler_PP1_TP3": 1,
-             "sglang::scheduler_PP1_TP1": None, "sglang::scheduler_PP0_TP2": None},
+            {
+                "sglang::scheduler_PP1_TP2": 0,
+                "sglang::scheduler_PP1_TP3": 1,
+                "sglang::scheduler_PP1_TP1": None,
+                "sglang::scheduler_PP0_TP2": None,
+            },
             id="pp-and-tp-over-nodes",
         ),
         pytest.param(
             # Each DP rank starts tp x pp x gpu_id_step GPUs after the last.
             ["--tp", "2", "--pp", "2", "--dp", "2"],
-            {"sglang::scheduler_DP0_PP1_TP1": 3, "sglang::scheduler_DP1_PP0_TP0": 4,
-             "sglang::scheduler_DP1_PP1_TP1": 7},
+            {
+                "sglang::scheduler_DP0_PP1_TP1": 3,
+                "sglang::scheduler_DP1_PP0_TP0": 4,
+                "sglang::scheduler_DP1_PP1_TP1": 7,
+            },
             id="dp-pp-tp",
         ),
         pytest.param(
             ["--tp", "2", "--dp", "2", "--base-gpu-id", "1", "--gpu-id-step", "2"],
-            {"sglang::scheduler_DP0_TP1": 3, "sglang::scheduler_DP1_TP0": 5,
-             "sglang::scheduler_DP1_TP1": 7},
+            {
+                "sglang::scheduler_DP0_TP1": 3,
+                "sglang::scheduler_DP1_TP0": 5,
+                "sglang::scheduler_DP1_TP1": 7,
+            },
             id="dp-base-step",
         ),
         pytest.param(
             # DP attention over two nodes: the DP ranks split the TP group.
-            ["--tp", "8", "--dp", "4", "--enable-dp-attention", "--nnodes", "2",
-             "--node-rank", "1"],
-            {"sglang::scheduler_DP2_TP4": 0, "sglang::scheduler_DP3_TP7": 3,
-             "sglang::scheduler_DP1_TP3": None},
+            [
+                "--tp",
+                "8",
+                "--dp",
+                "4",
+                "--enable-dp-attention",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                "1",
+            ],
+            {
+                "sglang::scheduler_DP2_TP4": 0,
+                "sglang::scheduler_DP3_TP7": 3,
+                "sglang::scheduler_DP1_TP3": None,
+            },
             id="dp-attention-over-nodes",
         ),
         pytest.param(
@@ -148,7 +190,7 @@ def test_vllm_node_sizes_follow_parallel_config() -> None:
             id="equals-and-base",
         ),
     ],
-)  # fmt: skip
+)
 def test_sglang_multi_node_devices(flags: list[str], titles: dict[str, int | None]) -> None:
     layout = sglang_layout(S + flags)
     got = {title: name_sglang(layout, title).local_rank for title in titles}

@@ -26,9 +26,9 @@ from tests.support.daemon_support import (
     DaemonProcess,
     daemon_env,
     free_port,
-    poll,
     to_toml,
 )
+from tests.support.poll import poll
 from tests.support.ray_support import engine_running, ray_config, start_driver, stop_driver
 
 SHIPPED = REPO / "configs/engines/ray.toml"

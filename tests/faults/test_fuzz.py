@@ -49,11 +49,14 @@ MEMORY_CEILING = 2 << 30
 # exec wrapper (preexec_fn is unsafe with the lanes' threads): a file read
 # without bound fails fast as a MemoryError instead of eating the box.
 CEILING = [
-    sys.executable, "-I", "-S", "-c",
+    sys.executable,
+    "-I",
+    "-S",
+    "-c",
     "import os, resource, sys; "
     f"resource.setrlimit(resource.RLIMIT_AS, ({MEMORY_CEILING}, {MEMORY_CEILING})); "
     "os.execv(sys.executable, [sys.executable, '-m', 'supervisor', *sys.argv[1:]])",
-]  # fmt: skip
+]
 BASES: dict[str, Callable[[Path], Path]] = {
     "dgx_h100": hosts.dgx_h100,
     "ascend_a3": hosts.ascend_a3,
@@ -75,9 +78,17 @@ def _garbage(rng: random.Random) -> bytes:
 
 SPECIAL = ("fifo", "dev_zero", "dev_urandom", "directory", "link_loop", "dangling")
 PLAIN = (
-    "garbage", "empty", "huge_list", "overlap_list", "huge_number", "negative", "hex",
-    "long_line", "truncated", "nul",
-)  # fmt: skip
+    "garbage",
+    "empty",
+    "huge_list",
+    "overlap_list",
+    "huge_number",
+    "negative",
+    "hex",
+    "long_line",
+    "truncated",
+    "nul",
+)
 
 
 def _content(rng: random.Random) -> bytes | str:
@@ -147,18 +158,48 @@ def mutate(path: Path, content: bytes | str, backup: Path) -> Mutation:
 # -- configs -------------------------------------------------------------------------
 
 _HOSTILE_VALUES: list[Any] = [
-    -1, 0, 1 << 62, 85638, 1e308, "x\0y", "", "A=B", [], ["0" * 10_000], list(range(5000)),
-    {"a": 1}, True, "0000:zz:00.0", "../../etc/passwd", "/dev/zero",
-]  # fmt: skip
+    -1,
+    0,
+    1 << 62,
+    85638,
+    1e308,
+    "x\0y",
+    "",
+    "A=B",
+    [],
+    ["0" * 10_000],
+    list(range(5000)),
+    {"a": 1},
+    True,
+    "0000:zz:00.0",
+    "../../etc/passwd",
+    "/dev/zero",
+]
 _KEYS = [
-    ("", "cpu_ranks"), ("", "accelerator"), ("", "devices"), ("", "stop_timeout_s"),
-    ("", "cgroup"), ("", "visible_devices_env"), ("restart", "policy"),
-    ("restart", "backoff_initial_s"), ("restart", "crash_loop_window_s"),
-    ("restart", "crash_loop_limit"), ("placement", "strategy"), ("placement", "rank_roles"),
-    ("placement", "devices_per_rank"), ("placement", "min_main_cpus"), ("drift", "policy"),
-    ("drift", "check_interval_s"), ("api", "listen"), ("api", "token_file"), ("ready", "tcp"),
-    ("workers", "command"), ("workers", "env"), ("engine", "command"), ("threads", "x"),
-]  # fmt: skip
+    ("", "cpu_ranks"),
+    ("", "accelerator"),
+    ("", "devices"),
+    ("", "stop_timeout_s"),
+    ("", "cgroup"),
+    ("", "visible_devices_env"),
+    ("restart", "policy"),
+    ("restart", "backoff_initial_s"),
+    ("restart", "crash_loop_window_s"),
+    ("restart", "crash_loop_limit"),
+    ("placement", "strategy"),
+    ("placement", "rank_roles"),
+    ("placement", "devices_per_rank"),
+    ("placement", "min_main_cpus"),
+    ("drift", "policy"),
+    ("drift", "check_interval_s"),
+    ("api", "listen"),
+    ("api", "token_file"),
+    ("ready", "tcp"),
+    ("workers", "command"),
+    ("workers", "env"),
+    ("engine", "command"),
+    ("threads", "x"),
+]
 
 
 def mutated_config(rng: random.Random, command: tuple[str, ...] = ("w", "{rank}")) -> str:
@@ -242,8 +283,12 @@ def run_case(case: Case, root: Path, work: Path) -> tuple[int | None, str | None
         try:
             result = subprocess.run(
                 [*CEILING, *argv],
-                cwd=REPO, capture_output=True, text=True, timeout=DEADLINE_S, check=False,
-            )  # fmt: skip
+                cwd=REPO,
+                capture_output=True,
+                text=True,
+                timeout=DEADLINE_S,
+                check=False,
+            )
         except subprocess.TimeoutExpired:  # subprocess.run has killed it
             return None, f"hung for {DEADLINE_S}s"
         err = result.stderr
@@ -326,10 +371,14 @@ def test_hostile_configs_through_run_exit_clean_or_stop_on_sigterm(tmp_path: Pat
     outcomes = []
     # Case 0 is the unmutated config: one that runs, whatever the seed mutates
     # (a missing command, which used to run and crash-loop, is now refused).
-    unmutated = to_toml({
-        "cpu_ranks": 2, "cgroup": "off", "workers": {"command": ["sleep", "30"]},
-        "placement": {"rank_roles": {"irq": 1}},
-    })  # fmt: skip
+    unmutated = to_toml(
+        {
+            "cpu_ranks": 2,
+            "cgroup": "off",
+            "workers": {"command": ["sleep", "30"]},
+            "placement": {"rank_roles": {"irq": 1}},
+        }
+    )
     for number in range(RUN_CASES + 1):
         text = mutated_config(rng, ("sleep", "30")) if number else unmutated
         config = tmp_path / f"run{number}.toml"
@@ -338,8 +387,12 @@ def test_hostile_configs_through_run_exit_clean_or_stop_on_sigterm(tmp_path: Pat
         env["PLACEMENT_SUPERVISOR_INSTANCE"] = f"fuzz-{os.getpid()}-{number}"
         proc = subprocess.Popen(
             [*CEILING, "run", "--config", str(config), "--listen", f"127.0.0.1:{free_port()}"],
-            cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         try:
             _, err = proc.communicate(timeout=RUN_GRACE_S)
             ran = False

@@ -17,10 +17,10 @@ from tests.support.daemon_support import (
     daemon_env,
     entries,
     free_port,
-    poll,
     run_supervisor,
     to_toml,
 )
+from tests.support.poll import poll
 
 
 def test_a_second_daemon_of_the_same_config_exits_2_naming_the_first(tmp_path: Path) -> None:

@@ -28,9 +28,9 @@ from tests.support.daemon_support import (
     DaemonProcess,
     child_config,
     daemon_env,
-    poll,
     to_toml,
 )
+from tests.support.poll import poll
 
 FAST_RESTARTS = {
     "backoff_initial_s": 0.1,

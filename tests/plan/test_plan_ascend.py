@@ -96,8 +96,11 @@ def test_document_a2_example_two_single_card_services(
     assert a["ranks"][0]["cpus"] == list(range(144, 168))
     assert b["ranks"][0]["cpus"] == list(range(168, 192))
     assert a["ranks"][0]["roles"] == {
-        "irq": [144, 145], "main": list(range(146, 166)), "acl": [166], "release": [167],
-    }  # fmt: skip
+        "irq": [144, 145],
+        "main": list(range(146, 166)),
+        "acl": [166],
+        "release": [167],
+    }
     assert b["ranks"][0]["roles"]["acl"] == [190] and b["ranks"][0]["roles"]["release"] == [191]
     assert a["ranks"][0]["strategy"] == "topo-affinity"
     assert [i["bdf"] for i in a["ranks"][0]["irqs"]] == ["0000:c1:00.0"] * 2
@@ -116,9 +119,11 @@ def test_document_a3_global_slice_table(tmp_path: Path) -> None:
         assert r["device"]["bus_id"] == f"0000:{hosts.A3_BUSES[i]}:00.0"
         assert r["cpus"] == list(range(base, base + 40))
         assert r["roles"] == {
-            "irq": [base, base + 1], "main": list(range(base + 2, base + 38)),
-            "acl": [base + 38], "release": [base + 39],
-        }  # fmt: skip
+            "irq": [base, base + 1],
+            "main": list(range(base + 2, base + 38)),
+            "acl": [base + 38],
+            "release": [base + 39],
+        }
         assert r["strategy"] == "global-slice"
         assert {i["bdf"] for i in r["irqs"]} == {r["device"]["bus_id"]}
 

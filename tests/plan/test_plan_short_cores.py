@@ -76,8 +76,10 @@ def test_950_at_6_cpus_per_npu_with_an_engine(tmp_path: Path) -> None:
     for r in doc["ranks"][1:]:
         base = 6 * r["rank"]
         assert r["roles"] == {
-            "main": [base, base + 1], "acl": [base + 2, base + 3], "release": [base + 4, base + 5],
-        }  # fmt: skip
+            "main": [base, base + 1],
+            "acl": [base + 2, base + 3],
+            "release": [base + 4, base + 5],
+        }
     assert any(w.startswith("rank 0 (ascend0)") and "roles by CPU" in w for w in doc["warnings"])
     assert_disjoint(doc)
 

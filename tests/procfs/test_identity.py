@@ -6,13 +6,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 from supervisor.hostfs import HostFS
 from supervisor.procfs.identity import ProcessId, is_leader_since, open_pidfd
 from supervisor.procfs.stat import parse_proc_stat, read_proc_stat
+from tests.support.poll import poll
 
 FS = HostFS("/")
 
@@ -43,13 +43,13 @@ def test_own_stat_and_identity() -> None:
 def _zombie() -> subprocess.Popen[bytes]:
     """A child that has exited and is not yet reaped (state Z)."""
     child = subprocess.Popen([sys.executable, "-c", "pass"])
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        stat = read_proc_stat(FS, child.pid)
-        if stat is not None and stat.state == "Z":
-            return child
-        time.sleep(0.01)
-    raise AssertionError("the child never became a zombie")
+    poll(
+        lambda: (s := read_proc_stat(FS, child.pid)) is not None and s.state == "Z",
+        10,
+        0.01,
+        what="the child a zombie",
+    )
+    return child
 
 
 def test_a_zombie_is_current_but_not_running() -> None:

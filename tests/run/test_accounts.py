@@ -32,11 +32,10 @@ from tests.support.daemon_support import (
     DaemonProcess,
     daemon_env,
     free_port,
-    poll,
     run_supervisor,
     to_toml,
-    wait_until,
 )
+from tests.support.poll import poll, wait_until
 
 NOBODY = pwd.getpwnam("nobody")
 NOBODY_IDS = (NOBODY.pw_uid, NOBODY.pw_gid, (NOBODY.pw_gid,))

@@ -28,10 +28,10 @@ from tests.support.daemon_support import (
     child_config,
     daemon_env,
     entries,
-    poll,
     run_supervisor,
     to_toml,
 )
+from tests.support.poll import poll
 
 DEMO = REPO / "supervisor/demo/demo.toml"
 FS = HostFS("/")

@@ -23,7 +23,10 @@ from supervisor.plan.planner import plan
 from supervisor.run.spec import build_specs
 from supervisor.topology.discover import read_topology
 from supervisor.worker import SLOT_ENV, slot_env_value
-from tests.support.daemon_support import free_port, poll
+from tests.support.daemon_support import (
+    free_port,
+)
+from tests.support.poll import poll
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs"

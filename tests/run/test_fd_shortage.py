@@ -1,6 +1,6 @@
 """A respawn that finds no file descriptor: backed off and retried, never held failed.
 
-The daemon runs in this process (tests.test_daemon's harness) with real
+The daemon runs in this process (tests.daemon.test_root's harness) with real
 children; the test lowers its own soft RLIMIT_NOFILE, fills every free
 descriptor, SIGKILLs a worker, and gives the descriptors back later.
 """
@@ -17,9 +17,12 @@ import pytest
 
 from supervisor.config import parse_config
 from supervisor.daemon.root import Daemon
+from tests.daemon.test_root import all_running, events, run_daemon, status
 from tests.support.children import write_child
-from tests.support.daemon_support import child_config, until
-from tests.test_daemon import all_running, events, run_daemon, status
+from tests.support.daemon_support import (
+    child_config,
+)
+from tests.support.poll import until
 
 
 @pytest.fixture

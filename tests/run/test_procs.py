@@ -16,7 +16,7 @@ import uvloop
 from supervisor.hostfs import HostFS
 from supervisor.procfs.stat import read_proc_stat
 from supervisor.run.procs import ChildProcess, read_until_eof, spawn
-from tests.support.daemon_support import wait_until
+from tests.support.poll import wait_until
 
 T = TypeVar("T")
 FS = HostFS("/")

@@ -40,9 +40,9 @@ from tests.support.daemon_support import (
     DaemonProcess,
     daemon_env,
     free_port,
-    poll,
     to_toml,
 )
+from tests.support.poll import poll
 
 FS = HostFS("/")
 

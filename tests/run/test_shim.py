@@ -20,7 +20,7 @@ from supervisor.cpulist import parse_cpulist
 from supervisor.errors import reason_of_errno
 from supervisor.run.shim import to_json
 from tests.support.children import mems_allowed, read_all, start_shimmed
-from tests.support.daemon_support import wait_until
+from tests.support.poll import wait_until
 
 # The child's very first action: print what the kernel says about itself.
 PROBE = r"""

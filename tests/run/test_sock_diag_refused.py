@@ -20,7 +20,14 @@ from typing import Any
 
 import pytest
 
-from tests.support.daemon_support import REPO, DaemonProcess, daemon_env, free_port, poll, to_toml
+from tests.support.daemon_support import (
+    REPO,
+    DaemonProcess,
+    daemon_env,
+    free_port,
+    to_toml,
+)
+from tests.support.poll import poll
 
 # (socket, recvfrom) syscall numbers (asm/unistd_64.h; asm-generic/unistd.h).
 SYSCALLS = {"x86_64": (41, 45), "aarch64": (198, 207)}

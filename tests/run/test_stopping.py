@@ -18,7 +18,13 @@ from typing import Any
 
 from supervisor.listen import parse_listen
 from supervisor.serve.status import http_request
-from tests.support.daemon_support import REPO, DaemonProcess, daemon_env, poll, to_toml
+from tests.support.daemon_support import (
+    REPO,
+    DaemonProcess,
+    daemon_env,
+    to_toml,
+)
+from tests.support.poll import poll
 
 # Holds on after TERM until `release` exists (its handler's installation and the
 # TERM's arrival each left in a file).

@@ -37,9 +37,21 @@ REGENERATE = (
 
 # PromQL's aggregation operators (https://prometheus.io/docs/prometheus/latest/querying/operators/).
 AGGREGATIONS = (
-    "sum", "min", "max", "avg", "group", "stddev", "stdvar", "count", "count_values",
-    "bottomk", "topk", "quantile", "limitk", "limit_ratio",
-)  # fmt: skip
+    "sum",
+    "min",
+    "max",
+    "avg",
+    "group",
+    "stddev",
+    "stdvar",
+    "count",
+    "count_values",
+    "bottomk",
+    "topk",
+    "quantile",
+    "limitk",
+    "limit_ratio",
+)
 # The operator, then `by (...)`/`without (...)` before the argument or none; `\b` and
 # the `(` keep out metric names (`..._count`), functions (`max_over_time`) and group_left.
 _AGGREGATION = re.compile(rf"\b({'|'.join(AGGREGATIONS)})\s*(?:(by|without)\s*\(([^)]*)\))?\s*\(")

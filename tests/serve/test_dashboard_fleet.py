@@ -25,7 +25,12 @@ from typing import Any
 import pytest
 
 from supervisor.serve.metrics import BIND_REASONS, BIND_TARGETS, IRQ_ONLY_REASONS
-from tests.support.daemon_support import free_port, get_json, poll, stop_process
+from tests.support.daemon_support import (
+    free_port,
+    get_json,
+    stop_process,
+)
+from tests.support.poll import poll
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "configs" / "grafana" / "placement-supervisor.json"
@@ -69,8 +74,13 @@ def label_sets() -> Iterator[dict[str, str]]:
                     continue  # the engine owns no device: no IRQs
                 reasons = BIND_REASONS + (IRQ_ONLY_REASONS if target == "irq" else ())
                 for reason in reasons:
-                    yield {"instance": host, "job": JOB, "rank": rank, "target": target,
-                           "reason": reason}  # fmt: skip
+                    yield {
+                        "instance": host,
+                        "job": JOB,
+                        "rank": rank,
+                        "target": target,
+                        "reason": reason,
+                    }
 
 
 def failures(labels: dict[str, str]) -> int:
@@ -80,8 +90,10 @@ def failures(labels: dict[str, str]) -> int:
 
 def openmetrics(start_s: int) -> tuple[str, int]:
     """The counters as OpenMetrics text (sample timestamps in seconds); and the count."""
-    lines = ["# HELP placement_bind_failures Binds the kernel refused.",
-             "# TYPE placement_bind_failures counter"]  # fmt: skip
+    lines = [
+        "# HELP placement_bind_failures Binds the kernel refused.",
+        "# TYPE placement_bind_failures counter",
+    ]
     count = 0
     for labels in label_sets():
         count += 1
@@ -115,18 +127,27 @@ def backfilled(tmp: Path, text: str, start_s: int, count_query: str, count: int)
     data = tmp / "data"
     made = subprocess.run(
         ["promtool", "tsdb", "create-blocks-from", "openmetrics", "-q", str(source), str(data)],
-        capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert made.returncode == 0, made.stdout + made.stderr
     port = free_port()
     log = open(tmp / "prometheus.log", "wb")  # noqa: SIM115 - closed below
     (tmp / "prometheus.yml").write_text("global: {}\n")
     prom = subprocess.Popen(
-        ["prometheus", f"--config.file={tmp / 'prometheus.yml'}",
-         f"--storage.tsdb.path={data}", f"--web.listen-address=127.0.0.1:{port}",
-         "--log.level=warn"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
+        [
+            "prometheus",
+            f"--config.file={tmp / 'prometheus.yml'}",
+            f"--storage.tsdb.path={data}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--log.level=warn",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         fleet = Fleet(f"http://127.0.0.1:{port}", start_s, start_s + (SAMPLES - 1) * STEP_S)
 
@@ -205,9 +226,9 @@ def test_bind_failures_graph_draws_only_failing_series_of_the_worst_hosts(fleet:
         "/api/v1/query_range", query=expr, start=fleet.start_s, end=fleet.end_s, step=STEP_S
     )
     drawn = {
-        (r["metric"]["instance"], r["metric"]["rank"], r["metric"]["target"],
-         r["metric"]["reason"]) for r in result
-    }  # fmt: skip
+        (r["metric"]["instance"], r["metric"]["rank"], r["metric"]["target"], r["metric"]["reason"])
+        for r in result
+    }
     totals = host_totals()
     worst = set(sorted(totals, key=lambda h: -totals[h])[:WORST])
     want = {

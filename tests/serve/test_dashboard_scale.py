@@ -38,9 +38,20 @@ __all__ = ["pytestmark"]
 JUMP_AT = 6  # minute 30: counters step up, the dips of the ratio happen
 NODES = {host: f"node-{i:02d}" for i, host in enumerate(HOSTS, 1)}
 # (host index, rank) -> the local memory ratio from minute 30 on (0.99 elsewhere).
-LOW_NOW = {(4, "3"): 0.42, (11, "0"): 0.55, (11, "7"): 0.61, (2, "engine"): 0.70,
-           (17, "5"): 0.74, (8, "1"): 0.80, (20, "2"): 0.83, (6, "6"): 0.86,
-           (13, "4"): 0.88, (9, "0"): 0.90, (15, "3"): 0.93, (1, "1"): 0.95}  # fmt: skip
+LOW_NOW = {
+    (4, "3"): 0.42,
+    (11, "0"): 0.55,
+    (11, "7"): 0.61,
+    (2, "engine"): 0.70,
+    (17, "5"): 0.74,
+    (8, "1"): 0.80,
+    (20, "2"): 0.83,
+    (6, "6"): 0.86,
+    (13, "4"): 0.88,
+    (9, "0"): 0.90,
+    (15, "3"): 0.93,
+    (1, "1"): 0.95,
+}
 # A dip over minutes 10-20 only, back to 0.99 after: lowest of all over the hour.
 DIP = {(18, "6"): 0.30}
 THRESHOLD = {h: 0.9 for h in HOSTS} | {HOSTS[3]: 0.95}
@@ -61,14 +72,18 @@ DRIFTS = {
         (11, 2),
         (12, 3),
     ]
-}  # fmt: skip  (12: the top 10 cuts two)
+}  # 12: the top 10 cuts two
 FINDINGS = {
     (5, "2", "memory_locality"),
     (9, "engine", "thread_affinity"),
     (14, "1", "irq_affinity"),
 }
-REBINDS = {(3, "2", "thread_affinity"): 4, (3, "2", "memory_locality"): 2, (16, "0", "api"): 1,
-           (19, "7", "cpuset_changed"): 3}  # fmt: skip
+REBINDS = {
+    (3, "2", "thread_affinity"): 4,
+    (3, "2", "memory_locality"): 2,
+    (16, "0", "api"): 1,
+    (19, "7", "cpuset_changed"): 3,
+}
 RESTARTS = {(7, "4"): 2, (12, "engine"): 5}
 CPUSET_CHANGES = {10: 1, 20: 2}
 RELOADS = {(1, "ok"): 2, (2, "ok"): 1, (3, "invalid"): 1, (4, "refused"): 1}
@@ -127,20 +142,36 @@ def openmetrics(start_s: int) -> str:
     w.family("placement_local_memory_ratio", "gauge")
     for h, host in hosts:
         for rank in RANKS:
-            w.series("placement_local_memory_ratio", host_labels(host) | {"rank": rank},
-                     ratio_values(h, rank))  # fmt: skip
+            w.series(
+                "placement_local_memory_ratio",
+                host_labels(host) | {"rank": rank},
+                ratio_values(h, rank),
+            )
     w.family("placement_local_memory_ratio_threshold", "gauge")
     for _, host in hosts:
-        w.series("placement_local_memory_ratio_threshold", host_labels(host),
-                 constant(THRESHOLD[host]))  # fmt: skip
+        w.series(
+            "placement_local_memory_ratio_threshold", host_labels(host), constant(THRESHOLD[host])
+        )
     per_rank: list[tuple[str, str, tuple[str, ...], Any]] = [
-        ("placement_drift_events", "counter", DRIFT_KINDS,
-         lambda h, r, v: step(DRIFTS.get((h, r, v), 0))),
-        ("placement_drift_findings", "gauge", DRIFT_KINDS,
-         lambda h, r, v: step(1) if (h, r, v) in FINDINGS else constant(0)),
-        ("placement_rebinds", "counter", REBIND_REASONS,
-         lambda h, r, v: step(REBINDS.get((h, r, v), 0))),
-    ]  # fmt: skip
+        (
+            "placement_drift_events",
+            "counter",
+            DRIFT_KINDS,
+            lambda h, r, v: step(DRIFTS.get((h, r, v), 0)),
+        ),
+        (
+            "placement_drift_findings",
+            "gauge",
+            DRIFT_KINDS,
+            lambda h, r, v: step(1) if (h, r, v) in FINDINGS else constant(0),
+        ),
+        (
+            "placement_rebinds",
+            "counter",
+            REBIND_REASONS,
+            lambda h, r, v: step(REBINDS.get((h, r, v), 0)),
+        ),
+    ]
     for name, kind, values, amount in per_rank:
         w.family(name, kind)
         label = "kind" if "drift" in name else "reason"
@@ -171,11 +202,17 @@ def openmetrics(start_s: int) -> str:
         labels = host_labels(host)
         w.series("placement_cpuset_changes_total", labels, step(CPUSET_CHANGES.get(h, 0)))
         for target, reason in HOST_BIND_FAILURES:
-            w.series("placement_host_bind_failures_total",
-                     labels | {"target": target, "reason": reason}, constant(0))  # fmt: skip
+            w.series(
+                "placement_host_bind_failures_total",
+                labels | {"target": target, "reason": reason},
+                constant(0),
+            )
         for result in RELOAD_RESULTS:
-            w.series("placement_config_reloads_total", labels | {"result": result},
-                     step(RELOADS.get((h, result), 0)))  # fmt: skip
+            w.series(
+                "placement_config_reloads_total",
+                labels | {"result": result},
+                step(RELOADS.get((h, result), 0)),
+            )
         w.series("placement_ready", labels, constant(0 if h in NOT_READY else 1))
         sha = "b" * 64 if h == OTHER_HASH else "a" * 64
         path = {"path": "/etc/placement-supervisor/config.toml"}
@@ -189,8 +226,11 @@ def openmetrics(start_s: int) -> str:
             )
             unwanted = name == "irq" and h == IRQ_DENIED_UNWANTED
             w.series("placement_capability", labels | {"name": name}, constant(0 if denied else 1))
-            w.series("placement_capability_wanted", labels | {"name": name},
-                     constant(0 if unwanted else 1))  # fmt: skip
+            w.series(
+                "placement_capability_wanted",
+                labels | {"name": name},
+                constant(0 if unwanted else 1),
+            )
         behind_s = 30 if h == 9 else 1  # gpu09's checks lag
         checked = [start_s + i * STEP_S - behind_s for i in range(SAMPLES)]
         w.series("placement_last_check_timestamp_seconds", labels, checked)

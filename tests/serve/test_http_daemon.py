@@ -25,7 +25,13 @@ import pytest
 
 from supervisor.hostfs import HostFS
 from supervisor.procfs.stat import read_proc_stat
-from tests.support.daemon_support import REPO, DaemonProcess, daemon_env, poll, to_toml
+from tests.support.daemon_support import (
+    REPO,
+    DaemonProcess,
+    daemon_env,
+    to_toml,
+)
+from tests.support.poll import poll
 
 FS = HostFS("/")
 FD_LIMIT = 256

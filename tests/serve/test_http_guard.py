@@ -24,7 +24,7 @@ from supervisor.listen import Listen, parse_listen
 from supervisor.serve.guard import HEALTH_RESERVE, MAX_HEADER_LINE_BYTES, ConnectionGuard, Limits
 from supervisor.state import StateStore
 from tests.support.api_fixture import ServerThread, realistic_snapshot
-from tests.support.daemon_support import poll
+from tests.support.poll import poll
 
 GOOD = b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
 BIG_HEADER = b"X-Pad: " + b"a" * 9000 + b"\r\n"

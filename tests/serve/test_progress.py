@@ -24,10 +24,10 @@ from tests.support.daemon_support import (
     DaemonProcess,
     daemon_env,
     free_port,
-    poll,
     run_supervisor,
     to_toml,
 )
+from tests.support.poll import poll
 
 # Listens on its port once the file GO exists (an engine loading its model until then).
 ENGINE = """

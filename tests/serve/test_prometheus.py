@@ -47,8 +47,8 @@ from tests.support.daemon_support import (
     get_json,
     run_supervisor,
     stop_process,
-    wait_until,
 )
+from tests.support.poll import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 PROM_DIR = REPO / "configs" / "prometheus"
@@ -231,10 +231,18 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         config.write_text(DEMO_CONFIG.read_text().replace("9478", str(engine_port)))
         daemon = start(
             "daemon",
-            [PYTHON, "-m", "supervisor", "run", "--config", str(config), "--listen",
-             f"127.0.0.1:{daemon_port}"],
+            [
+                PYTHON,
+                "-m",
+                "supervisor",
+                "run",
+                "--config",
+                str(config),
+                "--listen",
+                f"127.0.0.1:{daemon_port}",
+            ],
             tmp,
-        )  # fmt: skip
+        )
         procs.append(daemon)
         harness = start(
             "harness", [PYTHON, "-m", "tests.support.api_fixture", "--listen", "127.0.0.1:0"], tmp

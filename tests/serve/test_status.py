@@ -28,10 +28,10 @@ from tests.support.daemon_support import (
     child_config,
     daemon_env,
     free_port,
-    poll,
     run_supervisor,
     to_toml,
 )
+from tests.support.poll import poll
 
 
 @pytest.fixture(scope="module")

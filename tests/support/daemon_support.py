@@ -8,7 +8,6 @@ deadline-bounded waits every test uses instead of sleeps.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
@@ -16,61 +15,20 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from supervisor.cpulist import format_cpulist
 from tests.support.cgroup_v1 import own_memory_cgroup, remove_v1_tree, v1_cpuset
 from tests.support.children import COMM_THREADS_WORKER, thread_cpus
+from tests.support.poll import poll
 
 REPO = Path(__file__).resolve().parents[2]
 # Joins the given cgroups, then execs `python -m supervisor` (same pid).
 LAUNCHER = REPO / "tests/vm_checks/checker_daemon.py"
 INSTANCE_ENV = "PLACEMENT_SUPERVISOR_INSTANCE"
-
-# -- waiting with a deadline --------------------------------------------------------------
-
-
-def wait_until(predicate: Callable[[], Any], timeout_s: float, interval_s: float = 0.05) -> Any:
-    """Poll until `predicate()` is truthy; returns it, or its last (falsy) value at the deadline."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value or time.monotonic() >= deadline:
-            return value
-        time.sleep(interval_s)
-
-
-def poll(
-    predicate: Callable[[], Any],
-    timeout_s: float = 20.0,
-    interval_s: float = 0.05,
-    *,
-    what: str | None = None,
-) -> Any:
-    """Poll until `predicate()` is truthy; returns it, or raises after the deadline."""
-    value = wait_until(predicate, timeout_s, interval_s)
-    if not value:
-        raise AssertionError(f"not within {timeout_s}s: {what or predicate}")
-    return value
-
-
-async def until(
-    predicate: Callable[[], Any], timeout_s: float = 20.0, interval_s: float = 0.02
-) -> Any:
-    """`poll` for a coroutine: the event loop keeps running between tries."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"not within {timeout_s}s: {predicate}")
-        await asyncio.sleep(interval_s)
-
 
 # -- ports, HTTP, processes -------------------------------------------------------------------
 
@@ -209,6 +167,17 @@ class DaemonProcess:
         if doc and all(e["state"] == "running" and e["pid"] for e in entries(doc)):
             return doc
         return None
+
+    def checks(self) -> int:
+        """Check passes finished so far (/placement's supervisor.checks)."""
+        doc = self.placement()
+        return int(doc["supervisor"]["checks"]) if doc else 0
+
+    def after_checks(self, n: int, timeout_s: float = 20.0) -> None:
+        """Wait for `n` more check passes to finish: the window a test gives the
+        daemon to (not) act is counted in passes, not guessed in seconds."""
+        start = self.checks()
+        poll(lambda: self.checks() >= start + n, timeout_s, what=f"{n} more check passes")
 
     def events(self, kind: str) -> list[dict[str, Any]]:
         doc = self.get("/events?limit=1000") or {"events": []}

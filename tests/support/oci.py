@@ -24,7 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.support.daemon_support import REPO, poll
+from tests.support.daemon_support import (
+    REPO,
+)
+from tests.support.poll import poll
 
 # capabilities(7) numbers of docker's default set (moby oci/caps/defaults.go):
 # no CAP_SYS_ADMIN, no CAP_SYS_NICE, no CAP_SYS_RESOURCE.

@@ -69,8 +69,15 @@ rmdir "$stage"
 exec "$@"
 """
 PRIVATE_DEV_PREFIX = (
-    "unshare", "--mount", "--propagation", "private", "sh", "-c", PRIVATE_DEV, "devns",
-)  # fmt: skip
+    "unshare",
+    "--mount",
+    "--propagation",
+    "private",
+    "sh",
+    "-c",
+    PRIVATE_DEV,
+    "devns",
+)
 
 
 def ray_config(tmp_path: Path, temp_dir: str, port: int, **top: Any) -> Path:

@@ -25,7 +25,7 @@ from supervisor.topology.device_minors import (
     parse_device_minor,
     read_char_devices,
 )
-from tests.support.daemon_support import poll
+from tests.support.poll import poll
 
 INFO = (
     "Model: \t\t NVIDIA H100 80GB HBM3\nIRQ:   \t\t 182\nGPU UUID: \t GPU-1\n"

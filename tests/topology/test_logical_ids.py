@@ -35,10 +35,15 @@ A2_BY_LOGICAL = [f"0000:{b}:00.0" for b in hosts.A2_BUSES]
 def test_a2_devices_are_numbered_by_logical_id_not_pci_order(tmp_path: Path) -> None:
     topo = read_topology(HostFS(str(hosts.ascend_a2(tmp_path))))
     assert [(d.index, d.bdf, d.numa_node) for d in topo.devices] == [
-        (0, "0000:c1:00.0", 6), (1, "0000:01:00.0", 0), (2, "0000:c2:00.0", 6),
-        (3, "0000:02:00.0", 0), (4, "0000:81:00.0", 4), (5, "0000:41:00.0", 2),
-        (6, "0000:82:00.0", 4), (7, "0000:42:00.0", 2),
-    ]  # fmt: skip
+        (0, "0000:c1:00.0", 6),
+        (1, "0000:01:00.0", 0),
+        (2, "0000:c2:00.0", 6),
+        (3, "0000:02:00.0", 0),
+        (4, "0000:81:00.0", 4),
+        (5, "0000:41:00.0", 2),
+        (6, "0000:82:00.0", 4),
+        (7, "0000:42:00.0", 2),
+    ]
     assert topo.warnings == ()
     assert {d.id_source for d in topo.devices} == {
         "run/placement-supervisor/npu-smi/{info.txt,info-m.txt}"
@@ -144,8 +149,10 @@ def test_snapshot_carries_the_captures_so_plan_reproduces_offline(tmp_path: Path
     def plan(r: Path) -> list[str]:
         proc = subprocess.run(
             [sys.executable, "-m", "supervisor", "plan", "--root", str(r), "--json"],
-            capture_output=True, text=True, check=True,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         return [rank["device"]["bus_id"] for rank in json.loads(proc.stdout)["ranks"]]
 
     assert plan(out) == plan(root) == A2_BY_LOGICAL

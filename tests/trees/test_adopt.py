@@ -33,9 +33,9 @@ from tests.support.daemon_support import (
     INSTANCE_ENV,
     DaemonProcess,
     daemon_env,
-    poll,
     to_toml,
 )
+from tests.support.poll import poll
 
 LOCAL = {0: 0, 1: 1}  # local rank -> rank
 DEVICES = {0: 0, 1: 1}  # device index -> rank

@@ -24,7 +24,13 @@ from supervisor.serve.metrics import build_registry
 from supervisor.state import StateStore
 from supervisor.trees.tree import ReadFailures
 from tests.support.api_fixture import realistic_snapshot
-from tests.support.daemon_support import INSTANCE_ENV, DaemonProcess, daemon_env, poll, to_toml
+from tests.support.daemon_support import (
+    INSTANCE_ENV,
+    DaemonProcess,
+    daemon_env,
+    to_toml,
+)
+from tests.support.poll import poll
 
 FS = HostFS("/")
 BIG_WORDS = ["x" * 100_000 for _ in range(12)]  # 1.2 MB

@@ -7,7 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.support.daemon_support import REPO, poll
+from tests.support.daemon_support import (
+    REPO,
+)
+from tests.support.poll import poll
 
 PARENT = r"""
 import os, sys

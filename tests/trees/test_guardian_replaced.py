@@ -24,10 +24,10 @@ from tests.support.cgroup_v1 import own_memory_cgroup, remove_v1_tree, v1_availa
 from tests.support.daemon_support import (
     INSTANCE_ENV,
     DaemonProcess,
-    poll,
     rank_pids,
     write_cpuset_config,
 )
+from tests.support.poll import poll
 
 pytestmark = pytest.mark.root
 

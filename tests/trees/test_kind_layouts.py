@@ -28,10 +28,10 @@ from tests.support.daemon_support import (
     REPO,
     DaemonProcess,
     daemon_env,
-    poll,
     to_toml,
 )
 from tests.support.fake_engine.layouts import STALL_ENV
+from tests.support.poll import poll
 
 SHIM = """import sys
 from tests.support.fake_engine.layouts import {main}

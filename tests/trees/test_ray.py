@@ -22,8 +22,8 @@ from tests.support.daemon_support import (
     DaemonProcess,
     daemon_env,
     free_port,
-    poll,
 )
+from tests.support.poll import poll
 from tests.support.ray_support import (
     RAY,
     below_raylet,

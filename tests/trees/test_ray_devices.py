@@ -32,8 +32,8 @@ from tests.support.daemon_support import (
     DaemonProcess,
     daemon_env,
     free_port,
-    poll,
 )
+from tests.support.poll import poll
 from tests.support.ray_support import (
     PRIVATE_DEV_PREFIX,
     RAY,

@@ -12,7 +12,13 @@ from typing import Any
 
 from supervisor.hostfs import HostFS
 from supervisor.procfs.stat import read_proc_stat
-from tests.support.daemon_support import INSTANCE_ENV, DaemonProcess, daemon_env, poll, to_toml
+from tests.support.daemon_support import (
+    INSTANCE_ENV,
+    DaemonProcess,
+    daemon_env,
+    to_toml,
+)
+from tests.support.poll import poll
 
 # The engine starts a worker with LOCAL_RANK=0 and starts it again when it
 # dies. Each worker forks a child at once, before anyone could adopt the

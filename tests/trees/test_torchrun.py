@@ -24,7 +24,13 @@ from supervisor.cpulist import format_cpulist
 from supervisor.hostfs import HostFS
 from supervisor.procfs.files import read_cmdline
 from tests.support.children import thread_cpus
-from tests.support.daemon_support import INSTANCE_ENV, DaemonProcess, daemon_env, poll, to_toml
+from tests.support.daemon_support import (
+    INSTANCE_ENV,
+    DaemonProcess,
+    daemon_env,
+    to_toml,
+)
+from tests.support.poll import poll
 from tests.trees.test_trees import instance_dirs, marked
 
 FS = HostFS("/")

@@ -18,7 +18,6 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -41,18 +40,9 @@ from supervisor.trees.proc_events import (
     parse_proc_events,
 )
 from supervisor.trees.quiet import RecentProcs
+from tests.support.poll import poll
 
 ENGINE_CG = "sys/fs/cgroup/cpuset/ps/engine"
-
-
-def poll_until(fn: Callable[[], object], timeout_s: float = 10.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = fn()
-        if value:
-            return value
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 def write_proc(root: Path, pid: int, ppid: int, start: int = 100) -> None:
@@ -82,7 +72,6 @@ def keeper(root: Path, recent_procs: RecentProcs | None = None) -> TreeKeeper:
         interval_s=1.0,
         cgroup_dir=cgroup_dir,
         direct_children=list,
-        use_connector=False,
         subreaper=False,
         recent_procs=recent_procs,
     )
@@ -133,6 +122,20 @@ def _children(pid: int) -> list[int]:
     return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
 
+def _argv(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/cmdline").read_text().split("\0")[:-1]
+
+
+SLEEP = ["sleep", "600"]
+INNER_SH = ["sh", "-c", "sleep 600 & wait"]
+
+
+def _exec_done(pids: list[int], *programs: list[str]) -> list[int] | None:
+    """`pids` once they run `programs` (in any order), each its own, not its parent's."""
+    argvs = sorted(_argv(p) for p in pids)
+    return pids if argvs == sorted(programs) else None
+
+
 def test_a_worker_being_adopted_stays_out_of_every_published_tree_until_its_root_is_set() -> None:
     """`leaving` takes a worker (and its child) out of the published trees, and
     the passes while its adoption runs (the page move takes seconds) do not put
@@ -141,12 +144,12 @@ def test_a_worker_being_adopted_stays_out_of_every_published_tree_until_its_root
     Real processes: an "engine" shell with a sleep and a "worker" shell with one."""
     engine = subprocess.Popen(["sh", "-c", 'sleep 600 & sh -c "sleep 600 & wait" & wait'])
     try:
-        kids = poll_until(
-            lambda: _children(engine.pid) if len(_children(engine.pid)) == 2 else None
-        )
-        worker = next(k for k in kids if Path(f"/proc/{k}/comm").read_text().strip() == "sh")
+        # By argv, once each has run exec: a child forked and not yet exec'd
+        # still carries its parent's comm and command line.
+        kids = poll(lambda: _exec_done(_children(engine.pid), SLEEP, INNER_SH))
+        worker = next(k for k in kids if _argv(k) == INNER_SH)
         other = next(k for k in kids if k != worker)
-        child = poll_until(lambda: (_children(worker) or [None])[0])
+        child = poll(lambda: (_exec_done(_children(worker), SLEEP) or [None])[0])
 
         async def body() -> None:
             store = StateStore(
@@ -158,7 +161,6 @@ def test_a_worker_being_adopted_stays_out_of_every_published_tree_until_its_root
                 interval_s=1.0,
                 cgroup_dir=lambda key: None,
                 direct_children=list,
-                use_connector=False,
                 subreaper=False,
             )
 

@@ -42,7 +42,13 @@ from supervisor.trees.proc_events import (
 )
 from supervisor.trees.tree import Member, Root, assign_owners
 from tests.support.cgroup_v1 import own_memory_cgroup
-from tests.support.daemon_support import INSTANCE_ENV, DaemonProcess, daemon_env, poll, to_toml
+from tests.support.daemon_support import (
+    INSTANCE_ENV,
+    DaemonProcess,
+    daemon_env,
+    to_toml,
+)
+from tests.support.poll import poll
 
 FS = HostFS("/")
 CPUSET = Path("/sys/fs/cgroup/cpuset")

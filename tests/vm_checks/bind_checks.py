@@ -22,7 +22,7 @@ from supervisor.bind.cgroup import CgroupManager, ProcessCgroup, read_cgroup_set
 from supervisor.bind.report import ShimReport
 from supervisor.hostfs import HostFS
 from tests.support.children import start_shimmed
-from tests.support.daemon_support import wait_until
+from tests.support.poll import wait_until
 from tests.support.vm import Checklist
 
 MIB = 1 << 20

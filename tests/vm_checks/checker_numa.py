@@ -35,12 +35,8 @@ sys.path.insert(0, REPO)
 
 from supervisor.cpulist import format_cpulist, parse_cpulist  # noqa: E402
 from tests.support import children  # noqa: E402
-from tests.support.daemon_support import (  # noqa: E402
-    DEMO_WORKER,
-    INSTANCE_ENV,
-    DaemonProcess,
-    wait_until,
-)
+from tests.support.daemon_support import DEMO_WORKER, INSTANCE_ENV, DaemonProcess  # noqa: E402
+from tests.support.poll import wait_until  # noqa: E402
 from tests.support.vm import Checklist  # noqa: E402
 
 CGROUP = "/sys/fs/cgroup"

@@ -8,7 +8,7 @@ every process runs and the rank planned on node 1 has touched 64 MiB, and
 checks from /proc that this worker runs on node 1's CPUs under MPOL_BIND and
 that every anonymous page it has is on node 1. Prints "PASS name: detail" or
 "FAIL name: detail" per check and exits 1 if any failed
-(tests/test_daemon_vm.py asserts on these lines).
+(tests/daemon/test_root_vm.py asserts on these lines).
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ sys.path.insert(0, REPO)
 
 from supervisor.cpulist import format_cpulist  # noqa: E402
 from tests.support.children import status_field  # noqa: E402
-from tests.support.daemon_support import DaemonProcess, wait_until  # noqa: E402
+from tests.support.daemon_support import DaemonProcess  # noqa: E402
+from tests.support.poll import wait_until  # noqa: E402
 from tests.support.vm import Checklist  # noqa: E402
 
 CHECKS = Checklist()

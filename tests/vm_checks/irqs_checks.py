@@ -28,7 +28,8 @@ from supervisor.topology.discover import read_topology
 from supervisor.topology.model import DiscoveryOptions
 from supervisor.watch.irqs import IrqKeeper
 from supervisor.watch.observe import read_irq_delivery
-from tests.support.daemon_support import DaemonProcess, wait_until
+from tests.support.daemon_support import DaemonProcess
+from tests.support.poll import wait_until
 from tests.support.vm import Checklist
 
 NIC = "0000:41:00.0"  # virtio-net on node 1

@@ -41,8 +41,9 @@ sys.path.insert(0, REPO)
 
 from supervisor.cpulist import format_cpulist  # noqa: E402
 from tests.support.children import alive, status_field  # noqa: E402
-from tests.support.daemon_support import DaemonProcess, to_toml, wait_until  # noqa: E402
+from tests.support.daemon_support import DaemonProcess, to_toml  # noqa: E402
 from tests.support.fake_engine.layouts import OPEN_DEVICE_ENV  # noqa: E402
+from tests.support.poll import wait_until  # noqa: E402
 from tests.support.vm import Checklist  # noqa: E402
 
 CHECKS = Checklist()
@@ -142,9 +143,13 @@ def main() -> int:
     make_nodes()
     run_case("ray", "raystandin", "ray_main", kind="ray", flags=["--workers", "2"], env={})
     run_case(
-        "vllm", "vllmstandin", "vllm_main", kind="vllm", flags=["--tensor-parallel-size", "2"],
+        "vllm",
+        "vllmstandin",
+        "vllm_main",
+        kind="vllm",
+        flags=["--tensor-parallel-size", "2"],
         env={OPEN_DEVICE_ENV: "reverse"},
-    )  # fmt: skip
+    )
     return CHECKS.exit_code()
 
 

@@ -27,7 +27,7 @@ sys.path.insert(0, REPO)
 
 from supervisor.cpulist import format_cpulist, parse_cpulist  # noqa: E402
 from tests.support import children  # noqa: E402
-from tests.support.daemon_support import DEMO_WORKER, free_port, wait_until  # noqa: E402
+from tests.support.daemon_support import DEMO_WORKER, free_port  # noqa: E402
 from tests.support.oci import (  # noqa: E402
     Profile,
     daemon_process,
@@ -36,6 +36,7 @@ from tests.support.oci import (  # noqa: E402
     running,
     state,
 )
+from tests.support.poll import wait_until  # noqa: E402
 from tests.support.vm import Checklist  # noqa: E402
 
 CGROUP = "/sys/fs/cgroup"

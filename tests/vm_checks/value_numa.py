@@ -35,7 +35,8 @@ from typing import Any
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 
-from tests.support.daemon_support import DaemonProcess, to_toml, wait_until  # noqa: E402
+from tests.support.daemon_support import DaemonProcess, to_toml  # noqa: E402
+from tests.support.poll import wait_until  # noqa: E402
 from tests.support.vm import Checklist  # noqa: E402
 from tests.vm_checks.daemon_numa import anon_pages_by_node  # noqa: E402
 

@@ -28,7 +28,7 @@ from supervisor.plan.placement import Placement, RankPlacement, Slot
 from supervisor.watch.loop import CheckLoop
 from tests.support.children import NAMED_THREADS_CHILD, write_child
 from tests.support.daemon_support import DEMO_WORKER, free_port, merge_config, to_toml
-from tests.support.daemon_support import until as _until
+from tests.support.poll import until
 
 FS = HostFS("/")
 Scenario = Callable[[Daemon, CheckLoop], Awaitable[None]]
@@ -103,6 +103,7 @@ def run_with_checker(
     topology, placement = prepare(config, env, FS)
     if slots:
         placement = with_slots(placement, slots)
+    stop = asyncio.Event()  # the shutdown trigger
     daemon = Daemon(
         config,
         topology,
@@ -111,6 +112,7 @@ def run_with_checker(
         fs=FS,
         api=False,
         check_loop=True,
+        shutdown_trigger=stop,
     )
 
     async def main() -> None:
@@ -120,18 +122,12 @@ def run_with_checker(
                 checker = await until(lambda: daemon.checker)
                 await scenario(daemon, checker)
             finally:
-                if daemon.rt is not None:
-                    daemon.rt.stopping.set()
+                stop.set()  # as SIGTERM would
                 assert await task == 0
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(main())
     return daemon
-
-
-async def until(predicate: Callable[[], Any], timeout_s: float = 15.0) -> Any:
-    """A check scenario's step waits 15 s unless it says otherwise."""
-    return await _until(predicate, timeout_s)
 
 
 async def checks_pass(daemon: Daemon, n: int) -> None:
@@ -245,6 +241,7 @@ def test_under_observe_drift_is_reported_and_left_alone(tmp_path: Path) -> None:
         assert counter(daemon, "drift_events", ("0", "thread_affinity")) == 1  # once
         assert counter(daemon, "rebinds", ("0", "thread_affinity")) == 0
         # POST /rebind runs one enforcing pass now, whatever the policy.
+        assert daemon.actions is not None
         summary = await daemon.actions.rebind(0)
         assert summary["processes"]["0"]["threads_rebound"] == 1
         assert affinity(comm_tid) == (0,)
@@ -278,7 +275,7 @@ def test_late_threads_are_bound_and_pinned_threads_respected(tmp_path: Path) -> 
         report = await child_report(out, "0", pid, threads=4)
         late = report["threads"]["comm-late"]
         assert comm(pid, late) == "comm-late"
-        await until(lambda: affinity(late) == (1,), timeout_s=5)
+        await until(lambda: affinity(late) == (1,))  # checks every 0.1 s; a loaded CI box is slow
         assert counter(daemon, "drift_events", ("0", "thread_affinity")) == 0
         assert any(late in e.fields.get("tids", []) for e in events(daemon, "rebind", 0))
 

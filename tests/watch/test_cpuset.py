@@ -20,14 +20,16 @@ from pathlib import Path
 
 import pytest
 
+from supervisor.cpulist import format_cpulist
 from tests.support.cgroup_v1 import own_memory_cgroup, v1_available
+from tests.support.children import thread_cpus
 from tests.support.daemon_support import (
     DaemonProcess,
     confined_daemon,
-    poll,
     rank_pids,
     thread_cpus_as_planned,
 )
+from tests.support.poll import poll
 
 
 def write_cpus(cg: Path, cpus: str) -> None:
@@ -159,11 +161,19 @@ def test_back_to_back_changes_each_wake_the_watch(tmp_path: Path) -> None:
             shrink = i % 2 == 0
             write_cpus(cg, "1" if shrink else "0-1")
             want = {0: "1", 1: "1"} if shrink else {0: "0", 1: "1"}
-            poll(
-                lambda want=want: thread_cpus_as_planned(daemon.placement() or {}, want),
-                10,
-                0.005,
-                what=f"change {i} followed by the watch, not the 60 s check",
-            )
+            try:
+                poll(
+                    lambda want=want: thread_cpus_as_planned(daemon.placement() or {}, want),
+                    10,
+                    0.005,
+                    what=f"change {i} followed by the watch, not the 60 s check",
+                )
+            except AssertionError as err:  # the daemon's side of it, for whoever reads CI
+                doc = daemon.placement() or {}
+                seen = {r["rank"]: format_cpulist(r["cpus"]) for r in doc.get("ranks", ())}
+                live = {k: thread_cpus(p) for k, p in rank_pids(doc).items()}
+                raise AssertionError(
+                    f"{err}\nplan {seen}, live {live}\n{daemon.tail(12000)}"
+                ) from None
         doc = daemon.placement() or {}
         assert doc["supervisor"]["cpuset_changes"] == 12, daemon.tail()

@@ -21,7 +21,7 @@ from supervisor.hostfs import HostFS
 from supervisor.topology.cgroup import Cpuset, CpusetCache
 from supervisor.watch.cpuset_watch import AllowedTrust, WatchState, run_watch, watched_files
 from tests.support.cgroup_v1 import v1_available, v1_cpuset
-from tests.support.daemon_support import poll
+from tests.support.poll import poll
 
 
 def _write(root: Path, rel: str, text: str) -> None:

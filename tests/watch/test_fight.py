@@ -30,7 +30,12 @@ from supervisor.watch.fight import CONFLICT_AFTER, Fight
 from supervisor.watch.policy import Policy
 from supervisor.watch.settle import Outcome, Outcomes, settle
 from tests.support.children import thread_cpus
-from tests.support.daemon_support import DaemonProcess, daemon_env, poll, to_toml
+from tests.support.daemon_support import (
+    DaemonProcess,
+    daemon_env,
+    to_toml,
+)
+from tests.support.poll import poll
 
 WORKER = """
 import threading, time

@@ -20,7 +20,12 @@ from typing import Any
 import pytest
 
 from tests.support.cgroup_v1 import own_memory_cgroup, v1_available
-from tests.support.daemon_support import DaemonProcess, confined_daemon, poll, rank_pids
+from tests.support.daemon_support import (
+    DaemonProcess,
+    confined_daemon,
+    rank_pids,
+)
+from tests.support.poll import poll
 from tests.watch.test_fight import metrics
 
 pytestmark = pytest.mark.root

@@ -25,7 +25,12 @@ from supervisor.bind.irq_checkpoint_data import IrqCheckpointData, format_checkp
 from supervisor.cpulist import format_cpulist, parse_cpulist
 from supervisor.hostfs import HostFS
 from supervisor.trees.guardian import GUARDIAN_TAG, KILL_ROUNDS_S
-from tests.support.daemon_support import INSTANCE_ENV, DaemonProcess, daemon_env, poll
+from tests.support.daemon_support import (
+    INSTANCE_ENV,
+    DaemonProcess,
+    daemon_env,
+)
+from tests.support.poll import poll
 from tests.support.real_irqs import affinity, known_irqs, write_affinity
 
 DEVICE = "0000:00:04.0"

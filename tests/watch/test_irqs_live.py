@@ -32,7 +32,10 @@ from supervisor.topology.discover import read_topology
 from supervisor.topology.model import DiscoveryOptions, Topology
 from supervisor.watch.drift import diff
 from supervisor.watch.irqs import IrqKeeper
-from tests.support.daemon_support import poll, stop_process
+from tests.support.daemon_support import (
+    stop_process,
+)
+from tests.support.poll import poll
 from tests.support.real_irqs import affinity, every_irq_put_back, known_irqs
 
 DEVICE = "0000:00:04.0"  # virtio3: MSI-X IRQs that accept affinity writes

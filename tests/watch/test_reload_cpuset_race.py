@@ -24,10 +24,10 @@ from tests.support.cgroup_v1 import v1_available
 from tests.support.daemon_support import (
     DaemonProcess,
     confined_daemon,
-    poll,
     rank_pids,
     thread_cpus_as_planned,
 )
+from tests.support.poll import poll
 
 ROUNDS = 100
 # Each rank's CPU per live cpuset (cpu_ranks = 2, on_shortage share on CPU 1 alone).

@@ -36,12 +36,12 @@ from tests.support.daemon_support import (
     REPO,
     free_port,
     get_json,
-    poll,
     rank_pids,
     thread_cpus_as_planned,
     write_cpuset_config,
 )
 from tests.support.oci import daemon_process, runc, running
+from tests.support.poll import poll
 
 pytestmark = pytest.mark.root
 ROUNDS = 8

@@ -20,7 +20,12 @@ from supervisor.plan.placement import Slot
 from supervisor.state import Finding, Observation, ThreadObservation
 from supervisor.watch.drift import diff
 from tests.support.children import thread_cpus
-from tests.support.daemon_support import DaemonProcess, daemon_env, poll, to_toml
+from tests.support.daemon_support import (
+    DaemonProcess,
+    daemon_env,
+    to_toml,
+)
+from tests.support.poll import poll
 
 SLOT = Slot(cpus=(2, 3, 4, 5), mems=(0,), roles={"main": (2, 3, 4), "acl": (5,)})
 

@@ -104,6 +104,7 @@ def check_loop(pid: int, start_time: int | None, slot: Slot) -> tuple[CheckLoop,
         executor=ThreadPoolExecutor(1),
         supervised=lambda: [(0, store.snapshot.processes[0], slot)],
         stopping=asyncio.Event(),
+        applier=Applier(FS, Binder(FS), None, None),
     )
     return loop, store
 

@@ -19,7 +19,6 @@ so_compiler CPU only where that lies in its cpuset: with cgroups off, rank
 from __future__ import annotations
 
 import os
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,12 @@ from supervisor.plan.keys import ThreadRole
 from supervisor.plan.placement import Slot
 from supervisor.plan.threads import RoleMatcher, role_kinds, with_engine_roles
 from tests.support.children import thread_cpus
-from tests.support.daemon_support import DaemonProcess, daemon_env, poll, to_toml
+from tests.support.daemon_support import (
+    DaemonProcess,
+    daemon_env,
+    to_toml,
+)
+from tests.support.poll import poll
 
 ROLES = (
     ThreadRole("comm", "workers", "comm*"),
@@ -239,7 +243,7 @@ def test_a_spawn_child_s_pool_thread_is_checked_with_the_engine(
                 "actual": "0",
                 "action": "observe",
             }
-            time.sleep(0.6)  # three checks: observe never binds it
+            d.after_checks(3)  # observe never binds it
             assert cpus_of(pid, tid) == "0"
         threads = (d.placement() or doc)["engine"]["observed"]["threads"]
         assert {"tid": tid, "name": "so_compiler-0", "role": "so_compiler", "pid": pid} == {
@@ -254,7 +258,7 @@ def test_a_spawn_child_s_pool_thread_is_checked_with_the_engine(
             setup = detect_cgroup_setup(HostFS("/"))
             want = "0" if setup is not None and setup.rank_cpusets else "1"
             wpid, wtid = compiler_thread(tmp_path, "rank0")
-            time.sleep(0.6)
+            d.after_checks(3)
             assert cpus_of(wpid, wtid) == want
             rank0 = (d.placement() or doc)["ranks"][0]
             assert rank0["pid"] == wpid and rank0["drift"] == []

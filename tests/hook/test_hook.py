@@ -31,7 +31,12 @@ from supervisor.plan.threads import role_for_thread
 from supervisor.run.spec import build_specs
 from supervisor.worker import SLOT_ENV, slot_env_value
 from tests.support.children import close_process, start_shimmed, status_field
-from tests.support.daemon_support import DaemonProcess, daemon_env, poll, to_toml
+from tests.support.daemon_support import (
+    DaemonProcess,
+    daemon_env,
+    to_toml,
+)
+from tests.support.poll import poll
 
 REPO = Path(__file__).resolve().parents[2]
 POOLS = "tests.support.fake_engine.pools"

@@ -17,7 +17,13 @@ from typing import Any
 import pytest
 
 from supervisor.cpulist import format_cpulist
-from tests.support.daemon_support import DaemonProcess, daemon_env, poll, to_toml
+from tests.support.children import COMM_THREADS_WORKER
+from tests.support.daemon_support import (
+    DaemonProcess,
+    daemon_env,
+    to_toml,
+)
+from tests.support.poll import poll
 
 WORKER = r"""
 import os, subprocess, sys, time
@@ -184,7 +190,7 @@ def test_stop_timeout_and_restart_settings_change_by_sighup(tmp_path: Path) -> N
     assert took < 15, f"the stop took {took:.1f} s"
 
 
-def _cpus_allowed(pid: int) -> str:
+def _cpus_allowed(pid: int | str) -> str:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("Cpus_allowed_list:"):
             return line.split(":", 1)[1].strip()
@@ -218,12 +224,106 @@ def test_the_drift_policy_changes_by_sighup(tmp_path: Path) -> None:
         poll(lambda: _cpus_allowed(pid) != planned, timeout_s=30, what="the worker narrowed")
         narrowed = _cpus_allowed(pid)
         # observe: left as it is, over several checks.
-        time.sleep(1.0)  # five checks at 0.2 s under observe (a window, not a wait)
+        d.after_checks(5)  # observe: five checks leave it
         assert _cpus_allowed(pid) == narrowed
         doc["drift"]["policy"]["thread_affinity"] = "enforce"
         config.write_text(to_toml(doc))
         os.kill(d.pid, signal.SIGHUP)
         poll(lambda: _reloaded(d, 1), timeout_s=30, what="the reload counted ok")
         poll(lambda: _cpus_allowed(pid) == planned, timeout_s=10, what="re-bound under enforce")
+        code = d.stop(timeout_s=30)
+    assert code == 0, d.log.read_text(errors="replace")[-4000:]
+
+
+def _thread_cpus(pid: int, prefix: str) -> set[str]:
+    """Cpus_allowed_list of each of `pid`'s threads whose name starts with `prefix`."""
+    out = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        if Path(f"/proc/{pid}/task/{tid}/comm").read_text().startswith(prefix):
+            out.add(_cpus_allowed(f"{pid}/task/{tid}"))
+    return out
+
+
+def test_thread_roles_change_by_sighup_in_place(tmp_path: Path) -> None:
+    """A `[threads]` pattern changed by SIGHUP re-binds the matching threads of the
+    running worker to their new role's CPUs: the same pid, no restart."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two CPUs: one for main, one for comm")
+    worker = tmp_path / "worker.py"
+    worker.write_text(COMM_THREADS_WORKER)
+    doc: dict[str, Any] = {
+        "cpu_ranks": 1,
+        "cgroup": "off",
+        "stop_timeout_s": 2,
+        "workers": {"command": ["python", str(worker), "2"]},
+        "placement": {
+            "rank_roles": {"comm": 1},
+            "on_shortage": "share",
+            "engine": {"enabled": False},
+        },
+        "drift": {"check_interval_s": 0.2},
+        "threads": {"comm": {"process": "workers", "pattern": "nothing-is-called-this*"}},
+    }
+    config = tmp_path / "roles.toml"
+    config.write_text(to_toml(doc))
+    with DaemonProcess(config, tmp_path / "d.log", env=daemon_env()) as d:
+        rank = poll(d.running, timeout_s=60, what="the worker running")["ranks"][0]
+        pid, roles = rank["pid"], rank["roles"]
+        main, comm = format_cpulist(roles["main"]), format_cpulist(roles["comm"])
+        assert main != comm, roles
+        # No thread matches comm: both comm-* threads are main's.
+        poll(lambda: _thread_cpus(pid, "comm-") == {main}, 30, what="comm-* threads on main")
+        d.after_checks(3)
+        assert _thread_cpus(pid, "comm-") == {main}
+        doc["threads"]["comm"]["pattern"] = "comm-*"
+        config.write_text(to_toml(doc))
+        os.kill(d.pid, signal.SIGHUP)
+        poll(lambda: _reloaded(d, 1), timeout_s=30, what="the reload counted ok")
+        poll(lambda: _thread_cpus(pid, "comm-") == {comm}, 10, what="comm-* re-bound to comm")
+        assert _thread_cpus(pid, "python") == {main}  # the main thread stays
+        assert (d.placement() or {})["ranks"][0]["pid"] == pid  # in place: no restart
+        code = d.stop(timeout_s=30)
+    assert code == 0, d.log.read_text(errors="replace")[-4000:]
+
+
+def test_the_readiness_probe_changes_by_sighup(tmp_path: Path) -> None:
+    """`[ready]` changed by SIGHUP is the probe of the engine's next start: after a
+    crash the engine waits for the new file, not the old one that is still there."""
+    first, second = tmp_path / "ready-1", tmp_path / "ready-2"
+    first.touch()
+    doc: dict[str, Any] = {
+        "cpu_ranks": 1,
+        "cgroup": "off",
+        "stop_timeout_s": 2,
+        "engine": {"command": ["python", "-c", "import time; time.sleep(3600)"]},
+        "workers": {"command": ["python", "-c", "import time; time.sleep(3600)", "{rank}"]},
+        "ready": {"file": str(first), "timeout_s": 600.0},
+        "restart": {"backoff_initial_s": 0.2, "backoff_max_s": 1.0},
+        "placement": {"on_shortage": "share"},
+        "drift": {"check_interval_s": 0.2},
+    }
+    config = tmp_path / "ready.toml"
+    config.write_text(to_toml(doc))
+    with DaemonProcess(config, tmp_path / "d.log", env=daemon_env()) as d:
+        engine = poll(d.running, timeout_s=60, what="engine and worker running")["engine"]["pid"]
+        doc["ready"]["file"] = str(second)
+        config.write_text(to_toml(doc))
+        os.kill(d.pid, signal.SIGHUP)
+        poll(lambda: _reloaded(d, 1), timeout_s=30, what="the reload counted ok")
+        os.kill(engine, signal.SIGKILL)
+
+        def loading() -> dict[str, Any] | None:
+            entry = (d.placement() or {}).get("engine") or {}
+            if entry.get("pid") in (None, engine):
+                return None
+            found: dict[str, Any] | None = entry.get("loading")
+            return found
+
+        probe = poll(loading, timeout_s=30, what="the restarted engine waiting for its probe")
+        assert str(second) in probe["probe"], probe
+        d.after_checks(5)
+        assert (d.placement() or {})["engine"]["loading"] is not None, "ready on the old file"
+        second.touch()
+        poll(d.running, timeout_s=30, what="ready once the new file exists")
         code = d.stop(timeout_s=30)
     assert code == 0, d.log.read_text(errors="replace")[-4000:]

@@ -22,7 +22,7 @@ from supervisor.plan.planner import plan
 from supervisor.run.spec import RANK_SLOTS_ENV, build_specs
 from supervisor.topology.discover import read_topology
 from supervisor.worker import slot_env_value
-from tests.run.test_hook import POOL_PROGRAM, child_env, run_python
+from tests.hook.test_hook import POOL_PROGRAM, child_env, run_python
 
 RANK_SLOT = {"cpus": [0, 1], "mems": [0], "roles": {"main": [0, 1], "so_compiler": [0, 1]}}
 RANK_SLOTS = json.dumps({"1": json.loads(slot_env_value(1, RANK_SLOT))})

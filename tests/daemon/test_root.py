@@ -24,7 +24,7 @@ from aiohttp import web
 
 from supervisor.config import Config, ReadyProbe, parse_config
 from supervisor.cpulist import format_cpulist
-from supervisor.daemon.root import Daemon, DaemonActions, prepare, run_loop
+from supervisor.daemon.root import Daemon, prepare, run_loop
 from supervisor.hostfs import HostFS
 from supervisor.plan.keys import ProcKey
 from supervisor.plan.placement import DeviceRef, Placement, RankPlacement, Slot
@@ -33,7 +33,11 @@ from supervisor.run.spec import build_specs, child_env, resolve_python, worker_a
 from supervisor.state import ProcessStatus
 from supervisor.worker import SLOT_ENV, parse_slot_env
 from tests.support.children import report_of, reports, status_field, write_child
-from tests.support.daemon_support import child_config, free_port, until
+from tests.support.daemon_support import (
+    child_config,
+    free_port,
+)
+from tests.support.poll import until
 
 FS = HostFS("/")
 Scenario = Callable[[Daemon], Awaitable[None]]
@@ -167,7 +171,8 @@ def run_daemon(config: Config, scenario: Scenario, timeout_s: float = 60.0) -> D
     """Run the daemon until `scenario` returns, then stop it as SIGTERM would."""
     env = dict(os.environ)
     topology, placement = prepare(config, env, FS)
-    daemon = Daemon(config, topology, placement, env=env, fs=FS, api=False)
+    stop = asyncio.Event()  # the shutdown trigger
+    daemon = Daemon(config, topology, placement, env=env, fs=FS, api=False, shutdown_trigger=stop)
 
     async def main() -> None:
         async with asyncio.timeout(timeout_s):
@@ -176,8 +181,7 @@ def run_daemon(config: Config, scenario: Scenario, timeout_s: float = 60.0) -> D
                 await until(lambda: daemon.rt is not None)
                 await scenario(daemon)
             finally:
-                if daemon.rt is not None:
-                    daemon.rt.stopping.set()
+                stop.set()  # as SIGTERM would
                 assert await task == 0
 
     loop_debug_run(main)
@@ -265,6 +269,30 @@ def test_child_reports_the_planned_affinity_and_policy_first(child: tuple[Path, 
     assert daemon.store.snapshot.stopping
 
 
+def test_a_signal_sets_the_shutdown_trigger_and_an_embedded_daemon_never_exits_on_a_second(
+    child: tuple[Path, Path],
+) -> None:
+    """SIGTERM only sets the trigger the embedding program passed in; the stop
+    follows. A second one is counted, never a forced exit here (only the real
+    daemon, run_command's, exits at once: tests/daemon/test_forced_exit.py)."""
+    script, out = child
+    config = parse_config(child_config(script, out), "test.toml")
+
+    async def scenario(daemon: Daemon) -> None:
+        await until(lambda: all_running(daemon))
+        # Both at once, while the loop's handlers are surely installed (after the
+        # stop they are not, and a SIGTERM would end the test run).
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)
+        await until(lambda: daemon.signals_received == 2)
+        assert daemon.shutdown_trigger.is_set()
+        await until(lambda: events(daemon, "stopping"))
+
+    daemon = run_daemon(config, scenario)
+    assert {p.state for p in daemon.store.snapshot.processes.values()} == {"stopped"}
+    assert len(events(daemon, "stopping")) == 1
+
+
 def test_a_killed_worker_comes_back_rebound_after_backoff(child: tuple[Path, Path]) -> None:
     script, out = child
     config = parse_config(child_config(script, out), "test.toml")
@@ -304,7 +332,8 @@ def test_a_crash_loop_fails_one_rank_while_the_other_runs(child: tuple[Path, Pat
         first = status(daemon, 0).pid
         assert len(reports(out, "1")) == 3  # crash_loop_limit starts, then held down
         # A manual restart (the API's) brings the failed rank back to try again.
-        await DaemonActions(daemon).restart(1)
+        assert daemon.actions is not None
+        await daemon.actions.restart(1)
         await until(lambda: len(reports(out, "1")) == 4)
         await until(lambda: status(daemon, 1).state == "failed")
         assert status(daemon, 0).pid == first

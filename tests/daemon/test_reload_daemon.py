@@ -27,10 +27,10 @@ from tests.support.daemon_support import (
     child_config,
     daemon_env,
     entries,
-    poll,
     run_supervisor,
     to_toml,
 )
+from tests.support.poll import poll
 
 FS = HostFS("/")
 

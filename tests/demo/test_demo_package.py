@@ -12,7 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.daemon_support import REPO, daemon_env, free_port, get_json, poll, stop_process
+from tests.support.daemon_support import (
+    REPO,
+    daemon_env,
+    free_port,
+    get_json,
+    stop_process,
+)
+from tests.support.poll import poll
 
 DEMO_ENGINE_PORT = 9478  # supervisor/demo/demo.toml's [ready] tcp
 
