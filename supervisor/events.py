@@ -19,6 +19,7 @@ from typing import Any, Protocol
 from supervisor.cpulist import format_cpulist
 from supervisor.logs import format_fields
 from supervisor.plan.keys import ProcKey, key_label
+from supervisor.procfs.identity import ProcessId
 from supervisor.state import (
     HOST_LABEL,
     BindTarget,
@@ -420,13 +421,15 @@ class Recorder:
             bound=bound,
         )
 
-    def unnamed(self, pid: int, start_time: int) -> None:
+    def unnamed(self, ident: ProcessId) -> None:
         """unnamed_processes += 1: an engine process no `rank_from` source named for long."""
         c = self.store.snapshot.counters
         self.store.update(counters=replace(c, unnamed_processes=c.unnamed_processes + 1))
         self.log.info(
             "unnamed process %s",
-            format_fields(pid=pid, start_time=start_time, action="leave it the engine's"),
+            format_fields(
+                pid=ident.pid, start_time=ident.start_time, action="leave it the engine's"
+            ),
         )
 
     def process_read_failed(self) -> None:

@@ -17,6 +17,7 @@ from typing import Any, Literal, get_args
 
 from supervisor.plan.keys import ProcKey, key_label
 from supervisor.plan.placement import Placement, Slot
+from supervisor.procfs.identity import ProcessId, ThreadId
 from supervisor.topology.accelerators import CPU
 from supervisor.topology.model import Topology
 
@@ -178,7 +179,9 @@ class ProcessStatus:
     key: ProcKey
     state: ProcessState = "starting"
     pid: int | None = None
-    start_time: int | None = None  # /proc/<pid>/stat field 22 (clock ticks since boot)
+    # Who runs at `pid` (its start time: stat field 22); None while unknown (no
+    # process yet, or its stat not read yet). Not cleared with `pid`: read with it.
+    id: ProcessId | None = None
     restarts: int = 0
     backoff_s: float = 0.0  # the delay before the next start, when in backoff
     next_start_at: float | None = None  # unix time of the next start, when in backoff
@@ -205,11 +208,14 @@ Supervised = tuple[ProcKey, ProcessStatus, Slot]
 class TreeMember:
     """A process of a supervised process's tree other than itself (docs/contracts.md §6)."""
 
-    pid: int
+    id: ProcessId  # the check loop scans it while its pid is this process
     ppid: int
     cmdline: str
     cpus: tuple[int, ...]
-    start_time: int | None = None  # stat field 22: the check loop scans it while it is this one
+
+    @property
+    def pid(self) -> int:
+        return self.id.pid
 
     def to_doc(self) -> dict[str, Any]:
         return {
@@ -226,7 +232,9 @@ class ThreadObservation:
     name: str
     role: str
     cpus: tuple[int, ...]
-    start_time: int | None = None  # stat field 22: a write checks the tid still names it
+    # Who the thread is (tid + start time): a write checks the tid still names it.
+    # None where its start time was not read (a one-shot read): the Tgid alone.
+    id: ThreadId | None = None
     pid: int | None = None  # the tree member it runs in; None: the supervised process itself
 
 

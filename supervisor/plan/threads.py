@@ -23,6 +23,7 @@ from typing import Literal
 
 from supervisor.plan.keys import ProcessKind, ThreadRole
 from supervisor.plan.placement import Slot
+from supervisor.procfs.identity import ThreadId
 
 ThreadVerdict = Literal["ok", "pinned", "drift"]
 DEFAULT_ROLE = "main"
@@ -42,7 +43,7 @@ class LiveThread:
     tid: int
     name: str
     cpus: tuple[int, ...]
-    start_time: int | None = field(default=None, compare=False)  # who, not what it is
+    id: ThreadId | None = field(default=None, compare=False)  # who, not what it is
 
 
 def role_for_thread(name: str, process: ProcessKind, roles: Sequence[ThreadRole]) -> str:

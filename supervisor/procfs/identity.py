@@ -35,9 +35,12 @@ def open_pidfd(pid: int) -> int | None:
     return fd
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, order=True)
 class ProcessId:
-    """A process for its whole life: its pid and its start time."""
+    """A process for its whole life: its pid and its start time.
+
+    Hashable and ordered (pid, then start time): sets and maps of processes are
+    keyed by it, and a sorted listing reads in pid order."""
 
     pid: int
     start_time: int
@@ -59,6 +62,10 @@ class ProcessId:
     def is_current(self, fs: HostFS) -> bool:
         """True while `pid` still names this process (a zombie included)."""
         return self.matches(read_proc_stat(fs, self.pid))
+
+    def leads(self, fs: HostFS) -> bool:
+        """True while `pid`'s main thread is this process's (`is_leader_since`)."""
+        return is_leader_since(fs, self.pid, self.start_time)
 
     def is_running(self, fs: HostFS) -> bool:
         """True while `pid` names this process and it has not exited (no zombie)."""
@@ -106,6 +113,23 @@ class ProcessId:
 
 
 # -- threads ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class ThreadId:
+    """A thread of a known process for its whole life: its tid and its start time.
+
+    Not a ProcessId: a tid is checked under its own thread group's task
+    directory (/proc/<pid>/task/<tid>), which answers only for that group's
+    threads, never through /proc/<tid> (any process's thread) as ProcessId's
+    reads, signals and pidfds would do."""
+
+    tid: int
+    start_time: int
+
+    def is_thread_of(self, fs: HostFS, pid: int) -> bool:
+        """True while `tid` is still this thread, in process `pid`."""
+        return is_thread_of(fs, pid, self.tid, self.start_time)
 
 
 def parse_status_tgid(text: str) -> int | None:

@@ -37,6 +37,7 @@ from supervisor.in_force import PlanInForce
 from supervisor.logs import format_fields
 from supervisor.plan.keys import ProcKey, key_label
 from supervisor.plan.placement import Slot
+from supervisor.procfs.identity import ProcessId
 from supervisor.procfs.stat import read_proc_stat
 from supervisor.run import restart
 from supervisor.run.probe import await_ready
@@ -68,8 +69,9 @@ class ProcessTrees(Protocol):
     """The daemon's tree keeper (`supervisor.trees.keeper.TreeKeeper`)."""
 
     def set_root(
-        self, key: ProcKey, pid: int, start_time: int | None, *, adopted: bool = False
-    ) -> None: ...
+        self, key: ProcKey, pid: int, ident: ProcessId | None, *, adopted: bool = False
+    ) -> None:
+        """`pid` is `key`'s root; `ident`, who it is (None until its start time is read)."""
 
     def clear_root(self, key: ProcKey) -> None: ...
 
@@ -460,10 +462,10 @@ class Runner:
             self.rt.trees.set_root(self.key, child.pid, None)
         data = await read_until_eof(read_fd, REPORT_TIMEOUT_S)
         stat = await loop.run_in_executor(self.rt.executor, read_proc_stat, self.rt.fs, child.pid)
-        start_time = stat.start_time if stat is not None else None
-        self.set_status(pid=child.pid, start_time=start_time)
+        ident = ProcessId.of(stat) if stat is not None else None
+        self.set_status(pid=child.pid, id=ident)
         if self.rt.trees is not None:
-            self.rt.trees.set_root(self.key, child.pid, start_time)
+            self.rt.trees.set_root(self.key, child.pid, ident)
         try:
             report = parse_shim_report(data)
         except ShimReportError as err:

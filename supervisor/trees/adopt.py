@@ -38,7 +38,7 @@ from supervisor.in_force import PlanInForce
 from supervisor.plan.keys import ProcKey, key_label
 from supervisor.plan.placement import Placement, Slot
 from supervisor.procfs.files import list_tids, read_cmdline, read_environ
-from supervisor.procfs.identity import ProcessId, read_thread_start
+from supervisor.procfs.identity import ProcessId, ThreadId, read_thread_start
 from supervisor.procfs.numa_maps import read_task_policy
 from supervisor.run.fleet import RunnerFleet, plan_keys
 from supervisor.run.procs import first_of
@@ -92,13 +92,14 @@ def read_proc_facts(
 
 @dataclass(frozen=True, slots=True)
 class Candidate:
-    pid: int
-    start_time: int
+    """A process offered to a rank: who it is, and its parent when offered."""
+
+    id: ProcessId
     ppid: int
 
     @property
-    def id(self) -> ProcessId:
-        return ProcessId(self.pid, self.start_time)
+    def pid(self) -> int:
+        return self.id.pid
 
 
 def _set_done(future: asyncio.Future[None]) -> None:
@@ -111,19 +112,15 @@ def read_adoptees(fs: HostFS, candidate: Candidate, pids: Sequence[int]) -> list
     start times: what the Applier checks before each write. Blocking."""
     out: list[Adoptee] = []
     for pid in pids:
-        if pid == candidate.pid:
-            start: int | None = candidate.start_time
-        else:
-            ident = ProcessId.read(fs, pid)
-            if ident is None:
-                continue  # exited meanwhile
-            start = ident.start_time
+        ident = candidate.id if pid == candidate.pid else ProcessId.read(fs, pid)
+        if ident is None:
+            continue  # exited meanwhile
         try:
             tids = list_tids(fs, pid)
         except OSError:
             tids = []
         threads = ((tid, read_thread_start(fs, pid, tid)) for tid in tids)
-        out.append(Adoptee(pid, start, tuple((t, ts) for t, ts in threads if ts is not None)))
+        out.append(Adoptee(ident, tuple(ThreadId(t, ts) for t, ts in threads if ts is not None)))
     return out
 
 
@@ -143,7 +140,7 @@ def adopt_process(  # noqa: PLR0917 - one call site, run in the executor
         return AdoptResult(True, (), (), 0)
     adoptees = read_adoptees(fs, candidate, pids)
     decision = decide_adoption(key, adoptees, slot, all_nodes, join=join)
-    (out,) = applier.apply([decision], {key: candidate.start_time})
+    (out,) = applier.apply([decision], {key: candidate.id})
     return adoption_result(decision, out, len(adoptees))
 
 
@@ -171,7 +168,7 @@ class AdoptRunner(Runner):
         self.offers: asyncio.Queue[Candidate] = asyncio.Queue()
         self.adopted: Candidate | None = None
         self.at_stop: Candidate | None = None
-        self.seen: set[tuple[int, int]] = set()  # adopted before (an offer may come twice)
+        self.seen: set[ProcessId] = set()  # adopted before (an offer may come twice)
         self.cgroup_dirs: tuple[str, ...] = ()
         self.all_nodes = tuple(all_nodes)
         self.applier = applier
@@ -182,7 +179,7 @@ class AdoptRunner(Runner):
         """A process the sources named this rank. Queued even while the rank
         has a live worker: an engine starts the next one as soon as it sees the
         old one die, often before we do."""
-        if (candidate.pid, candidate.start_time) not in self.seen:
+        if candidate.id not in self.seen:
             self.offers.put_nowait(candidate)
 
     async def run(self) -> None:
@@ -218,8 +215,7 @@ class AdoptRunner(Runner):
                 get.cancel()
                 return
             candidate = get.result()
-            ident = (candidate.pid, candidate.start_time)
-            if ident in self.seen or not await self._adopt(candidate):
+            if candidate.id in self.seen or not await self._adopt(candidate):
                 continue
             await self._watch(candidate)
             if self.stopping:
@@ -271,9 +267,9 @@ class AdoptRunner(Runner):
         if not candidate.id.is_running(self.rt.fs):
             self.adopted = None
             return False  # exited while it was bound: never `running`
-        self.seen.add((candidate.pid, candidate.start_time))
+        self.seen.add(candidate.id)
         if trees is not None:
-            trees.set_root(self.key, candidate.pid, candidate.start_time, adopted=True)
+            trees.set_root(self.key, candidate.pid, candidate.id, adopted=True)
         for target, reason, message in result.errors:
             self.record_bind_failure(target, reason, message)
         bound = not result.errors and result.cpus == tuple(sorted(slot.cpus))
@@ -285,7 +281,7 @@ class AdoptRunner(Runner):
             mempolicy=mempolicy,
             state="running",
             pid=candidate.pid,
-            start_time=candidate.start_time,
+            id=candidate.id,
             ppid=candidate.ppid,
             adopted=True,
             cgroup=self.cgroup_dirs[0] if self.cgroup_dirs else None,
@@ -403,8 +399,8 @@ class Adopter:
         )
         self.read_failures = ReadFailures(store, log)
         self.recorder = Recorder(store, log)
-        self.named: set[tuple[int, int]] = set()
-        self.unnamed_passes: dict[tuple[int, int], int] = {}
+        self.named: set[ProcessId] = set()
+        self.unnamed_passes: dict[ProcessId, int] = {}
         self.verdicts: dict[int, Verdict] = {}  # pid -> the last verdict (the warning's titles)
         self.disagreed: set[int] = set()  # pids whose title and device disagreed (told once)
         self.waiting_warning_s = workers.waiting_warning_s
@@ -419,10 +415,10 @@ class Adopter:
         rank = self.resolve(member.pid)
         if rank is None:
             return
-        self.named.add((member.pid, member.start_time))
+        self.named.add(member.id)
         runner = self.runners.get(rank)
         if runner is not None:
-            runner.offer(Candidate(member.pid, member.start_time, member.ppid))
+            runner.offer(Candidate(member.id, member.ppid))
 
     def resolve(self, pid: int) -> int | None:
         """The rank the sources give `pid` now (None: unnamed, or gone)."""
@@ -463,11 +459,11 @@ class Adopter:
     def note_pass(self, members: Mapping[int, Member]) -> None:
         """After each tree pass: try the unnamed again; count the long unnamed once;
         warn about ranks that wait while the tree shows processes none matched."""
-        live: set[tuple[int, int]] = set()
+        live: set[ProcessId] = set()
         for m in members.values():
             if m.owner != "engine":
                 continue
-            ident = (m.pid, m.start_time)
+            ident = m.id
             live.add(ident)
             if ident in self.named:
                 continue
@@ -477,18 +473,18 @@ class Adopter:
             verdict = self.verdicts.get(m.pid)
             expected = verdict is None or verdict.expected or self.rules is None
             if passes == UNNAMED_AFTER_PASSES and expected:
-                self.recorder.unnamed(m.pid, m.start_time)
+                self.recorder.unnamed(ident)
         self.named &= live
         for ident in list(self.unnamed_passes):
             if ident not in live:
                 del self.unnamed_passes[ident]
-        pids = {pid for pid, _ in live}
+        pids = {ident.pid for ident in live}
         for pid in [p for p in self.verdicts if p not in pids]:
             del self.verdicts[pid]
         self.disagreed &= pids
         self._warn_waiting(live)
 
-    def _warn_waiting(self, live: set[tuple[int, int]]) -> None:
+    def _warn_waiting(self, live: set[ProcessId]) -> None:
         if not live:
             self.tree_since = None  # no engine tree (stopped, restarting): the clock restarts
             return
@@ -498,8 +494,8 @@ class Adopter:
         waiting = {k for k, r in self.runners.items() if r.adopted is None}
         self.warned &= waiting  # adopted since: a later wait may warn again
         unnamed = [
-            v for (pid, st), v in ((i, self.verdicts.get(i[0])) for i in sorted(live))
-            if v is not None and (pid, st) not in self.named
+            v for i, v in ((i, self.verdicts.get(i.pid)) for i in sorted(live))
+            if v is not None and i not in self.named
         ]  # fmt: skip
         rules = self.rules
         # A title the kind does not know (another prefix, a renamed class) is

@@ -107,23 +107,20 @@ def restore_affinities(
     heads: list[tuple[ProcKey, ProcessId]] = [*(adopted or {}).items(), ("engine", root)]
     taken: set[int] = set()
     decisions: list[Decision] = []
-    starts: dict[ProcKey, int | None] = {}
+    starts: dict[ProcKey, ProcessId | None] = {}
     processes = 0
     for key, head in heads:
         pids = [p for p in tree_pids(fs, head) if p not in taken]
         taken.update(pids)
         if not pids:
             continue  # gone
-        adoptees = read_adoptees(fs, Candidate(head.pid, head.start_time, 0), pids)
+        adoptees = read_adoptees(fs, Candidate(head, 0), pids)
         cpus_of = {
-            a.pid: cpus
-            for a in adoptees
-            if a.start_time is not None
-            and (cpus := before.get(ProcessId(a.pid, a.start_time), fallback)) is not None
+            a.pid: cpus for a in adoptees if (cpus := before.get(a.id, fallback)) is not None
         }
         processes += len(cpus_of)
         decisions.append(decide_detach(key, adoptees, cpus_of))
-        starts[key] = head.start_time
+        starts[key] = head
     applier = Applier(fs, Binder(fs), None, None)
     outcomes = [o for out in applier.apply(decisions, starts) for o in out.threads.values()]
     failed = sum(1 for o in outcomes if o.error is not None)
@@ -202,11 +199,11 @@ class AttachRunner(Runner):
         )
         outside = sorted(planned - cpuset.cpus) if cpuset is not None and cpuset.cpus else []
         if self.rt.trees is not None:
-            self.rt.trees.set_root(self.key, found.pid, found.start_time)
+            self.rt.trees.set_root(self.key, found.pid, found.id)
         self.set_status(
             state="running",
             pid=found.pid,
-            start_time=found.start_time,
+            id=found.id,
             ppid=found.ppid,
             adopted=True,
             bound=True,

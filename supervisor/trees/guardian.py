@@ -226,11 +226,11 @@ class Guardian:
                 self._cgroups[directory] = None
                 self._send(f"cgroup {directory}")
 
-    def process(self, pid: int, start_time: int) -> None:
+    def process(self, ident: ProcessId) -> None:
         with self._lock:
-            if pid not in self._sent_pids:
-                self._sent_pids[pid] = start_time
-                self._send(f"pid {pid} {start_time}")
+            if ident.pid not in self._sent_pids:
+                self._sent_pids[ident.pid] = ident.start_time
+                self._send(f"pid {ident.pid} {ident.start_time}")
 
     def irq_checkpoint(self, path: str, writer: int) -> None:
         """The IRQ checkpoint file that `writer` (the daemon's pid) keeps: restored by

@@ -147,7 +147,7 @@ class TreeKeeper:
         self.on_refresh = on_refresh  # after each pass, with every tree's members
         self.task: asyncio.Task[None] | None = None
         self.me = os.getpid()
-        self.exited: dict[int, int] = {}  # members gone from the trees, maybe not reaped yet
+        self.exited: dict[int, ProcessId] = {}  # members gone from the trees, maybe not reaped
         self.lineage: dict[int, ProcKey] = {}  # pid -> owner from fork events, until a pass
         self.births: dict[int, tuple[int, ProcKey, float]] = {}  # forks: pid -> (ppid, owner, t)
         self._settle_at: asyncio.TimerHandle | None = None
@@ -168,9 +168,9 @@ class TreeKeeper:
     # -- roots ---------------------------------------------------------------
 
     def set_root(
-        self, key: ProcKey, pid: int, start_time: int | None, *, adopted: bool = False
+        self, key: ProcKey, pid: int, ident: ProcessId | None, *, adopted: bool = False
     ) -> None:
-        self.roots[key] = Root(key, pid, start_time, self.cgroup_dir(key))
+        self.roots[key] = Root(key, pid, ident, self.cgroup_dir(key))
         self.released.discard(key)
         self.members.pop(pid, None)
         replayed = self._replay_forks(key, pid)
@@ -180,11 +180,11 @@ class TreeKeeper:
             moved = {pid, *self.descendants(pid)}
             for child in moved - {pid}:
                 m = self.members[child]
-                self.members[child] = Member(m.pid, m.start_time, m.ppid, key)
+                self.members[child] = Member(m.id, m.ppid, key)
             self._unpublish(moved)
             self.leaving_pids -= moved
-        if self.guardian is not None and start_time is not None:
-            self.guardian.process(pid, start_time)
+        if self.guardian is not None and ident is not None:
+            self.guardian.process(ident)
         self._watch()
         self._offer(replayed)
         self._wake.set()
@@ -310,12 +310,12 @@ class TreeKeeper:
         self.unowned_forks = {c: (p, t) for c, (p, t) in self.unowned_forks.items() if t >= cutoff}
         self._watch()
         for pid in gone:
-            self.exited[pid] = known[pid].start_time
+            self.exited[pid] = known[pid].id
         if self.guardian is not None:
             for pid in gone:
                 self.guardian.forget(pid)
             for m in fresh.values():
-                self.guardian.process(m.pid, m.start_time)
+                self.guardian.process(m.id)
         for pid, error in result.unreadable:
             self.read_failures.note(pid, error)
         self.leaving_pids &= result.members.keys()
@@ -404,7 +404,7 @@ class TreeKeeper:
                 gone = members.pop(pid, None)
                 if gone is not None:
                     exited = True
-                    self.exited[pid] = gone.start_time
+                    self.exited[pid] = gone.id
                     if self.guardian is not None:
                         self.guardian.forget(pid)
             else:  # exec, comm: a new name
@@ -463,10 +463,10 @@ class TreeKeeper:
         stat = read_proc_stat(self.fs, pid)
         if stat is None:
             return None  # gone already; its children still find their owner (lineage)
-        member = Member(pid, stat.start_time, ppid, owner)
+        member = Member(ProcessId.of(stat), ppid, owner)
         self.members[pid] = member
         if self.guardian is not None:
-            self.guardian.process(member.pid, member.start_time)
+            self.guardian.process(member.id)
         return member
 
     def _offer(self, members: Iterable[Member]) -> None:
@@ -525,7 +525,7 @@ class TreeKeeper:
             self.exited.clear()
             return 0
         candidates = dict(self.exited)
-        candidates.update((m.pid, m.start_time) for m in self.members.values())
+        candidates.update((m.pid, m.id) for m in self.members.values())
         direct = set(self.direct_children())
         reaped, gone = reap_members(self.fs, self.me, direct, candidates, strays=self.subreaper)
         for pid in gone:
@@ -537,22 +537,22 @@ class TreeKeeper:
 
     # -- ending trees --------------------------------------------------------------
 
-    def live_pids(self, keys: Iterable[ProcKey], *, roots: bool = False) -> dict[int, int]:
-        """pid -> start time of every member (and with `roots`, root) owned by `keys`,
+    def live_pids(self, keys: Iterable[ProcKey], *, roots: bool = False) -> dict[int, ProcessId]:
+        """pid -> identity of every member (and with `roots`, root) owned by `keys`,
         plus whatever their cgroups hold now."""
         keys = set(keys)
-        out = {m.pid: m.start_time for m in self.members.values() if m.owner in keys}
+        out = {m.pid: m.id for m in self.members.values() if m.owner in keys}
         for key in keys:
             root = self.roots.get(key)
-            if roots and root is not None and root.start_time is not None:
-                out[root.pid] = root.start_time
+            if roots and root is not None and root.id is not None:
+                out[root.pid] = root.id
             directory = self.cgroup_dir(key)
             if directory is not None:
                 for pid in read_cgroup_procs(self.fs, directory):
                     if pid != self.me and pid not in out:
                         stat = read_proc_stat(self.fs, pid)
                         if stat is not None:
-                            out[pid] = stat.start_time
+                            out[pid] = ProcessId.of(stat)
         return out
 
     def tree_keys(self, key: ProcKey) -> set[ProcKey]:
@@ -564,10 +564,10 @@ class TreeKeeper:
         """Send `sig` to every live process of the tree (pid + start time checked)."""
         sent = 0
         direct = set(self.direct_children())
-        for pid, start in self.live_pids(self.tree_keys(key), roots=roots).items():
+        for pid, ident in self.live_pids(self.tree_keys(key), roots=roots).items():
             if pid in direct or pid == self.me:
                 continue  # a runner's own child is signalled through its pidfd
-            if ProcessId(pid, start).send_signal(self.fs, sig):
+            if ident.send_signal(self.fs, sig):
                 sent += 1
         return sent
 
@@ -581,7 +581,7 @@ class TreeKeeper:
             return 0
         self.signal_tree(key, signal.SIGTERM, roots=roots)
         deadline = time.monotonic() + timeout_s
-        left: dict[int, int] = {}
+        left: dict[int, ProcessId] = {}
         while time.monotonic() < deadline:
             self.reap()
             left = await loop.run_in_executor(self.executor, self._alive, keys, roots)
@@ -609,12 +609,12 @@ class TreeKeeper:
             await asyncio.sleep(END_POLL_S)
         return killed
 
-    def _alive(self, keys: set[ProcKey], roots: bool) -> dict[int, int]:
+    def _alive(self, keys: set[ProcKey], roots: bool) -> dict[int, ProcessId]:
         direct = set(self.direct_children())
         out = {}
-        for pid, start in self.live_pids(keys, roots=roots).items():
+        for pid, ident in self.live_pids(keys, roots=roots).items():
             if pid in direct:
                 continue
-            if ProcessId(pid, start).is_running(self.fs):
-                out[pid] = start
+            if ident.is_running(self.fs):
+                out[pid] = ident
         return out

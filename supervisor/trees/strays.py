@@ -65,19 +65,19 @@ def reap_members(
     fs: HostFS,
     me: int,
     direct: Collection[int],
-    candidates: Mapping[int, int],
+    candidates: Mapping[int, ProcessId],
     *,
     strays: bool,
 ) -> tuple[list[int], list[int]]:
-    """waitpid each of `candidates` (pid -> start time: members, and members gone)
+    """waitpid each of `candidates` (pid -> who: members, and members gone)
     that is `me`'s zombie child and not in `direct`; with `strays`, every other
     zombie child too (`reap_strays`). Returns (reaped, gone: candidates that are
     no longer that process, to forget)."""
     reaped: list[int] = []
     gone: list[int] = []
-    for pid, start in candidates.items():
+    for pid, ident in candidates.items():
         stat = read_proc_stat(fs, pid)
-        if not ProcessId(pid, start).matches(stat):
+        if not ident.matches(stat):
             gone.append(pid)
             continue
         assert stat is not None

@@ -38,18 +38,28 @@ class Root:
 
     key: ProcKey
     pid: int
-    start_time: int | None
+    # Who it is; None until its start time is read (a spawned child is a root
+    # from its fork, before its stat is read): any process at `pid` is it then.
+    id: ProcessId | None
     cgroup_dir: str | None = None  # relative to the HostFS root; its cgroup.procs are members
+
+    def is_in(self, table: Mapping[int, ProcStat]) -> bool:
+        """True when `table` (the process table read now) holds this root."""
+        stat = table.get(self.pid)
+        return stat is not None and (self.id is None or self.id.matches(stat))
 
 
 @dataclass(frozen=True, slots=True)
 class Member:
     """One process of a tree other than its root."""
 
-    pid: int
-    start_time: int
+    id: ProcessId
     ppid: int
     owner: ProcKey
+
+    @property
+    def pid(self) -> int:
+        return self.id.pid
 
 
 def read_cgroup_procs(fs: HostFS, cgroup_dir: str) -> list[int]:
@@ -81,11 +91,7 @@ def assign_owners(
     is ever a member.
     """
     roots = list(roots)
-    root_pids = {
-        r.pid: r
-        for r in roots
-        if r.pid in table and r.start_time in (None, table[r.pid].start_time)
-    }
+    root_pids = {r.pid: r for r in roots if r.is_in(table)}
     excluded = set(exclude)
     children = children_map(table)
     out: dict[int, Member] = {}
@@ -103,7 +109,7 @@ def assign_owners(
                 continue  # another root's tree
             visited.add(pid)
             if root is None:
-                out[pid] = Member(pid, stat.start_time, stat.ppid, owner)
+                out[pid] = Member(ProcessId.of(stat), stat.ppid, owner)
             queue.extend((child, owner) for child in children.get(pid, ()))
 
     # In this order, so that a process is its nearest root's: the /proc trees
@@ -111,11 +117,7 @@ def assign_owners(
     # known from before whose parent has gone (reparented to the daemon).
     walk((r.pid, r.key) for r in roots if r.pid in root_pids)
     walk((pid, key) for key, pids in cgroup_members.items() for pid in pids)
-    walk(
-        (pid, m.owner)
-        for pid, m in known.items()
-        if ProcessId(pid, m.start_time).matches(table.get(pid))
-    )
+    walk((pid, m.owner) for pid, m in known.items() if m.id.matches(table.get(pid)))
     return out
 
 
@@ -143,7 +145,7 @@ def read_member_info(fs: HostFS, member: Member) -> TreeMember | None:
         cpus = tuple(sorted(os.sched_getaffinity(member.pid)))
     except OSError:
         return None
-    return TreeMember(member.pid, member.ppid, cmdline[:CMDLINE_MAX_CHARS], cpus, member.start_time)
+    return TreeMember(member.id, member.ppid, cmdline[:CMDLINE_MAX_CHARS], cpus)
 
 
 # -- processes that cannot be read ------------------------------------------------------

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from supervisor.plan.keys import ProcKey
 from supervisor.plan.placement import Slot
+from supervisor.procfs.identity import ProcessId, ThreadId
 from supervisor.state import BindTarget, Observation
 from supervisor.watch.decide import Decision, MemoryMove, ThreadBind
 from supervisor.watch.settle import Outcomes
@@ -26,9 +27,12 @@ from supervisor.watch.settle import Outcomes
 class Adoptee:
     """One process to adopt (the worker, or one of its descendants) as read."""
 
-    pid: int
-    start_time: int | None
-    threads: tuple[tuple[int, int | None], ...]  # (tid, start time)
+    id: ProcessId
+    threads: tuple[ThreadId, ...]
+
+    @property
+    def pid(self) -> int:
+        return self.id.pid
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,9 +64,9 @@ def decide_adoption(
     cpus = tuple(sorted(slot.cpus))
     # "thread_role": a thread put in its place for the first time, not drift.
     binds = tuple(
-        ThreadBind(tid, "", "", cpus, "thread_role", start, a.pid)
+        ThreadBind(t.tid, "", "", cpus, "thread_role", t, a.pid)
         for a in adoptees
-        for tid, start in a.threads
+        for t in a.threads
     )
     mems = tuple(sorted(slot.mems))
     remote = tuple(sorted(set(node_ids) - set(mems)))
@@ -71,7 +75,7 @@ def decide_adoption(
         if remote and mems
         else ()
     )
-    joins = tuple((a.pid, a.start_time) for a in adoptees) if join else ()
+    joins = tuple(a.id for a in adoptees) if join else ()
     return Decision(key, worker.pid, Observation(), (), (), binds, moves, joins=joins)
 
 
@@ -82,10 +86,10 @@ def decide_detach(
     process's CPUs in `cpus_of` (by pid; a process not in it is left alone): no
     page moves, no cgroup joins."""
     binds = tuple(
-        ThreadBind(tid, "", "", tuple(sorted(cpus_of[a.pid])), "thread_role", start, a.pid)
+        ThreadBind(t.tid, "", "", tuple(sorted(cpus_of[a.pid])), "thread_role", t, a.pid)
         for a in adoptees
         if a.pid in cpus_of
-        for tid, start in a.threads
+        for t in a.threads
     )
     return Decision(key, adoptees[0].pid, Observation(), (), (), binds, ())
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import errno
 import logging
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
 from supervisor.bind.binder import Binder
@@ -31,7 +30,7 @@ from supervisor.logs import format_fields
 from supervisor.plan.keys import ProcKey, key_label
 from supervisor.plan.placement import Placement, Slot
 from supervisor.plan.replan import AllowedSet
-from supervisor.procfs.identity import is_leader_since, is_thread_of
+from supervisor.procfs.identity import ProcessId, is_leader_since, is_thread_of
 from supervisor.watch.decide import Decision, MemoryMove, ThreadBind
 from supervisor.watch.scan import IrqKeeperLike
 from supervisor.watch.settle import Outcome, Outcomes
@@ -48,14 +47,6 @@ class CgroupsLike(Protocol):
     def create(self, key: ProcKey, slot: Slot) -> tuple[str, ...]: ...
 
     def repair(self, key: ProcKey, slot: Slot, pids: Sequence[int]) -> None: ...
-
-
-@dataclass(frozen=True, slots=True)
-class Target:
-    """Which process a decision is for: its pid and start time (None: unknown)."""
-
-    pid: int
-    start_time: int | None
 
 
 class Applier:
@@ -78,14 +69,16 @@ class Applier:
     def apply(
         self,
         decisions: Sequence[Decision],
-        starts: Mapping[ProcKey, int | None],
+        ids: Mapping[ProcKey, ProcessId | None],
         placement: Placement | None = None,
     ) -> list[Outcomes]:
-        """Every bind of a pass. `starts`: each process's start time (pid reuse);
+        """Every bind of a pass. `ids`: who each process is (pid reuse; None or
+        absent: unknown, whatever runs at the decision's pid is it);
         `placement`: the plan in force, whose IRQs a decision's re-write puts back."""
         out: list[Outcomes] = []
         for d in decisions:
-            start = starts.get(d.key)
+            ident = ids.get(d.key)
+            start = None if ident is None else ident.start_time
             if (d.binds or d.moves or d.joins or d.cgroup) and not is_leader_since(
                 self.fs, d.pid, start
             ):
@@ -97,11 +90,11 @@ class Applier:
             # The cgroups first: their cpuset then bounds whatever the process does
             # next (and a thread bind outside a wrong cpuset would fail).
             cgroup = self.repair_cgroup(d) if d.cgroup is not None else None
-            joins = tuple(self.join(d.key, pid, since) for pid, since in d.joins)
+            joins = tuple(self.join(d.key, ident) for ident in d.joins)
             threads = {
                 b.tid: self.bind_thread(d.pid if b.pid is None else b.pid, b) for b in d.binds
             }
-            moves = tuple(self.migrate(d.pid, starts.get(d.key), m) for m in d.moves)
+            moves = tuple(self.migrate(d.pid, start, m) for m in d.moves)
             irq = (
                 self.enforce_irqs(d.key, placement)
                 if d.irq_reason is not None and placement is not None
@@ -110,17 +103,16 @@ class Applier:
             out.append(Outcomes(threads, moves, irq, joins, cgroup=cgroup))
         return out
 
-    def join(self, key: ProcKey, pid: int, start_time: int | None) -> Outcome:
-        """Move process `pid` into the cgroups of `key`, only while it is the process
-        that started at `start_time`."""
+    def join(self, key: ProcKey, ident: ProcessId) -> Outcome:
+        """Move process `ident` into the cgroups of `key`, only while its pid is it."""
         cgroups = self.cgroups
         pc = cgroups.made.get(key) if cgroups is not None else None
         if cgroups is None or pc is None:
             return Outcome()
-        if not is_leader_since(self.fs, pid, start_time):
+        if not ident.leads(self.fs):
             return Outcome(gone=True)
         try:
-            cgroups.manager.join(pc, pid)
+            cgroups.manager.join(pc, ident.pid)
         except Gone:
             return Outcome(gone=True)
         except KernelError as err:
@@ -151,7 +143,7 @@ class Applier:
     def bind_thread(self, pid: int, b: ThreadBind) -> Outcome:
         """sched_setaffinity(2) on `b.tid`, only while it is the thread of `pid` the
         scan saw; a tid that is no longer that thread counts as gone."""
-        if not is_thread_of(self.fs, pid, b.tid, b.start_time):
+        if not self._is_thread(pid, b):
             return Outcome(gone=True)
         try:
             kept = self.binder.set_thread_affinity(b.tid, b.cpus)
@@ -159,7 +151,7 @@ class Applier:
             return Outcome(gone=True)
         except KernelError as err:
             return Outcome(error=err)
-        if not is_thread_of(self.fs, pid, b.tid, b.start_time):
+        if not self._is_thread(pid, b):
             # Reused between the check and the write (a window of microseconds):
             # say so; the tid is never written again, the scan drops it.
             log.warning(
@@ -180,6 +172,13 @@ class Applier:
             )
             return Outcome(error=partial, kept=tuple(sorted(kept)))
         return Outcome(kept=tuple(sorted(kept)))
+
+    def _is_thread(self, pid: int, b: ThreadBind) -> bool:
+        """`b.tid` is still the thread of `pid` the scan saw (by its Tgid alone
+        where the scan had no start time for it)."""
+        if b.id is None:
+            return is_thread_of(self.fs, pid, b.tid, None)
+        return b.id.is_thread_of(self.fs, pid)
 
     def migrate(self, pid: int, start_time: int | None, m: MemoryMove) -> Outcome:
         if not is_leader_since(self.fs, pid, start_time):

@@ -27,6 +27,7 @@ from typing import Any, Literal
 from supervisor.cpulist import format_cpulist
 from supervisor.plan.keys import ProcKey, key_label
 from supervisor.plan.placement import Slot
+from supervisor.procfs.identity import ProcessId, ThreadId
 from supervisor.state import (
     DRIFT_KINDS,
     Finding,
@@ -139,7 +140,7 @@ class ThreadBind:
     role: str
     cpus: tuple[int, ...]
     reason: RebindReason
-    start_time: int | None = None  # the thread the scan saw (a reused tid is not it)
+    id: ThreadId | None = None  # the thread the scan saw (a reused tid is not it)
     pid: int | None = None  # the tree member it runs in; None: the decision's process
 
 
@@ -191,7 +192,7 @@ class Decision:
     cgroup: CgroupRepair | None = None  # before the thread binds: they need its cpuset
     state: RepairState = field(default_factory=RepairState)
     # (pid, start time) to move into the process's cgroups, before any bind (adoption)
-    joins: tuple[tuple[int, int | None], ...] = ()
+    joins: tuple[ProcessId, ...] = ()
 
 
 def has_work(d: Decision) -> bool:
@@ -264,9 +265,7 @@ def decide(
                 )
                 cpus = tuple(sorted(set(slot.role_cpus(thread.role))))
                 binds.append(
-                    ThreadBind(
-                        tid, thread.name, thread.role, cpus, reason, thread.start_time, thread.pid
-                    )
+                    ThreadBind(tid, thread.name, thread.role, cpus, reason, thread.id, thread.pid)
                 )
             continue
         if policy.cause == "cpuset_changed":

@@ -313,14 +313,14 @@ class CheckLoop:
         return result
 
     async def _apply(self, decisions: Sequence[Decision]) -> list[Outcomes]:
-        starts = {d.key: self.tracked[d.key].start_time for d in decisions}
+        ids = {d.key: self.tracked[d.key].id for d in decisions}
         try:
             if not any(has_work(d) for d in decisions):
                 # The steady state: no write, so no round trip through the executor
                 # (a worker wake-up and a loop wake-up, ~1/6 of an idle pass's CPU).
                 return [Outcomes() for _ in decisions]
             return await asyncio.get_running_loop().run_in_executor(
-                self.executor, self.applier.apply, decisions, starts, self.plan.placement
+                self.executor, self.applier.apply, decisions, ids, self.plan.placement
             )
         finally:
             self._irq_facts()

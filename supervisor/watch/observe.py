@@ -24,7 +24,7 @@ from supervisor.plan.keys import ProcessKind, ThreadRole
 from supervisor.plan.placement import Slot
 from supervisor.plan.threads import LiveThread, RoleMatcher
 from supervisor.procfs.files import list_tids, parse_status_thread
-from supervisor.procfs.identity import read_thread_start
+from supervisor.procfs.identity import ThreadId, read_thread_start
 from supervisor.procfs.numa_maps import read_numa_maps
 from supervisor.state import IrqObservation, Observation, ThreadObservation
 from supervisor.topology.cgroup import (
@@ -97,11 +97,11 @@ def read_threads(fs: HostFS, pid: int, method: ThreadReadMethod = "auto") -> lis
 class _Known:
     """What a ThreadScanner remembers of one thread between scans."""
 
-    __slots__ = ("cpus", "live", "matcher", "observed", "scans", "start_time")
+    __slots__ = ("cpus", "id", "live", "matcher", "observed", "scans")
 
     def __init__(self) -> None:
         self.scans = 0
-        self.start_time: int | None = None  # stat field 22, read when first seen
+        self.id: ThreadId | None = None  # its start time (stat field 22), read when first seen
         self.cpus: set[int] | None = None  # as sched_getaffinity returned it
         self.live: LiveThread | None = None
         self.observed: ThreadObservation | None = None  # built from `live` by `matcher`
@@ -216,7 +216,7 @@ class ThreadScanner:
             if live is None:
                 continue
             observed = ThreadObservation(
-                live.tid, live.name, matcher.role(live.name), live.cpus, live.start_time, pid
+                live.tid, live.name, matcher.role(live.name), live.cpus, live.id, pid
             )
             entry.observed = observed
             entry.matcher = matcher
@@ -320,10 +320,12 @@ class ThreadScanner:
                 # process (or to a new thread of ours). Its start time, read
                 # under /proc/<pid>/task (ours only), tells (issue 11).
                 start = read_thread_start(self.fs, self.pid, tid)
-                if start is None or (live is not None and start != entry.start_time):
+                known_start = None if entry.id is None else entry.id.start_time
+                if start is None or (live is not None and start != known_start):
                     vanished.append(tid)
                     continue
-                entry.start_time = start
+                if start != known_start:
+                    entry.id = ThreadId(tid, start)
             if live is None or rename or entry.scans < young:
                 name = _read_comm(self.fs, self.pid, tid)
                 if name is None:
@@ -333,7 +335,7 @@ class ThreadScanner:
                 name = live.name
             entry.scans += 1
             if live is None or cpus != entry.cpus or name != live.name:
-                entry.live = LiveThread(tid, name, tuple(sorted(cpus)), entry.start_time)
+                entry.live = LiveThread(tid, name, tuple(sorted(cpus)), entry.id)
                 entry.cpus = cpus
                 entry.observed = None
             out.append(entry)

@@ -28,7 +28,7 @@ from supervisor.plan.keys import ProcessKind, ProcKey
 from supervisor.plan.placement import Placement, Slot
 from supervisor.plan.replan import AllowedSet, normalize_allowed
 from supervisor.plan.threads import RoleMatcher, role_kinds
-from supervisor.procfs.identity import is_leader_since
+from supervisor.procfs.identity import ProcessId
 from supervisor.state import (
     IrqObservation,
     Observation,
@@ -78,11 +78,14 @@ NUMA_STAT_EVERY = 5
 
 @dataclass(frozen=True, slots=True)
 class MemberScan:
-    """One member of a tree (pid + start time) and the scanner kept for it."""
+    """One member of a tree and the scanner kept for it."""
 
-    pid: int
-    start_time: int | None
+    id: ProcessId
     scanner: ThreadScanner
+
+    @property
+    def pid(self) -> int:
+        return self.id.pid
 
 
 @dataclass(slots=True)
@@ -90,7 +93,7 @@ class Tracked:
     """What the loop keeps of one process between passes (loop-owned; one per pid)."""
 
     pid: int
-    start_time: int | None
+    id: ProcessId | None  # who runs at `pid` (ProcessStatus.id); None: unknown, any is it
     scanner: ThreadScanner
     matcher: RoleMatcher
     kind: ProcessKind
@@ -132,8 +135,8 @@ def sync_members(
     live: dict[int, MemberScan] = {}
     for m in tree:
         known = members.get(m.pid)
-        if known is None or known.start_time != m.start_time:
-            known = MemberScan(m.pid, m.start_time, ThreadScanner(fs, m.pid, member=True))
+        if known is None or known.id != m.id:
+            known = MemberScan(m.id, ThreadScanner(fs, m.pid, member=True))
         live[m.pid] = known
     if live.keys() != members.keys() or any(members[p] is not v for p, v in live.items()):
         members.clear()
@@ -169,9 +172,9 @@ def track(
         live.add(key)
         t = tracked.get(key)
         matcher = matchers[role_kinds(key, status.adopted)]
-        if t is None or t.pid != status.pid or t.start_time != status.start_time:
+        if t is None or t.pid != status.pid or t.id != status.id:
             kind: ProcessKind = "engine" if key == "engine" else "workers"
-            t = Tracked(status.pid, status.start_time, ThreadScanner(fs, status.pid), matcher, kind)
+            t = Tracked(status.pid, status.id, ThreadScanner(fs, status.pid), matcher, kind)
             tracked[key] = t
         t.matcher = matcher
         members = sync_members(fs, t.members, (trees or {}).get(key, ()))
@@ -328,7 +331,7 @@ def scan_members(
     failed: list[tuple[int, str]] = []
     for m in members:
         try:
-            if not is_leader_since(fs, m.pid, m.start_time):
+            if not m.id.leads(fs):
                 continue
             threads.append(m.scanner.observe(matcher))
         except Gone:

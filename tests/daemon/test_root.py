@@ -259,7 +259,7 @@ def test_child_reports_the_planned_affinity_and_policy_first(child: tuple[Path, 
         assert report is not None
         assert report["cpus"] == sorted(slot.cpus)
         assert report["policy"] == f"bind:{format_cpulist(slot.mems)}"
-        assert st.mempolicy == "bind" and st.bound and st.start_time is not None
+        assert st.mempolicy == "bind" and st.bound and st.id is not None
         assert json.loads(report["env"][SLOT_ENV])["cpus"] == list(slot.cpus)
         assert "NOTIFY_SOCKET" not in report["env"]
         spawn = events(daemon, "spawn", key)[0]

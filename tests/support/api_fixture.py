@@ -33,6 +33,7 @@ from supervisor.listen import Listen, parse_listen
 from supervisor.plan.keys import ProcKey
 from supervisor.plan.placement import DeviceRef, Placement, PlanSettings, RankPlacement, Slot
 from supervisor.plan.planner import plan
+from supervisor.procfs.identity import ProcessId
 from supervisor.serve.server import ApiServer
 from supervisor.state import (
     CAPABILITY_NAMES,
@@ -174,7 +175,7 @@ def _populate(
             key,
             state="running",
             pid=pid,
-            start_time=123456 + i,
+            id=ProcessId(pid, 123456 + i),
             restarts=restarts,
             mempolicy="bind",
             mempolicy_reason=None,

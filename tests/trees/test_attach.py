@@ -30,6 +30,7 @@ from supervisor.cpulist import format_cpulist, parse_cpulist
 from supervisor.daemon.reload import restart_reasons
 from supervisor.errors import ConfigError
 from supervisor.listen import parse_listen
+from supervisor.procfs.identity import ProcessId, ThreadId
 from supervisor.procfs.stat import ProcStat
 from supervisor.serve.status import http_request
 from supervisor.trees.find_engine import cgroup_paths, dying, names, pick_root
@@ -139,12 +140,15 @@ def test_names_and_pick_root() -> None:
 
 
 def test_decide_detach_puts_each_thread_back_and_nothing_else() -> None:
-    adoptees = [Adoptee(10, 100, ((10, 100), (11, 101))), Adoptee(20, 200, ((20, 200),))]
+    adoptees = [
+        Adoptee(ProcessId(10, 100), (ThreadId(10, 100), ThreadId(11, 101))),
+        Adoptee(ProcessId(20, 200), (ThreadId(20, 200),)),
+    ]
     d = decide_detach("engine", adoptees, {10: frozenset({3, 1}), 20: [0]})
-    assert [(b.tid, b.cpus, b.start_time, b.pid) for b in d.binds] == [
-        (10, (1, 3), 100, 10),
-        (11, (1, 3), 101, 10),
-        (20, (0,), 200, 20),
+    assert [(b.tid, b.cpus, b.id, b.pid) for b in d.binds] == [
+        (10, (1, 3), ThreadId(10, 100), 10),
+        (11, (1, 3), ThreadId(11, 101), 10),
+        (20, (0,), ThreadId(20, 200), 20),
     ]
     assert d.pid == 10 and d.moves == () and d.joins == ()
     assert decide_detach(1, adoptees, {20: [0]}).binds[0].tid == 20  # 10 left alone

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from supervisor.procfs.identity import ProcessId
 from supervisor.trees.guardian import GUARDIAN_TAG, Guardian
 from tests.support.cgroup_v1 import own_memory_cgroup, remove_v1_tree, v1_available, v1_cpuset
 from tests.support.daemon_support import (
@@ -131,7 +132,7 @@ def test_the_new_guardian_is_told_what_the_old_one_knew(tmp_path: Path) -> None:
     )
     try:
         stat = Path(f"/proc/{member.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        guardian.process(member.pid, int(stat[19]))  # field 22, starttime (proc(5))
+        guardian.process(ProcessId(member.pid, int(stat[19])))  # field 22, starttime (proc(5))
         assert guardian.replace_if_dead() is None  # alive: nothing to do
         old = guardian.pid
         os.kill(old, signal.SIGKILL)

@@ -24,6 +24,7 @@ import pytest
 from supervisor.hostfs import HostFS
 from supervisor.plan.keys import ProcKey
 from supervisor.plan.placement import Placement
+from supervisor.procfs.identity import ProcessId
 from supervisor.state import Snapshot, StateStore
 from supervisor.topology.discover import read_topology
 from supervisor.trees.keeper import FULL_PASS_EVERY, TreeKeeper
@@ -85,7 +86,7 @@ def test_a_pass_reads_only_the_cgroups_while_every_root_is_in_one(tmp_path: Path
 
     async def body() -> None:
         trees = keeper(tmp_path)
-        trees.set_root("engine", 10, 100)
+        trees.set_root("engine", 10, ProcessId(10, 100))
         first = await trees.refresh()  # the first pass walks all of /proc
         assert set(first.members) == {11}
         assert trees.full_passes == 1
@@ -166,7 +167,7 @@ def test_a_worker_being_adopted_stays_out_of_every_published_tree_until_its_root
             def published() -> dict[ProcKey, set[int]]:
                 return {k: {m.pid for m in ms} for k, ms in store.snapshot.trees.items()}
 
-            trees.set_root("engine", engine.pid, _start_time(engine.pid))
+            trees.set_root("engine", engine.pid, ProcessId(engine.pid, _start_time(engine.pid)))
             await trees.refresh()
             assert published() == {"engine": {worker, other, child}}
             trees.leaving([worker, child])
@@ -174,7 +175,7 @@ def test_a_worker_being_adopted_stays_out_of_every_published_tree_until_its_root
             for _ in range(3):
                 await trees.refresh()
                 assert published() == {"engine": {other}}
-            trees.set_root(0, worker, _start_time(worker), adopted=True)
+            trees.set_root(0, worker, ProcessId(worker, _start_time(worker)), adopted=True)
             await trees.refresh()
             assert published() == {"engine": {other}, 0: {child}}
             assert trees.leaving_pids == set()
@@ -205,7 +206,7 @@ def test_a_pass_takes_the_check_loop_s_reading_and_is_skipped_while_nothing_chan
 
     async def body() -> None:
         trees = keeper(tmp_path, recent)
-        trees.set_root("engine", 10, 100)
+        trees.set_root("engine", 10, ProcessId(10, 100))
         assert (await trees.refresh()).members == {}  # full (the first)
         scanned = await trees.refresh()  # scoped: read on the tree thread
         write_proc(tmp_path, 11, 10)
@@ -244,7 +245,7 @@ def test_a_quiet_pass_takes_a_reading_as_old_as_quiet_age_s_and_a_scan_a_fresh_o
     async def body() -> None:
         trees = keeper(tmp_path, recent)
         trees.quiet_intervals = 6  # of 1 s
-        trees.set_root("engine", 10, 100)
+        trees.set_root("engine", 10, ProcessId(10, 100))
         await trees.refresh()  # full (the first)
         scoped = await trees.refresh()  # scoped: the keeper reads the file itself
         assert set(asked) == {1.0}
@@ -267,7 +268,7 @@ def test_every_pass_is_full_while_a_root_is_outside_its_cgroup(tmp_path: Path) -
 
     async def body() -> None:
         trees = keeper(tmp_path)
-        trees.set_root("engine", 10, 100)
+        trees.set_root("engine", 10, ProcessId(10, 100))
         for _ in range(3):
             result = await trees.refresh()
             assert set(result.members) == {11}

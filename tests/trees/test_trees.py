@@ -24,6 +24,7 @@ import pytest
 from supervisor.bind.cgroup import CgroupManager, detect_cgroup_setup
 from supervisor.hostfs import HostFS
 from supervisor.procfs.files import read_cmdline
+from supervisor.procfs.identity import ProcessId
 from supervisor.procfs.stat import ProcStat, read_proc_stat
 from supervisor.trees.guardian import live_guardian, sweep_leftovers
 from supervisor.trees.proc_events import (
@@ -91,20 +92,23 @@ def test_assign_owners_follows_ppid_and_stops_at_other_roots() -> None:
             stat(40, 10),  # an orphan reparented to the daemon, known from before
         )
     }
-    roots = [Root("engine", 20, 100), Root(0, 21, 100)]  # rank 0 adopted pid 21
-    known = {40: Member(40, 100, 20, "engine")}
+    roots = [
+        Root("engine", 20, ProcessId(20, 100)),
+        Root(0, 21, ProcessId(21, 100)),
+    ]  # rank 0 adopted pid 21
+    known = {40: Member(ProcessId(40, 100), 20, "engine")}
     owners = assign_owners(table, roots, known, {}, exclude={10, 30})
     assert {pid: m.owner for pid, m in owners.items()} == {22: 0, 23: "engine", 40: "engine"}
 
 
 def test_assign_owners_uses_cgroup_members_and_drops_reused_pids() -> None:
     table = {s.pid: s for s in (stat(20, 1), stat(50, 1), stat(51, 50), stat(60, 1, start=999))}
-    roots = [Root("engine", 20, 100)]
-    known = {60: Member(60, 100, 20, "engine")}  # pid 60 was reused (other start time)
+    roots = [Root("engine", 20, ProcessId(20, 100))]
+    known = {60: Member(ProcessId(60, 100), 20, "engine")}  # pid 60 was reused (other start time)
     owners = assign_owners(table, roots, known, {"engine": [50]})
     assert sorted(owners) == [50, 51]
     # A root whose pid was reused is no root.
-    assert assign_owners(table, [Root("engine", 20, 7)], {}, {}) == {}
+    assert assign_owners(table, [Root("engine", 20, ProcessId(20, 7))], {}, {}) == {}
 
 
 # -- the proc connector -------------------------------------------------------------------

@@ -222,10 +222,11 @@ def test_a_thread_pushed_off_its_cpus_is_put_back_and_counted(tmp_path: Path) ->
         pid = h.pid(0)
         report = await child_report(out, "0", pid, threads=2)
         comm_tid = report["threads"]["comm"]
-        # The first checks put every thread on its role: main on 0, comm on 1.
+        # The first checks put every thread on its role: main on 0 (where it
+        # started), comm on 1 (a role bind, not drift).
         await until(lambda: affinity(pid) == (0,) and affinity(comm_tid) == (1,))
         await h.checks(2)
-        assert h.counter("rebinds", ("0", "thread_role")) >= 2
+        assert h.counter("rebinds", ("0", "thread_role")) >= 1
         assert h.counter("drift_events", ("0", "thread_affinity")) == 0
         # Push the comm thread onto main's CPU from outside.
         os.sched_setaffinity(comm_tid, {0})

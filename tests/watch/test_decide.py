@@ -20,6 +20,7 @@ from supervisor.errors import translate_oserror
 from supervisor.plan.keys import ThreadRole
 from supervisor.plan.placement import Slot
 from supervisor.plan.threads import RoleMatcher
+from supervisor.procfs.identity import ThreadId
 from supervisor.state import IrqObservation, Observation, ThreadObservation
 from supervisor.watch.decide import (
     MIGRATE_NO_GAIN_BACKOFF_S,
@@ -60,7 +61,7 @@ def policy(actions: dict[str, str] | None = None, cause: str = "check", **more: 
 def thread(
     tid: int, role: str, cpus: tuple[int, ...], name: str | None = None
 ) -> ThreadObservation:
-    return ThreadObservation(tid, name or role, role, cpus, start_time=tid * 10)
+    return ThreadObservation(tid, name or role, role, cpus, id=ThreadId(tid, tid * 10))
 
 
 def observation(
@@ -189,7 +190,7 @@ def test_thread_rows(row: tuple[Any, ...]) -> None:
     assert [b.pid for b in d.binds] == [t.pid for t in threads if t.tid in {b.tid for b in d.binds}]
     assert len([f for f in d.new_drift if f.kind == "thread_affinity"]) == counted, name
     for b in d.binds:  # the bind names the thread the scan saw, by start time
-        assert b.start_time == b.tid * 10
+        assert b.id == ThreadId(b.tid, b.tid * 10)
 
 
 def test_a_tree_member_s_thread_is_bound_in_its_own_process() -> None:

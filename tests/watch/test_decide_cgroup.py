@@ -18,6 +18,7 @@ import pytest
 from supervisor.config import DriftConfig
 from supervisor.errors import translate_oserror
 from supervisor.plan.placement import Slot
+from supervisor.procfs.identity import ThreadId
 from supervisor.state import CgroupObservation, Observation, ThreadObservation
 from supervisor.watch.decide import CgroupRepair, RepairState, Seen, decide
 from supervisor.watch.policy import Policy
@@ -26,8 +27,8 @@ from supervisor.watch.settle import Outcome, Outcomes, settle
 SLOT = Slot((2, 3), (1,), {"main": (2, 3)})
 NOW = 1000.0
 PID = 4242
-MAIN = ThreadObservation(PID, "main", "main", (2, 3), start_time=1)
-MEMBER = ThreadObservation(4300, "child", "main", (2, 3), start_time=2, pid=4300)
+MAIN = ThreadObservation(PID, "main", "main", (2, 3), id=ThreadId(PID, 1))
+MEMBER = ThreadObservation(4300, "child", "main", (2, 3), id=ThreadId(4300, 2), pid=4300)
 AS_MADE = CgroupObservation((), (2, 3), (1,), False)
 
 

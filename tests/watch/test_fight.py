@@ -23,6 +23,7 @@ import pytest
 
 from supervisor.config import DriftConfig
 from supervisor.plan.placement import Slot
+from supervisor.procfs.identity import ThreadId
 from supervisor.state import CgroupObservation, Observation, ThreadObservation
 from supervisor.watch.decide import RepairState, Seen, decide
 from supervisor.watch.fight import CONFLICT_AFTER, Fight
@@ -142,8 +143,8 @@ def test_a_foreign_writer_every_10ms_is_backed_off_and_shown(tmp_path: Path) -> 
 
 SLOT = Slot((2, 3), (1,), {"main": (2, 3)})
 PID = 4242
-OFF = ThreadObservation(PID + 1, "helper", "main", (0,), start_time=1)
-MAIN = ThreadObservation(PID, "main", "main", (2, 3), start_time=1)
+OFF = ThreadObservation(PID + 1, "helper", "main", (0,), id=ThreadId(PID + 1, 1))
+MAIN = ThreadObservation(PID, "main", "main", (2, 3), id=ThreadId(PID, 1))
 
 
 def enforce(cause: str = "check") -> Policy:

@@ -26,6 +26,7 @@ from supervisor.config import Config, DriftConfig, ProcessConfig
 from supervisor.hostfs import HostFS
 from supervisor.in_force import PlanInForce
 from supervisor.plan.placement import Placement, Slot
+from supervisor.procfs.identity import ProcessId, ThreadId
 from supervisor.state import ProcessStatus, Snapshot, StateStore
 from supervisor.topology.discover import read_topology
 from supervisor.watch.apply import Applier
@@ -88,7 +89,8 @@ def affinity(tid: int) -> set[int]:
 
 def check_loop(pid: int, start_time: int | None, slot: Slot) -> tuple[CheckLoop, StateStore]:
     topology = read_topology(FS)
-    status = ProcessStatus(0, "running", pid=pid, start_time=start_time)
+    ident = None if start_time is None else ProcessId(pid, start_time)
+    status = ProcessStatus(0, "running", pid=pid, id=ident)
     placement = Placement("test", None, ())
     store = StateStore(Snapshot(placement, topology, MappingProxyType({0: status})))
     loop = CheckLoop(
@@ -194,7 +196,7 @@ def test_the_applier_never_writes_a_tid_of_another_process() -> None:
         assert affinity(other.pid) == {1}
         # A thread of the child with the wrong start time (its tid reused).
         tid = int(child.ask("start"))
-        stale = ThreadBind(tid, "worker", "main", (1,), "thread_affinity", start_time=1)
+        stale = ThreadBind(tid, "worker", "main", (1,), "thread_affinity", id=ThreadId(tid, 1))
         assert applier.bind_thread(child.proc.pid, stale).gone
         assert affinity(tid) == {0}
         # The same thread, named right: bound.

@@ -9,6 +9,7 @@ from supervisor.hostfs import HostFS
 from supervisor.plan.keys import ProcKey
 from supervisor.plan.placement import Slot
 from supervisor.plan.threads import RoleMatcher, role_kinds
+from supervisor.procfs.identity import ProcessId
 from supervisor.state import ProcessStatus, ThreadObservation
 from supervisor.watch.scan import ScanTarget, Tracked, track, tree_threads
 
@@ -24,8 +25,8 @@ def _targets(
     tracked: dict[ProcKey, Tracked], now: float, *, cgroup: bool
 ) -> dict[ProcKey, ScanTarget]:
     statuses = [
-        ProcessStatus(0, "running", 4242, 7, cgroup="rank0" if cgroup else None),
-        ProcessStatus(1, "running", 4343, 8),
+        ProcessStatus(0, "running", 4242, ProcessId(4242, 7), cgroup="rank0" if cgroup else None),
+        ProcessStatus(1, "running", 4343, ProcessId(4343, 8)),
     ]
     return {
         t.key: t
