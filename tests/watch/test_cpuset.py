@@ -91,6 +91,9 @@ def test_v1_cpuset_shrink_and_grow_replan_and_rebind(tmp_path: Path) -> None:
         )
         assert not doc["shared"] and doc["supervisor"]["cpuset_changes"] == 2
         assert rank_pids(doc) == pids
+        # The threads show their CPUs as soon as the pass's binds land, before
+        # it publishes its events and counts: read both once two more passes ended.
+        daemon.after_checks(2)
         cpuset_events = daemon.events("cpuset")
         assert [e["fields"]["new_cpus"] for e in cpuset_events] == [[1], [0, 1]]
         rebinds = [e for e in daemon.events("rebind") if e["fields"]["reason"] == "cpuset_changed"]
