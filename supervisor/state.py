@@ -21,9 +21,7 @@ from supervisor.procfs.identity import ProcessId, ThreadId
 from supervisor.topology.accelerators import CPU
 from supervisor.topology.model import Topology
 
-ProcessState = Literal[
-    "starting", "running", "backoff", "failed", "stopped", "waiting", "stopping"
-]  # fmt: skip
+ProcessState = Literal["starting", "running", "backoff", "failed", "stopped", "waiting", "stopping"]
 """`stopping`: sent TERM (a restart, a reload that changed the process, the
 daemon's stop), not exited yet: not ready, whatever it still answers."""
 # "local": MPOL_LOCAL, an engine whose children are workers (docs/engines.md):
@@ -57,12 +55,35 @@ RebindReason = Literal[
 """Why something was re-bound: the drift kind corrected, a new thread put in its
 role, a new plan after a cpuset change, or POST /rebind."""
 EventKind = Literal[
-    "spawn", "spawn_failed", "exit", "state", "restart", "restart_requested", "not_started",
-    "ready", "ready_failed", "stopping", "error",
-    "bind_failed", "drift", "rebind", "migrate", "cpuset", "plan", "plan_failed",
-    "irq", "irq_moved", "irq_restored", "irqbalance", "adopt", "reload", "rank_conflict",
-    "rank_waiting", "attached", "detached",
-]  # fmt: skip
+    "spawn",
+    "spawn_failed",
+    "exit",
+    "state",
+    "restart",
+    "restart_requested",
+    "not_started",
+    "ready",
+    "ready_failed",
+    "stopping",
+    "error",
+    "bind_failed",
+    "drift",
+    "rebind",
+    "migrate",
+    "cpuset",
+    "plan",
+    "plan_failed",
+    "irq",
+    "irq_moved",
+    "irq_restored",
+    "irqbalance",
+    "adopt",
+    "reload",
+    "rank_conflict",
+    "rank_waiting",
+    "attached",
+    "detached",
+]
 DRIFT_KINDS: tuple[DriftKind, ...] = get_args(DriftKind)
 BIND_TARGETS: tuple[BindTarget, ...] = get_args(BindTarget)
 BIND_REASONS: tuple[BindReason, ...] = get_args(BindReason)

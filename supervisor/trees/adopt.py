@@ -494,9 +494,10 @@ class Adopter:
         waiting = {k for k, r in self.runners.items() if r.adopted is None}
         self.warned &= waiting  # adopted since: a later wait may warn again
         unnamed = [
-            v for i, v in ((i, self.verdicts.get(i.pid)) for i in sorted(live))
+            v
+            for i, v in ((i, self.verdicts.get(i.pid)) for i in sorted(live))
             if v is not None and i not in self.named
-        ]  # fmt: skip
+        ]
         rules = self.rules
         # A title the kind does not know (another prefix, a renamed class) is
         # worth naming; its own non-rank processes (EngineCore with workers) are not.

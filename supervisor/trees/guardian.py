@@ -205,9 +205,16 @@ class Guardian:
         (`live_guardian`) and leaves its cgroups alone."""
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         argv = [
-            python, "-I", "-S", "-c", GUARDIAN_STUB, package_root, GUARDIAN_TAG, instance,
+            python,
+            "-I",
+            "-S",
+            "-c",
+            GUARDIAN_STUB,
+            package_root,
+            GUARDIAN_TAG,
+            instance,
             str(os.getpid()),
-        ]  # fmt: skip
+        ]
         proc = _spawn(argv)
         return None if proc is None else cls(proc, argv)
 
@@ -275,10 +282,14 @@ class Guardian:
             log.warning(
                 "guardian replaced %s",
                 format_fields(
-                    old=old, pid=proc.pid, cgroups=len(self._cgroups), pids=len(self._sent_pids),
-                    irqs=self._irqs is not None, action="told what the old one knew",
+                    old=old,
+                    pid=proc.pid,
+                    cgroups=len(self._cgroups),
+                    pids=len(self._sent_pids),
+                    irqs=self._irqs is not None,
+                    action="told what the old one knew",
                 ),
-            )  # fmt: skip
+            )
             return old
 
     def close(self, timeout_s: float = 5.0) -> None:

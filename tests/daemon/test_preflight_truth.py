@@ -73,9 +73,14 @@ def plan_and_run(config: Path, env: dict[str, str]) -> tuple[list[str], list[str
     planned = run_supervisor("plan", "--config", str(config), env=env, timeout_s=120)
     assert planned.returncode == 2, planned.stderr
     ran = run_supervisor(
-        "run", "--config", str(config), "--listen", f"127.0.0.1:{free_port()}",
-        env=env, timeout_s=120,
-    )  # fmt: skip
+        "run",
+        "--config",
+        str(config),
+        "--listen",
+        f"127.0.0.1:{free_port()}",
+        env=env,
+        timeout_s=120,
+    )
     assert ran.returncode == 2, ran.stderr[-2000:]
     assert "spawn" not in ran.stderr  # refused before anything started
     return errors(planned), errors(ran)

@@ -321,8 +321,11 @@ def test_a_reload_verdict_stays_until_the_next_and_the_file_on_disk_shows_beside
         recv_until(notify, lambda m: m.startswith(b"READY=1"))
         before = pids_of(poll(daemon.running, timeout_s=60))
         assert _config_doc(daemon) == {
-            "path": str(config), "in_force": digest, "on_disk": digest, "last_reload": None,
-        }  # fmt: skip
+            "path": str(config),
+            "in_force": digest,
+            "on_disk": digest,
+            "last_reload": None,
+        }
         text = metrics(daemon)
         assert _metric_line(text, "placement_config_last_reload_successful").endswith(" 1.0")
         assert f'placement_config_on_disk_info{{sha256="{digest}"}} 1.0' in text

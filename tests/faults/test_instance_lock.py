@@ -35,9 +35,14 @@ def test_a_second_daemon_of_the_same_config_exits_2_naming_the_first(tmp_path: P
         started = poll(lambda: len(list(out.glob("*.json"))) == 3 and 3, timeout_s=10)
 
         second = run_supervisor(
-            "run", "--config", str(config), "--listen", f"127.0.0.1:{free_port()}",
-            env=env, timeout_s=30,
-        )  # fmt: skip
+            "run",
+            "--config",
+            str(config),
+            "--listen",
+            f"127.0.0.1:{free_port()}",
+            env=env,
+            timeout_s=30,
+        )
         assert second.returncode == 2, second.stderr
         lines = second.stderr.strip().splitlines()
         assert len(lines) == 1, second.stderr

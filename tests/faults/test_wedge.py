@@ -83,9 +83,13 @@ def test_unexecutable_strings_are_exit_2_naming_the_key(
     )
     result = subprocess.run(
         [sys.executable, "-m", "supervisor", "run", "--config", str(config)],
-        cwd=REPO, env=daemon_env(RUNTIME_DIRECTORY=str(tmp_path)), capture_output=True,
-        text=True, timeout=30, check=False,
-    )  # fmt: skip
+        cwd=REPO,
+        env=daemon_env(RUNTIME_DIRECTORY=str(tmp_path)),
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
     assert result.returncode == 2, result.stderr[-2000:]
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], result.stderr[-2000:]

@@ -86,8 +86,12 @@ def _status(d: DaemonProcess) -> tuple[int, str]:
 
     done = subprocess.run(
         [sys.executable, "-m", "supervisor", "status", "--listen", f"127.0.0.1:{d.port}"],
-        cwd=REPO, capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     return done.returncode, done.stdout + done.stderr
 
 

@@ -26,9 +26,14 @@ def test_the_guardian_names_the_supervisor_that_died(tmp_path: Path) -> None:
     err = tmp_path / "stderr"
     with err.open("w") as f:
         done = subprocess.run(
-            [sys.executable, "-c", PARENT], cwd=REPO, stdout=subprocess.PIPE, stderr=f,
-            text=True, timeout=60, check=True,
-        )  # fmt: skip
+            [sys.executable, "-c", PARENT],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=f,
+            text=True,
+            timeout=60,
+            check=True,
+        )
     parent, guardian = (int(w) for w in done.stdout.split())
     line = poll(
         lambda: next((ln for ln in err.read_text().splitlines() if "guardian:" in ln), None),

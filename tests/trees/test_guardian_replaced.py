@@ -101,9 +101,10 @@ def test_a_killed_guardian_is_replaced_and_the_new_one_ends_the_trees(tmp_path: 
             assert len(old) == 1
             os.kill(old[0], signal.SIGKILL)
             new = poll(
-                lambda: [g for g in guardians_of(d.pid) if g != old[0]], 10 * interval_s + 5,
+                lambda: [g for g in guardians_of(d.pid) if g != old[0]],
+                10 * interval_s + 5,
                 what=d.tail(),
-            )  # fmt: skip
+            )
             assert len(new) == 1
             log = d.tail(20000)
             assert f"guardian gone pid={old[0]}" in log, log

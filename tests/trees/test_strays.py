@@ -66,8 +66,12 @@ print("ok")
 def test_strays_are_reaped_and_a_runner_s_child_is_left_to_its_runner() -> None:
     done = subprocess.run(
         [sys.executable, "-c", SUBREAPER],
-        cwd=REPO, capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
 
 

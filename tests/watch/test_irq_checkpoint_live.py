@@ -275,8 +275,9 @@ def test_a_full_state_dir_moves_no_irq_and_reports_the_capability(
     /placement's irq capability says why."""
     state = tmp_path / "state"
     state.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k,mode=0700", "tmpfs", str(state)],
-                   check=True)  # fmt: skip
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=16k,mode=0700", "tmpfs", str(state)], check=True
+    )
     try:
         fd = os.open(state / "fill", os.O_WRONLY | os.O_CREAT, 0o600)
         try:  # the file system full: written until ENOSPC

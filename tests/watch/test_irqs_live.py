@@ -183,13 +183,21 @@ def test_read_only_proc_irq_turns_binding_off_once(need_root: None) -> None:
     )
     done = subprocess.run(
         [
-            "unshare", "-m", "--propagation", "private", "sh", "-c",
+            "unshare",
+            "-m",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
             "mount --bind /proc/irq /proc/irq && mount -o remount,bind,ro /proc/irq && "
             f'exec {sys.executable} -c "$0"',
             script,
         ],
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     if done.returncode != 0 and "mount" in done.stderr and "Traceback" not in done.stderr:
         pytest.skip(f"cannot make a private read-only /proc/irq: {done.stderr.strip()}")
     assert done.returncode == 0, done.stderr

@@ -174,11 +174,20 @@ def test_a_reused_tid_is_never_rebound() -> None:
         pytest.fail("needs root and unshare(1) (a private pid namespace)")
     done = subprocess.run(
         [
-            "unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c",
+            "unshare",
+            "--pid",
+            "--fork",
+            "--mount-proc",
+            sys.executable,
+            "-c",
             "from tests.watch.test_tid_reuse import scenario; scenario()",
         ],
-        cwd=REPO, capture_output=True, text=True, timeout=100, check=False,
-    )  # fmt: skip
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=100,
+        check=False,
+    )
     assert done.returncode == 0 and "PASS tid reuse" in done.stdout, done.stdout + done.stderr
 
 

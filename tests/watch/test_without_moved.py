@@ -15,11 +15,17 @@ def bind(tid: int, pid: int | None) -> ThreadBind:
 
 def test_binds_and_moves_of_members_no_longer_in_the_tree_are_dropped() -> None:
     d = Decision(
-        "engine", 100, Observation((), MappingProxyType({}), None, ()), (), (),
+        "engine",
+        100,
+        Observation((), MappingProxyType({}), None, ()),
+        (),
+        (),
         binds=(bind(100, None), bind(101, 100), bind(171, 171), bind(172, 172), bind(180, 180)),
-        moves=(MemoryMove(100, (1,), (0,), 1, 0.5, "memory_locality"),
-               MemoryMove(172, (1,), (0,), 1, 0.5, "memory_locality")),
-    )  # fmt: skip
+        moves=(
+            MemoryMove(100, (1,), (0,), 1, 0.5, "memory_locality"),
+            MemoryMove(172, (1,), (0,), 1, 0.5, "memory_locality"),
+        ),
+    )
     # 171 and 172 were adopted (ranks' now); 180 is still the engine's.
     got = without_moved(d, frozenset({180}))
     assert [b.tid for b in got.binds] == [100, 101, 180]
