@@ -87,12 +87,16 @@ def to_toml(doc: Mapping[str, Any]) -> str:
 
 
 def child_config(base: Mapping[str, Any], cgroup: str, kind: str) -> dict[str, Any]:
-    """The per-container config: `base` with the attach target, kind and no cgroups (pure)."""
+    """The per-container config: `base` with the attach target, kind, no cgroups and,
+    unless `base` says otherwise, no IRQ placement (pure)."""
     doc: dict[str, Any] = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
     doc["cgroup"] = "off"
     doc.setdefault("engine", {}).update(attach={"cgroup": cgroup}, kind=kind)
     doc["engine"].pop("command", None)
     doc.setdefault("workers", {})["spawned_by"] = "engine"
+    # IRQs are host-wide: several supervisors would move the same ones. Off unless
+    # the base config turns them on (for a node with one engine container).
+    doc.setdefault("irq", {}).setdefault("enabled", False)
     return doc
 
 

@@ -36,6 +36,8 @@ def test_the_child_config_attaches_by_cgroup_without_cgroups_of_its_own() -> Non
     doc = child_config(base, "/kubepods/podX/abc", "vllm")
     assert doc["cgroup"] == "off" and doc["workers"] == {"spawned_by": "engine"}
     assert doc["engine"] == {"attach": {"cgroup": "/kubepods/podX/abc"}, "kind": "vllm"}
+    assert doc["irq"] == {"enabled": False}
+    assert child_config({"irq": {"enabled": True}}, "/c", "vllm")["irq"] == {"enabled": True}
     assert base["engine"] == {"command": ["x"]}  # the base is left as it was
     assert tomllib.loads(to_toml(doc)) == doc
 
