@@ -42,6 +42,11 @@ from supervisor.hostfs import HostFS
 
 ENGINE_KINDS = ("vllm", "sglang", "torchrun", "ray")
 STOP_TIMEOUT_S = 30.0
+# A child's API answers once its SIGTERM handler is in (it is installed first): a
+# child is given this long to answer before it is stopped, so that it detaches.
+UP_TIMEOUT_S = 10.0
+# A child that exited of itself is started again no sooner than this after its start.
+RESTART_AFTER_S = 10.0
 # Sets the CPU affinity, then execs the supervisor (same pid): it starts within its share.
 _TRAMPOLINE = (
     "import os, sys; "
@@ -142,6 +147,7 @@ class Managed:
     port: int = 0
     key: tuple[object, ...] = ()  # what the child was started for
     starts: int = 0
+    started_at: float = 0.0  # time.monotonic() of its last start
 
     @property
     def state(self) -> str:
@@ -198,6 +204,8 @@ class NodeAgent:
             m.reason, m.share = None, share.cpus
             key = (share.cpus, c.cpus, c.main, kind)
             exited = m.proc is not None and m.proc.returncode is not None
+            if exited and m.key == key and time.monotonic() - m.started_at < RESTART_AFTER_S:
+                continue  # exited of itself, lately: listed `exited` until it is started again
             if m.proc is not None and (m.key != key or exited):
                 why = "exited" if exited else "cpuset, share or main process changed"
                 log(f"child restart cgroup={cgroup} why={why!r}")
@@ -235,6 +243,7 @@ class NodeAgent:
             )
         m.key = key
         m.starts += 1
+        m.started_at = time.monotonic()
         log(
             f"child started cgroup={c.ref.cgroup} pid={m.proc.pid} "
             f"share={format_cpulist(m.share)} port={m.port}"
@@ -245,6 +254,7 @@ class NodeAgent:
         if proc is None:
             return
         if proc.returncode is None:
+            await self.wait_up(m, proc)
             with contextlib.suppress(ProcessLookupError):
                 proc.send_signal(signal.SIGTERM)
             try:
@@ -255,13 +265,25 @@ class NodeAgent:
                 await proc.wait()
         log(f"child stopped cgroup={m.container.ref.cgroup} pid={proc.pid} rc={proc.returncode}")
 
+    async def wait_up(self, m: Managed, proc: asyncio.subprocess.Process) -> None:
+        """Until `proc`'s API answers (its SIGTERM handler is in), it exits, or UP_TIMEOUT_S."""
+        deadline = time.monotonic() + UP_TIMEOUT_S
+        while proc.returncode is None and time.monotonic() < deadline:
+            if await self.child_get(m, "/placement", proc) is not None:
+                return
+            await asyncio.sleep(0.2)
+
     async def stop_all(self) -> None:
         await asyncio.gather(*(self.stop_child(m) for m in self.managed.values()))
 
     # -- the API ---------------------------------------------------------------------------
 
-    async def child_get(self, m: Managed, path: str) -> tuple[int, str] | None:
-        if m.proc is None or m.proc.returncode is not None or self.session is None:
+    async def child_get(
+        self, m: Managed, path: str, proc: asyncio.subprocess.Process | None = None
+    ) -> tuple[int, str] | None:
+        """(status, body) of GET `path` from `m`'s child (`proc`, else its current one)."""
+        proc = proc or m.proc
+        if proc is None or proc.returncode is not None or self.session is None:
             return None
         try:
             async with self.session.get(f"http://127.0.0.1:{m.port}{path}") as resp:
