@@ -6,11 +6,13 @@ carry LOCAL_RANK=0/1: the agent gives each one CPU, runs one attach-mode
 supervisor per container within it, lists both in its /placement and labels
 their metrics; a container deleted leaves the list and its supervisor exits; on
 the agent's SIGTERM the other container's engine runs on. The pure parts (the
-child's config, the metrics relabelling) are tested on their own.
+child's config, the metrics relabelling) are tested on their own, and the
+loop's decisions (split, refuse, restart, stop) with the children recorded.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -19,12 +21,21 @@ import tomllib
 import urllib.request
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
-from supervisor.agent.node import child_config, relabel_metrics, to_toml
+from supervisor.agent.containers import Container, ContainerRef
+from supervisor.agent.node import (
+    AgentOptions,
+    Managed,
+    NodeAgent,
+    child_config,
+    relabel_metrics,
+    to_toml,
+)
 from supervisor.cpulist import format_cpulist, parse_cpulist
+from supervisor.procfs.identity import ProcessId
 from tests.support.children import thread_cpus
 from tests.support.daemon_support import REPO, daemon_env, free_port, get_json, stop_process
 from tests.support.oci import Profile, host_pids, make_bundle, runc, running, state
@@ -215,3 +226,67 @@ def test_two_overlapping_runc_containers_are_placed_on_disjoint_shares(tmp_path:
             _remove_empty_tree(hierarchy / "kubepods" / "besteffort" / f"pod{pod}")
         for hierarchy in ours:
             _remove_empty_tree(hierarchy / "kubepods")
+
+
+# -- the loop's decisions, without processes -------------------------------------------------
+
+
+class _Recording(NodeAgent):
+    """The agent's pass with the node given and the children recorded, not started."""
+
+    def __init__(self) -> None:
+        super().__init__(AgentOptions(listen=("127.0.0.1", 0)))
+        self.node: list[Container] = []
+        self.calls: list[tuple[str, str, str]] = []
+
+    def engines(self) -> list[tuple[Container, str]]:
+        return [(c, "vllm") for c in self.node]
+
+    async def start_child(self, m: Managed, key: tuple[object, ...]) -> None:
+        self.calls.append(("start", m.container.ref.cgroup, format_cpulist(m.share)))
+        m.key, m.proc = key, cast(Any, _Running())
+
+    async def stop_child(self, m: Managed) -> None:
+        if m.proc is not None:
+            self.calls.append(("stop", m.container.ref.cgroup, format_cpulist(m.share)))
+        m.proc = None
+
+
+class _Running:
+    returncode: int | None = None
+    pid = 1
+
+
+def _container(name: str, cpus: str, main: int = 100) -> Container:
+    ref = ContainerRef(f"/runners/{name}", name, "extra")
+    return Container(
+        ref, ProcessId(main, 1), (main,), "vllm serve", "vllm", {}, parse_cpulist(cpus), None, ()
+    )
+
+
+def test_the_pass_splits_refuses_restarts_and_stops() -> None:
+    agent = _Recording()
+    agent.node = [_container("a", "0-1"), _container("b", "0-1"), _container("c", "0-1")]
+    asyncio.run(agent.pass_once())
+    assert agent.calls == [("start", "/runners/a", "0"), ("start", "/runners/b", "1")]
+    refused = agent.managed["/runners/c"]
+    assert refused.state == "refused" and refused.reason is not None
+    assert refused.reason.startswith("cannot place: its CPUs 0-1 are all shared with")
+    agent.calls.clear()
+    asyncio.run(agent.pass_once())  # nothing changed: nothing done
+    assert agent.calls == []
+    # a goes: its child is stopped; b and c now split 0-1 (b restarted on its new share).
+    agent.node = [_container("b", "0-1"), _container("c", "0-1")]
+    asyncio.run(agent.pass_once())
+    assert agent.calls == [
+        ("stop", "/runners/a", "0"),
+        ("stop", "/runners/b", "0"),  # its share is 0 now, no longer 1
+        ("start", "/runners/b", "0"),
+        ("start", "/runners/c", "1"),
+    ]
+    assert agent.managed["/runners/c"].reason is None
+    agent.calls.clear()
+    # c's engine restarted (a new main process): its child is started again.
+    agent.node = [_container("b", "0-1"), _container("c", "0-1", main=200)]
+    asyncio.run(agent.pass_once())
+    assert agent.calls == [("stop", "/runners/c", "1"), ("start", "/runners/c", "1")]
