@@ -197,6 +197,21 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return EXIT_CONFIG if problems else 0
 
 
+def _cmd_agent(args: argparse.Namespace) -> int:
+    from supervisor.agent.node import options_from, run_agent  # noqa: PLC0415 - this command only
+
+    options = options_from(
+        args.listen,
+        interval_s=args.interval_s,
+        cgroup_roots=args.cgroup_root or (),
+        kind_default=args.kind_default,
+        base_config=args.base_config,
+        state_dir=args.state_dir,
+        pods=args.pod or (),
+    )
+    return run_agent(options)
+
+
 def _cmd_containers(args: argparse.Namespace) -> int:
     from supervisor.agent.containers import find_containers  # noqa: PLC0415 - this command only
 
@@ -354,6 +369,51 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_cmd_containers)
+
+    p = sub.add_parser(
+        "agent",
+        help="place every engine container on this node (one attach-mode supervisor each)",
+        description="Node agent: every interval, find the containers on this host (as "
+        "`containers` does), give containers whose cpusets overlap disjoint shares of the "
+        "CPUs they share, and run one attach-mode supervisor per engine container within "
+        "its share (restarted when its container's cpuset, share or main process changes, "
+        "stopped when the container goes; they detach, the engines run on). GET /placement "
+        "lists the containers, GET /metrics is the supervisors' metrics with container and "
+        "pod labels.",
+    )
+    p.add_argument("--listen", default="127.0.0.1:9460", help="HOST:PORT for the agent's API")
+    p.add_argument(
+        "--interval-s", type=float, default=2.0, help="seconds between looks (default 2)"
+    )
+    p.add_argument(
+        "--cgroup-root",
+        action="append",
+        metavar="PATH",
+        help="a cgroup whose every child is a container; repeatable",
+    )
+    p.add_argument(
+        "--kind-default",
+        choices=("vllm", "sglang", "torchrun", "ray"),
+        help="the kind of a container under --cgroup-root whose command names none",
+    )
+    p.add_argument(
+        "--pod",
+        action="append",
+        metavar="UID",
+        help="place only the containers of this pod (its UID); repeatable",
+    )
+    p.add_argument(
+        "--base-config",
+        metavar="FILE",
+        help="a config whose tables every container's supervisor gets (e.g. cpu_ranks)",
+    )
+    p.add_argument(
+        "--state-dir",
+        metavar="DIR",
+        help="where the per-container configs and logs go "
+        "(default /run/placement-supervisor-agent)",
+    )
+    p.set_defaults(func=_cmd_agent)
 
     p = sub.add_parser("snapshot", help="copy every file discovery reads into OUT")
     p.add_argument("out", metavar="OUT", help="directory to create")

@@ -17,7 +17,17 @@ from supervisor.manual import render_bash_completion, render_manpage
 REPO = Path(__file__).resolve().parent.parent
 MAN = REPO / "docs/man/placement-supervisor.1"
 COMPLETION = REPO / "docs/completion/placement-supervisor"
-COMMANDS = ("topology", "plan", "check", "containers", "snapshot", "run", "status", "reload")
+COMMANDS = (
+    "topology",
+    "plan",
+    "check",
+    "containers",
+    "agent",
+    "snapshot",
+    "run",
+    "status",
+    "reload",
+)
 
 
 def test_the_shipped_files_are_what_the_parser_generates() -> None:

@@ -213,6 +213,12 @@ time.sleep(600)
 """
 
 
+def _venv_outside_checkout() -> list[str]:
+    """The venv, to bind into the container, when it is not under the checkout (a worktree)."""
+    venv = Path(sys.executable).parent.parent
+    return [] if venv.is_relative_to(REPO) else [str(venv)]
+
+
 def _remove_empty_tree(top: Path) -> None:
     """rmdir `top` and every dir below it, deepest first (cgroup dirs: no files to remove)."""
     if not top.is_dir():
@@ -250,7 +256,7 @@ def test_a_runc_container_in_the_kubelet_s_layout_is_found(tmp_path: Path) -> No
         cgroups_path=cgroups_path,
         cpus=cpu,
         profile=Profile(privileged=False),
-        binds=[str(tmp_path)],
+        binds=[str(tmp_path), *_venv_outside_checkout()],
     )
     try:
         with running(bundle, cid[:32], tmp_path / "runc.log"):

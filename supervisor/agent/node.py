@@ -1,0 +1,414 @@
+"""The node agent: one attach-mode supervisor per engine container on this node.
+
+Every `interval_s` it finds the containers (supervisor.agent.containers), keeps
+those whose main process names an engine kind (or every container under an
+operator's `--cgroup-root`, as `kind_default`), splits the CPUs of containers
+whose cpusets overlap (supervisor.agent.shares) and runs, per placed container,
+one child `python -m supervisor run` with `[engine] attach = { cgroup = ... }`,
+its CPU affinity set to the container's share before it starts (so attach mode
+plans within share ∩ the container's CPUs). A child is restarted when its
+container's cpuset, share or main process changes, or when it exited; it is
+stopped (SIGTERM: it detaches, the engine runs on) when its container goes, and
+all are stopped on the agent's own SIGTERM. The agent writes no cgroup: the
+children run with `cgroup = "off"`.
+
+GET /placement lists the containers with their shares and each child's own
+/placement; GET /metrics is the children's /metrics with `container` and `pod`
+labels on every sample.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import sys
+import time
+import tomllib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aiohttp import ClientSession, ClientTimeout, web
+
+from supervisor.agent.containers import Container, find_containers
+from supervisor.agent.shares import compute_shares
+from supervisor.cpulist import format_cpulist
+from supervisor.hostfs import HostFS
+
+ENGINE_KINDS = ("vllm", "sglang", "torchrun", "ray")
+STOP_TIMEOUT_S = 30.0
+# A child's API answers once its SIGTERM handler is in (it is installed first): a
+# child is given this long to answer before it is stopped, so that it detaches.
+UP_TIMEOUT_S = 10.0
+# A child that exited of itself is started again no sooner than this after its start.
+RESTART_AFTER_S = 10.0
+# Sets the CPU affinity, then execs the supervisor (same pid): it starts within its share.
+_TRAMPOLINE = (
+    "import os, sys; "
+    "os.sched_setaffinity(0, {int(c) for c in sys.argv[1].split(',')}); "
+    "os.execv(sys.argv[2], sys.argv[2:])"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class AgentOptions:
+    listen: tuple[str, int]
+    interval_s: float = 2.0
+    cgroup_roots: tuple[str, ...] = ()
+    kind_default: str | None = None
+    pods: tuple[str, ...] = ()  # when given: only these pods' containers
+    base_config: Mapping[str, Any] = field(default_factory=dict)
+    state_dir: Path = Path("/run/placement-supervisor-agent")
+    root: str = "/"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
+    raise TypeError(f"no TOML for {type(value).__name__}")
+
+
+def to_toml(doc: Mapping[str, Any]) -> str:
+    """TOML for a config document: top-level scalars, then each table (deeper ones inline)."""
+    lines = [f"{k} = {_toml_value(v)}" for k, v in doc.items() if not isinstance(v, dict)]
+    for name, table in doc.items():
+        if isinstance(table, dict):
+            lines.append(f"[{name}]")
+            lines.extend(f"{k} = {_toml_value(v)}" for k, v in table.items())
+    return "\n".join(lines) + "\n"
+
+
+def child_config(base: Mapping[str, Any], cgroup: str, kind: str) -> dict[str, Any]:
+    """The per-container config: `base` with the attach target, kind, no cgroups and,
+    unless `base` says otherwise, no IRQ placement (pure)."""
+    doc: dict[str, Any] = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
+    doc["cgroup"] = "off"
+    doc.setdefault("engine", {}).update(attach={"cgroup": cgroup}, kind=kind)
+    doc["engine"].pop("command", None)
+    doc.setdefault("workers", {})["spawned_by"] = "engine"
+    # IRQs are host-wide: several supervisors would move the same ones. Off unless
+    # the base config turns them on (for a node with one engine container).
+    doc.setdefault("irq", {}).setdefault("enabled", False)
+    return doc
+
+
+def relabel_metrics(text: str, labels: str, seen: set[str]) -> list[str]:
+    """`text`'s Prometheus samples with `labels` (`a="x",b="y"`) added to each; a
+    HELP or TYPE line already in `seen` is dropped (pure but for `seen`)."""
+    out: list[str] = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        if line.startswith("#"):
+            if line not in seen:
+                seen.add(line)
+                out.append(line)
+            continue
+        brace = line.find("{")
+        space = line.find(" ")
+        if brace != -1 and (space == -1 or brace < space):
+            inner = line[brace + 1 :]
+            sep = "" if inner.startswith("}") else ","
+            out.append(f"{line[: brace + 1]}{labels}{sep}{inner}")
+        elif space != -1:
+            out.append(f"{line[:space]}{{{labels}}}{line[space:]}")
+    return out
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass
+class Managed:
+    """One engine container and the child supervisor that places it."""
+
+    container: Container
+    kind: str
+    share: frozenset[int] = frozenset()
+    reason: str | None = None
+    proc: asyncio.subprocess.Process | None = None
+    port: int = 0
+    key: tuple[object, ...] = ()  # what the child was started for
+    starts: int = 0
+    started_at: float = 0.0  # time.monotonic() of its last start
+
+    @property
+    def state(self) -> str:
+        if self.reason is not None:
+            return "refused"
+        if self.proc is None:
+            return "starting"
+        return "running" if self.proc.returncode is None else "exited"
+
+
+class NodeAgent:
+    def __init__(self, options: AgentOptions) -> None:
+        self.options = options
+        self.managed: dict[str, Managed] = {}  # by container cgroup
+        self.session: ClientSession | None = None
+
+    # -- the loop --------------------------------------------------------------------------
+
+    def engines(self) -> list[tuple[Container, str]]:
+        found = find_containers(HostFS(self.options.root), extra_roots=self.options.cgroup_roots)
+        out: list[tuple[Container, str]] = []
+        for c in found:
+            if self.options.pods and c.ref.pod_uid not in self.options.pods:
+                continue
+            if c.kind in ENGINE_KINDS:
+                out.append((c, c.kind))
+            elif c.ref.layout == "extra" and self.options.kind_default is not None:
+                out.append((c, self.options.kind_default))
+        return out
+
+    async def pass_once(self) -> None:
+        engines = await asyncio.to_thread(self.engines)
+        by_cgroup = {c.ref.cgroup: (c, kind) for c, kind in engines}
+        for cgroup in sorted(set(self.managed) - set(by_cgroup)):
+            m = self.managed.pop(cgroup)
+            log(f"container gone cgroup={cgroup} action=stop child")
+            await self.stop_child(m)
+        readable = {cg: c.cpus for cg, (c, _) in by_cgroup.items() if c.cpus is not None}
+        shares = compute_shares(readable)
+        for cgroup, (c, kind) in sorted(by_cgroup.items()):
+            if cgroup not in self.managed:
+                self.managed[cgroup] = Managed(c, kind)
+                log(f"container found cgroup={cgroup} id={c.ref.container_id[:12]} kind={kind}")
+            m = self.managed[cgroup]
+            m.container, m.kind = c, kind
+            share = shares.get(cgroup)
+            if share is None or share.reason is not None:
+                reason = "cannot place: its cpuset is unreadable" if share is None else share.reason
+                if m.reason != reason:
+                    log(f"container refused cgroup={cgroup} reason={reason!r}")
+                m.reason, m.share = reason, frozenset()
+                await self.stop_child(m)
+                continue
+            m.reason, m.share = None, share.cpus
+            key = (share.cpus, c.cpus, c.main, kind)
+            exited = m.proc is not None and m.proc.returncode is not None
+            if exited and m.key == key and time.monotonic() - m.started_at < RESTART_AFTER_S:
+                continue  # exited of itself, lately: listed `exited` until it is started again
+            if m.proc is not None and (m.key != key or exited):
+                why = "exited" if exited else "cpuset, share or main process changed"
+                log(f"child restart cgroup={cgroup} why={why!r}")
+                await self.stop_child(m)
+            if m.proc is None:
+                await self.start_child(m, key)
+
+    async def start_child(self, m: Managed, key: tuple[object, ...]) -> None:
+        c = m.container
+        name = c.ref.container_id[:12]
+        state = self.options.state_dir
+        state.mkdir(parents=True, exist_ok=True)
+        config = state / f"{name}.toml"
+        config.write_text(to_toml(child_config(self.options.base_config, c.ref.cgroup, m.kind)))
+        m.port = free_port()
+        env = dict(os.environ)
+        for var in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID"):
+            env.pop(var, None)
+        env["PLACEMENT_SUPERVISOR_INSTANCE"] = f"agent-{name}"
+        argv = [sys.executable, "-m", "supervisor", "run", "--config", str(config)]
+        argv += ["--listen", f"127.0.0.1:{m.port}"]
+        cpus = ",".join(str(x) for x in sorted(m.share))
+        with open(state / f"{name}.log", "ab") as logf:
+            m.proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-c",
+                _TRAMPOLINE,
+                cpus,
+                *argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=logf,
+                env=env,
+                start_new_session=True,
+            )
+        m.key = key
+        m.starts += 1
+        m.started_at = time.monotonic()
+        log(
+            f"child started cgroup={c.ref.cgroup} pid={m.proc.pid} "
+            f"share={format_cpulist(m.share)} port={m.port}"
+        )
+
+    async def stop_child(self, m: Managed) -> None:
+        proc, m.proc = m.proc, None
+        if proc is None:
+            return
+        if proc.returncode is None:
+            await self.wait_up(m, proc)
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(proc.wait(), STOP_TIMEOUT_S)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await proc.wait()
+        log(f"child stopped cgroup={m.container.ref.cgroup} pid={proc.pid} rc={proc.returncode}")
+
+    async def wait_up(self, m: Managed, proc: asyncio.subprocess.Process) -> None:
+        """Until `proc`'s API answers (its SIGTERM handler is in), it exits, or UP_TIMEOUT_S."""
+        deadline = time.monotonic() + UP_TIMEOUT_S
+        while proc.returncode is None and time.monotonic() < deadline:
+            if await self.child_get(m, "/placement", proc) is not None:
+                return
+            await asyncio.sleep(0.2)
+
+    async def stop_all(self) -> None:
+        await asyncio.gather(*(self.stop_child(m) for m in self.managed.values()))
+
+    # -- the API ---------------------------------------------------------------------------
+
+    async def child_get(
+        self, m: Managed, path: str, proc: asyncio.subprocess.Process | None = None
+    ) -> tuple[int, str] | None:
+        """(status, body) of GET `path` from `m`'s child (`proc`, else its current one)."""
+        proc = proc or m.proc
+        if proc is None or proc.returncode is not None or self.session is None:
+            return None
+        try:
+            async with self.session.get(f"http://127.0.0.1:{m.port}{path}") as resp:
+                return resp.status, await resp.text()
+        except (OSError, TimeoutError):
+            return None
+        except Exception:  # aiohttp's client errors: the child is not up
+            return None
+
+    async def placement_doc(self) -> dict[str, Any]:
+        managed = sorted(self.managed.items())
+        answers = await asyncio.gather(*(self.child_get(m, "/placement") for _, m in managed))
+        docs = []
+        for (cgroup, m), got in zip(managed, answers, strict=True):
+            placement = None
+            if got is not None and got[0] == 200:
+                with contextlib.suppress(ValueError):
+                    placement = json.loads(got[1])
+            c = m.container
+            docs.append(
+                {
+                    "container_id": c.ref.container_id,
+                    "pod_uid": c.ref.pod_uid,
+                    "cgroup": cgroup,
+                    "kind": m.kind,
+                    "cpus": None if c.cpus is None else format_cpulist(c.cpus),
+                    "share": format_cpulist(m.share) if m.share else None,
+                    "state": m.state,
+                    "reason": m.reason,
+                    "child_pid": None if m.proc is None else m.proc.pid,
+                    "placement": placement,
+                }
+            )
+        return {"containers": docs}
+
+    async def metrics_text(self) -> str:
+        managed = sorted(self.managed.items())
+        answers = await asyncio.gather(*(self.child_get(m, "/metrics") for _, m in managed))
+        seen: set[str] = set()
+        lines: list[str] = []
+        for (_, m), got in zip(managed, answers, strict=True):
+            if got is None or got[0] != 200:
+                continue
+            pod = m.container.ref.pod_uid or ""
+            labels = f'container="{m.container.ref.container_id[:12]}",pod="{pod}"'
+            lines += relabel_metrics(got[1], labels, seen)
+        return "\n".join(lines) + "\n"
+
+    async def handle_placement(self, _request: web.Request) -> web.Response:
+        return web.json_response(await self.placement_doc())
+
+    async def handle_metrics(self, _request: web.Request) -> web.Response:
+        return web.Response(text=await self.metrics_text(), content_type="text/plain")
+
+    # -- the whole run ---------------------------------------------------------------------
+
+    async def run(self) -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        self.session = ClientSession(timeout=ClientTimeout(total=3))
+        app = web.Application()
+        app.router.add_get("/placement", self.handle_placement)
+        app.router.add_get("/metrics", self.handle_metrics)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        host, port = self.options.listen
+        await web.TCPSite(runner, host, port).start()
+        log(f"agent listening on {host}:{port} interval_s={self.options.interval_s}")
+        try:
+            while not stop.is_set():
+                started = time.monotonic()
+                try:
+                    await self.pass_once()
+                except Exception as exc:  # one bad pass must not end the agent
+                    log(f"agent pass failed error={exc!r} action=try again")
+                wait = max(0.0, self.options.interval_s - (time.monotonic() - started))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), wait)
+        finally:
+            log("agent stopping action=stop every child (they detach)")
+            await self.stop_all()
+            await runner.cleanup()
+            await self.session.close()
+        log("agent stopped")
+        return 0
+
+
+def log(message: str) -> None:
+    print(f"placement-agent: {message}", file=sys.stderr, flush=True)
+
+
+def load_base_config(path: str | None) -> dict[str, Any]:
+    if path is None:
+        return {}
+    with open(path, "rb") as f:
+        return tomllib.load(f)
+
+
+def run_agent(options: AgentOptions) -> int:
+    return asyncio.run(NodeAgent(options).run())
+
+
+def parse_host_port(value: str) -> tuple[str, int]:
+    host, _, port = value.rpartition(":")
+    return host or "127.0.0.1", int(port)
+
+
+def options_from(
+    listen: str,
+    *,
+    interval_s: float,
+    cgroup_roots: Sequence[str],
+    kind_default: str | None,
+    base_config: str | None,
+    state_dir: str | None,
+    pods: Sequence[str] = (),
+) -> AgentOptions:
+    return AgentOptions(
+        listen=parse_host_port(listen),
+        interval_s=interval_s,
+        cgroup_roots=tuple(cgroup_roots),
+        kind_default=kind_default,
+        pods=tuple(pods),
+        base_config=load_base_config(base_config),
+        state_dir=Path(state_dir or "/run/placement-supervisor-agent"),
+    )

@@ -1,0 +1,292 @@
+"""The node agent (supervisor.agent.node) with real runc containers.
+
+Two containers in the kubelet's cgroupfs layout, both allowed the same two
+CPUs, each running a fake vLLM (`python3 .../vllm serve m`) whose two workers
+carry LOCAL_RANK=0/1: the agent gives each one CPU, runs one attach-mode
+supervisor per container within it, lists both in its /placement and labels
+their metrics; a container deleted leaves the list and its supervisor exits; on
+the agent's SIGTERM the other container's engine runs on. The pure parts (the
+child's config, the metrics relabelling) are tested on their own, and the
+loop's decisions (split, refuse, restart, stop) with the children recorded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import tomllib
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+
+from supervisor.agent.containers import Container, ContainerRef
+from supervisor.agent.node import (
+    AgentOptions,
+    Managed,
+    NodeAgent,
+    child_config,
+    relabel_metrics,
+    to_toml,
+)
+from supervisor.cpulist import format_cpulist, parse_cpulist
+from supervisor.procfs.identity import ProcessId
+from tests.support.children import thread_cpus
+from tests.support.daemon_support import REPO, daemon_env, free_port, get_json, stop_process
+from tests.support.oci import Profile, host_pids, make_bundle, runc, running, state
+from tests.support.poll import poll
+
+
+def test_the_child_config_attaches_by_cgroup_without_cgroups_of_its_own() -> None:
+    base = {"cpu_ranks": 2, "engine": {"command": ["x"]}, "placement": {"rank_roles": {}}}
+    doc = child_config(base, "/kubepods/podX/abc", "vllm")
+    assert doc["cgroup"] == "off" and doc["workers"] == {"spawned_by": "engine"}
+    assert doc["engine"] == {"attach": {"cgroup": "/kubepods/podX/abc"}, "kind": "vllm"}
+    assert doc["irq"] == {"enabled": False}
+    assert child_config({"irq": {"enabled": True}}, "/c", "vllm")["irq"] == {"enabled": True}
+    assert base["engine"] == {"command": ["x"]}  # the base is left as it was
+    assert tomllib.loads(to_toml(doc)) == doc
+
+
+def test_metrics_get_the_container_s_labels_and_help_lines_once() -> None:
+    text = '# HELP a_total A.\n# TYPE a_total counter\na_total 3\nb{rank="0"} 1.5\nc{} 2\n'
+    seen: set[str] = set()
+    first = relabel_metrics(text, 'container="x"', seen)
+    assert first == [
+        "# HELP a_total A.",
+        "# TYPE a_total counter",
+        'a_total{container="x"} 3',
+        'b{container="x",rank="0"} 1.5',
+        'c{container="x"} 2',
+    ]
+    assert relabel_metrics("# HELP a_total A.\na_total 4\n", 'container="y"', seen) == [
+        'a_total{container="y"} 4'
+    ]
+
+
+# -- real containers ----------------------------------------------------------------------
+
+FAKE_VLLM = """#!{python}
+import os, subprocess, sys, time
+# Two workers, as vLLM's API server spawns them, each with a thread of its own.
+WORKER = ("import threading, time; "
+          "threading.Thread(target=time.sleep, args=(600,)).start(); time.sleep(600)")
+for rank in (0, 1):
+    subprocess.Popen([sys.executable, "-c", WORKER], env=dict(os.environ, LOCAL_RANK=str(rank)))
+time.sleep(600)
+"""
+
+BASE = """cpu_ranks = 2
+stop_timeout_s = 2
+[workers]
+rank_from = ["env:LOCAL_RANK"]
+[placement]
+rank_roles = {}
+on_shortage = "share"
+[drift]
+check_interval_s = 0.5
+"""
+
+
+def _remove_empty_tree(top: Path) -> None:
+    if not top.is_dir():
+        return
+    for d in sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+        d.rmdir()
+    top.rmdir()
+
+
+def _get_text(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return str(resp.read().decode())
+
+
+def _placed(entry: dict[str, Any]) -> bool:
+    """The container's two workers adopted and every thread of theirs within its share."""
+    doc = entry.get("placement")
+    if entry["state"] != "running" or not doc or len(doc["ranks"]) != 2:
+        return False
+    share = parse_cpulist(entry["share"])
+    for r in doc["ranks"]:
+        if r["state"] != "running" or not r["adopted"] or not r.get("pid"):
+            return False
+        cpus = set(thread_cpus(r["pid"]).values())
+        if len(cpus) != 1 or not parse_cpulist(cpus.pop()) <= share:
+            return False
+        if format_cpulist(r["cpus"]) not in set(thread_cpus(r["pid"]).values()):
+            return False
+    return True
+
+
+@pytest.mark.usefixtures("need_root")
+def test_two_overlapping_runc_containers_are_placed_on_disjoint_shares(tmp_path: Path) -> None:
+    if subprocess.run(["which", "runc"], capture_output=True, check=False).returncode:
+        pytest.skip("runc is not installed (.ci/setup installs it)")
+    if not {0, 1} <= os.sched_getaffinity(0):
+        pytest.skip("needs CPUs 0 and 1")
+    pod = str(uuid.uuid4())
+    cids = sorted(uuid.uuid4().hex + uuid.uuid4().hex for _ in range(2))
+    script = tmp_path / "bin/vllm"
+    script.parent.mkdir()
+    script.write_text(FAKE_VLLM.format(python=sys.executable))
+    script.chmod(0o755)
+    venv = Path(sys.executable).parent.parent
+    binds = [str(tmp_path)] + ([] if venv.is_relative_to(REPO) else [str(venv)])
+    hierarchies = [h for h in Path("/sys/fs/cgroup").iterdir() if h.is_dir()]
+    ours = [h for h in hierarchies if not (h / "kubepods").exists()]
+    for cid in cids:
+        make_bundle(
+            tmp_path / cid[:12],
+            [sys.executable, str(script), "serve", "m"],
+            {"PATH": "/usr/bin:/bin"},
+            cgroups_path=f"/kubepods/besteffort/pod{pod}/{cid}",
+            cpus="0-1",
+            profile=Profile(privileged=False),
+            binds=binds,
+        )
+    (tmp_path / "base.toml").write_text(BASE)
+    port = free_port()
+    agent: subprocess.Popen[bytes] | None = None
+    log = tmp_path / "agent.log"
+    try:
+        with (
+            running(tmp_path / cids[0][:12], cids[0][:32], tmp_path / "runc0.log"),
+            running(tmp_path / cids[1][:12], cids[1][:32], tmp_path / "runc1.log"),
+        ):
+            for cid in cids:
+                poll(lambda c=cid: len(host_pids(c[:32])) == 3, 30, what="engine and 2 workers")
+            with open(log, "wb") as out:
+                agent = subprocess.Popen(
+                    [
+                        *(sys.executable, "-m", "supervisor", "agent"),
+                        *("--listen", f"127.0.0.1:{port}", "--interval-s", "1", "--pod", pod),
+                        *("--base-config", str(tmp_path / "base.toml")),
+                        *("--state-dir", str(tmp_path / "state")),
+                    ],
+                    cwd=REPO,
+                    env=daemon_env(),
+                    stdout=subprocess.DEVNULL,
+                    stderr=out,
+                )
+            url = f"http://127.0.0.1:{port}"
+
+            def both_placed() -> list[dict[str, Any]] | None:
+                try:
+                    docs = get_json(f"{url}/placement")["containers"]
+                except OSError:
+                    return None
+                ok = [d["container_id"] for d in docs] == cids and all(map(_placed, docs))
+                return docs if ok else None
+
+            docs = poll(both_placed, 60, interval_s=0.5, what="both containers placed")
+            assert [d["share"] for d in docs] == ["0", "1"], docs
+            assert all(d["cpus"] == "0-1" and d["pod_uid"] == pod for d in docs)
+            assert all(d["kind"] == "vllm" and d["reason"] is None for d in docs)
+            metrics = _get_text(f"{url}/metrics")
+            for cid in cids:
+                assert f'container="{cid[:12]}",pod="{pod}"' in metrics, metrics[:2000]
+
+            # One container goes: its entry leaves /placement, its supervisor exits.
+            gone_child = docs[0]["child_pid"]
+            runc("kill", cids[0][:32], "KILL", check=False)
+            poll(lambda: state(cids[0][:32]) in ("stopped", "gone"), 20, what="stopped")
+            runc("delete", "--force", cids[0][:32], check=False)
+
+            def left() -> bool:
+                ids = [d["container_id"] for d in get_json(f"{url}/placement")["containers"]]
+                return ids == [cids[1]]
+
+            poll(left, 30, interval_s=0.5, what="the deleted container left /placement")
+            poll(lambda: not Path(f"/proc/{gone_child}").exists(), 30, what="its child exited")
+
+            # The other's share is now both CPUs: its supervisor is started again within them.
+            def replaced() -> dict[str, Any] | None:
+                (doc,) = get_json(f"{url}/placement")["containers"]
+                return doc if doc["share"] == "0-1" and _placed(doc) else None
+
+            last = poll(replaced, 60, interval_s=0.5, what="the other container placed on 0-1")
+
+            # The agent's SIGTERM: exit 0, the other engine runs on.
+            agent.send_signal(signal.SIGTERM)
+            assert agent.wait(timeout=60) == 0, log.read_text()[-4000:]
+            assert len(host_pids(cids[1][:32])) == 3
+            assert f"child stopped cgroup={last['cgroup']} pid={last['child_pid']} rc=0" in (
+                log.read_text()
+            )
+            assert "detached" in (tmp_path / f"state/{cids[1][:12]}.log").read_text()
+    finally:
+        if agent is not None:
+            stop_process(agent, 30)
+        for hierarchy in hierarchies:
+            _remove_empty_tree(hierarchy / "kubepods" / "besteffort" / f"pod{pod}")
+        for hierarchy in ours:
+            _remove_empty_tree(hierarchy / "kubepods")
+
+
+# -- the loop's decisions, without processes -------------------------------------------------
+
+
+class _Recording(NodeAgent):
+    """The agent's pass with the node given and the children recorded, not started."""
+
+    def __init__(self) -> None:
+        super().__init__(AgentOptions(listen=("127.0.0.1", 0)))
+        self.node: list[Container] = []
+        self.calls: list[tuple[str, str, str]] = []
+
+    def engines(self) -> list[tuple[Container, str]]:
+        return [(c, "vllm") for c in self.node]
+
+    async def start_child(self, m: Managed, key: tuple[object, ...]) -> None:
+        self.calls.append(("start", m.container.ref.cgroup, format_cpulist(m.share)))
+        m.key, m.proc = key, cast(Any, _Running())
+
+    async def stop_child(self, m: Managed) -> None:
+        if m.proc is not None:
+            self.calls.append(("stop", m.container.ref.cgroup, format_cpulist(m.share)))
+        m.proc = None
+
+
+class _Running:
+    returncode: int | None = None
+    pid = 1
+
+
+def _container(name: str, cpus: str, main: int = 100) -> Container:
+    ref = ContainerRef(f"/runners/{name}", name, "extra")
+    return Container(
+        ref, ProcessId(main, 1), (main,), "vllm serve", "vllm", {}, parse_cpulist(cpus), None, ()
+    )
+
+
+def test_the_pass_splits_refuses_restarts_and_stops() -> None:
+    agent = _Recording()
+    agent.node = [_container("a", "0-1"), _container("b", "0-1"), _container("c", "0-1")]
+    asyncio.run(agent.pass_once())
+    assert agent.calls == [("start", "/runners/a", "0"), ("start", "/runners/b", "1")]
+    refused = agent.managed["/runners/c"]
+    assert refused.state == "refused" and refused.reason is not None
+    assert refused.reason.startswith("cannot place: its CPUs 0-1 are all shared with")
+    agent.calls.clear()
+    asyncio.run(agent.pass_once())  # nothing changed: nothing done
+    assert agent.calls == []
+    # a goes: its child is stopped; b and c now split 0-1 (b restarted on its new share).
+    agent.node = [_container("b", "0-1"), _container("c", "0-1")]
+    asyncio.run(agent.pass_once())
+    assert agent.calls == [
+        ("stop", "/runners/a", "0"),
+        ("stop", "/runners/b", "0"),  # its share is 0 now, no longer 1
+        ("start", "/runners/b", "0"),
+        ("start", "/runners/c", "1"),
+    ]
+    assert agent.managed["/runners/c"].reason is None
+    agent.calls.clear()
+    # c's engine restarted (a new main process): its child is started again.
+    agent.node = [_container("b", "0-1"), _container("c", "0-1", main=200)]
+    asyncio.run(agent.pass_once())
+    assert agent.calls == [("stop", "/runners/c", "1"), ("start", "/runners/c", "1")]
