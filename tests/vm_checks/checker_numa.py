@@ -43,7 +43,6 @@ CGROUP = "/sys/fs/cgroup"
 SUP = f"{CGROUP}/ps-check"
 INSTANCE = "vmcheck"  # the daemon's per-rank cgroups: {SUP}/placement-supervisor-vmcheck/rank*
 CHECKS = Checklist()
-_NODE_PAGES = re.compile(r"\bN(\d+)=(\d+)")
 
 # (b)'s worker: 64 MiB on node 0 first, then its slot's binding.
 LATE_WORKER = r"""
@@ -99,10 +98,24 @@ def thread_cpus(pid: int) -> set[int]:
     return set().union(*(parse_cpulist(c) for c in children.thread_cpus(pid).values()))
 
 
+# Shared memory the process allocated (numa_maps names it by a file): its own.
+OWN_SHARED = ("file=/dev/zero", "file=/SYSV", "file=/memfd:", "file=/dev/shm/")
+NODE_PAGES = re.compile(r"\bN(\d+)=(\d+)")
+
+
 def pages_by_node(pid: int) -> dict[int, int]:
+    """The worker's own pages per node: anonymous memory and the shared memory
+    it allocated (Python's mmap.mmap(-1, n) is MAP_SHARED: /dev/zero), what the
+    daemon moves and counts (docs/contracts.md). Mapped files (the interpreter,
+    its libraries) are page cache shared with other processes, left where the
+    kernel first read them; counting them failed this check whenever that was
+    node 0."""
     pages: dict[int, int] = {}
     for line in read(f"/proc/{pid}/numa_maps").splitlines():
-        for node, count in _NODE_PAGES.findall(line):
+        mapped = [w for w in line.split() if w.startswith("file=")]
+        if mapped and not mapped[0].startswith(OWN_SHARED):
+            continue
+        for node, count in NODE_PAGES.findall(line):
             pages[int(node)] = pages.get(int(node), 0) + int(count)
     return pages
 
