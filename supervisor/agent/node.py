@@ -39,6 +39,7 @@ from supervisor.agent.containers import Container, find_containers
 from supervisor.agent.shares import compute_shares
 from supervisor.cpulist import format_cpulist
 from supervisor.hostfs import HostFS
+from supervisor.toml_out import to_toml
 
 ENGINE_KINDS = ("vllm", "sglang", "torchrun", "ray")
 STOP_TIMEOUT_S = 30.0
@@ -65,30 +66,6 @@ class AgentOptions:
     base_config: Mapping[str, Any] = field(default_factory=dict)
     state_dir: Path = Path("/run/placement-supervisor-agent")
     root: str = "/"
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)
-    if isinstance(value, list | tuple):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
-    raise TypeError(f"no TOML for {type(value).__name__}")
-
-
-def to_toml(doc: Mapping[str, Any]) -> str:
-    """TOML for a config document: top-level scalars, then each table (deeper ones inline)."""
-    lines = [f"{k} = {_toml_value(v)}" for k, v in doc.items() if not isinstance(v, dict)]
-    for name, table in doc.items():
-        if isinstance(table, dict):
-            lines.append(f"[{name}]")
-            lines.extend(f"{k} = {_toml_value(v)}" for k, v in table.items())
-    return "\n".join(lines) + "\n"
 
 
 def child_config(base: Mapping[str, Any], cgroup: str, kind: str) -> dict[str, Any]:

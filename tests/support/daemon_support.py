@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.cpulist import format_cpulist
+from supervisor.toml_out import to_toml  # re-exported: the tests' configs
 from tests.support.cgroup_v1 import own_memory_cgroup, remove_v1_tree, v1_cpuset
 from tests.support.children import COMM_THREADS_WORKER, thread_cpus
 from tests.support.poll import poll
@@ -283,30 +284,6 @@ def confined_daemon(
 
 
 # -- configs ------------------------------------------------------------------------------
-
-
-def toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)
-    if isinstance(value, list | tuple):
-        return "[" + ", ".join(toml_value(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{ " + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + " }"
-    raise TypeError(type(value))
-
-
-def to_toml(doc: dict[str, Any]) -> str:
-    """A tiny TOML writer for test configs: scalars first, then one level of tables."""
-    lines = [f"{k} = {toml_value(v)}" for k, v in doc.items() if not isinstance(v, dict)]
-    for name, table in doc.items():
-        if isinstance(table, dict):
-            lines.append(f"[{name}]")
-            lines.extend(f"{k} = {toml_value(v)}" for k, v in table.items())
-    return "\n".join(lines) + "\n"
 
 
 # The demo worker as a config's workers.command (append its options).
