@@ -23,7 +23,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
@@ -105,6 +105,23 @@ class Candidate:
 def _set_done(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_result(None)
+
+
+@contextlib.contextmanager
+def exit_of(fs: HostFS, ident: ProcessId) -> Iterator[tuple[asyncio.Future[None], bool]]:
+    """A future done once `ident` exits (its pidfd turns readable), and whether
+    there is a pidfd: without one (Linux < 5.3) the caller looks itself."""
+    loop = asyncio.get_running_loop()
+    exited: asyncio.Future[None] = loop.create_future()
+    fd = ident.open_pidfd(fs)
+    if fd is not None:
+        loop.add_reader(fd, _set_done, exited)
+    try:
+        yield exited, fd is not None
+    finally:
+        if fd is not None:
+            loop.remove_reader(fd)
+            os.close(fd)
 
 
 def read_adoptees(fs: HostFS, candidate: Candidate, pids: Sequence[int]) -> list[Adoptee]:
@@ -303,17 +320,12 @@ class AdoptRunner(Runner):
 
     async def _watch(self, candidate: Candidate) -> None:
         """Until the adopted process exits (or the daemon stops)."""
-        loop = asyncio.get_running_loop()
-        exited: asyncio.Future[None] = loop.create_future()
-        fd = candidate.id.open_pidfd(self.rt.fs)
-        if fd is not None:
-            loop.add_reader(fd, _set_done, exited)
-        try:
+        with exit_of(self.rt.fs, candidate.id) as (exited, has_pidfd):
             while not exited.done() and not self.stopping and candidate.id.is_running(self.rt.fs):
                 # Its pidfd wakes us when it exits; without one (Linux < 5.3) look
                 # each second. Not a 1 s timer per rank either way: eight ranks
                 # made 24 tasks a second on the loop for nothing.
-                poll = () if fd is not None else (asyncio.sleep(1.0),)
+                poll = () if has_pidfd else (asyncio.sleep(1.0),)
                 await first_of(exited, self.rt.stopping.wait(), self.interrupt.wait(), *poll)
                 if self.restart_requested:
                     # The engine restarts its workers: ending this one is the restart.
@@ -325,10 +337,6 @@ class AdoptRunner(Runner):
                         os.kill(candidate.pid, signal.SIGTERM)
                 if not candidate.id.is_running(self.rt.fs):
                     break
-        finally:
-            if fd is not None:
-                loop.remove_reader(fd)
-                os.close(fd)
         if self.stopping:
             return
         trees = self.rt.trees

@@ -42,7 +42,13 @@ from supervisor.run.runner import Runner, Runtime
 from supervisor.run.spec import SpecOf
 from supervisor.state import ProcessStatus
 from supervisor.topology.cgroup import V1_CPUSET_ROOT, Cpuset, cpuset_of, parse_proc_cgroup
-from supervisor.trees.adopt import AdoptingFleet, AdoptRunner, Candidate, read_adoptees
+from supervisor.trees.adopt import (
+    AdoptingFleet,
+    AdoptRunner,
+    Candidate,
+    exit_of,
+    read_adoptees,
+)
 from supervisor.trees.find_engine import FoundEngine, find_engine
 from supervisor.watch.adoption import decide_detach
 from supervisor.watch.apply import Applier
@@ -126,11 +132,6 @@ def restore_affinities(
     failed = sum(1 for o in outcomes if o.error is not None)
     threads = sum(1 for o in outcomes if o.error is None and not o.gone)
     return Detached(processes, threads, failed)
-
-
-def _set_done(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
 
 
 # -- the engine's runner ------------------------------------------------------------------
@@ -240,19 +241,10 @@ class AttachRunner(Runner):
 
     async def _watch(self, found: FoundEngine) -> None:
         """Until the engine exits (its pidfd, or a look each check) or the daemon stops."""
-        loop = asyncio.get_running_loop()
-        exited: asyncio.Future[None] = loop.create_future()
-        fd = found.id.open_pidfd(self.rt.fs)
-        if fd is not None:
-            loop.add_reader(fd, _set_done, exited)
-        try:
+        with exit_of(self.rt.fs, found.id) as (exited, has_pidfd):
             while not self.stopping and not exited.done() and found.id.is_running(self.rt.fs):
-                poll = () if fd is not None else (asyncio.sleep(1.0),)
+                poll = () if has_pidfd else (asyncio.sleep(1.0),)
                 await first_of(exited, self.rt.stopping.wait(), *poll)
-        finally:
-            if fd is not None:
-                loop.remove_reader(fd)
-                os.close(fd)
         if self.stopping:
             return
         self.found = None
