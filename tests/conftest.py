@@ -101,6 +101,15 @@ def _no_leaked_tasks(request: pytest.FixtureRequest) -> Iterator[None]:
         pytest.fail("an event loop closed with tasks still running: " + "; ".join(found))
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """`pytest -n N` (.ci/test): whole modules to a worker, the slowest first, the
+    modules that share a host-wide resource on one worker (tests/support/xdist_groups.py)."""
+    from tests.support.xdist_groups import make_scheduler  # noqa: PLC0415
+
+    return make_scheduler(config, log)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
     """In CI (`CI` set, as .ci/run is run) a skip is a failure.

@@ -23,7 +23,7 @@ from supervisor.engines.engine_kind import recognise_kind
 from supervisor.hostfs import HostFS
 from supervisor.topology.cgroup import parse_proc_cgroup
 from tests.support.daemon_support import REPO
-from tests.support.oci import Profile, host_pids, make_bundle, running
+from tests.support.oci import Profile, host_pids, kubelet_parents, make_bundle, running
 from tests.support.poll import poll
 
 POD = "0f2d8a9e-5b1c-4c7e-9f00-1234567890ab"
@@ -219,15 +219,6 @@ def _venv_outside_checkout() -> list[str]:
     return [] if venv.is_relative_to(REPO) else [str(venv)]
 
 
-def _remove_empty_tree(top: Path) -> None:
-    """rmdir `top` and every dir below it, deepest first (cgroup dirs: no files to remove)."""
-    if not top.is_dir():
-        return
-    for d in sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
-        d.rmdir()
-    top.rmdir()
-
-
 @pytest.mark.usefixtures("need_root")
 def test_a_runc_container_in_the_kubelet_s_layout_is_found(tmp_path: Path) -> None:
     """runc makes the container's cgroup where the kubelet would (cgroupfs
@@ -247,8 +238,6 @@ def test_a_runc_container_in_the_kubelet_s_layout_is_found(tmp_path: Path) -> No
     script.chmod(0o755)
     bundle = tmp_path / "bundle"
     cpu = str(max(os.sched_getaffinity(0)))
-    hierarchies = [h for h in Path("/sys/fs/cgroup").iterdir() if h.is_dir()]
-    ours = [h for h in hierarchies if not (h / "kubepods").exists()]  # no kubelet here
     make_bundle(
         bundle,
         [sys.executable, str(script), "serve", "facebook/opt-125m"],
@@ -258,41 +247,35 @@ def test_a_runc_container_in_the_kubelet_s_layout_is_found(tmp_path: Path) -> No
         profile=Profile(privileged=False),
         binds=[str(tmp_path), *_venv_outside_checkout()],
     )
-    try:
-        with running(bundle, cid[:32], tmp_path / "runc.log"):
-            poll(lambda: len(host_pids(cid[:32])) == 2, 30, what="the engine and its worker")
-            proc = subprocess.run(
-                [sys.executable, "-m", "supervisor", "containers", "--json"],
-                capture_output=True,
-                text=True,
-                cwd=REPO,
-                check=True,
-                timeout=60,
-            )
-            docs = [d for d in json.loads(proc.stdout)["containers"] if d["container_id"] == cid]
-            assert len(docs) == 1, proc.stdout
-            doc = docs[0]
-            pids = sorted(host_pids(cid[:32]))
-            assert sorted(doc["pids"]) == pids
-            assert (doc["layout"], doc["pod_uid"], doc["qos"]) == (
-                "kubelet-cgroupfs",
-                pod,
-                "besteffort",
-            )
-            assert (doc["kind"], doc["cpus"], doc["cgroup"]) == ("vllm", cpu, cgroups_path)
-            assert doc["visible"] == {"CUDA_VISIBLE_DEVICES": "0"}
-            text = subprocess.run(
-                [sys.executable, "-m", "supervisor", "containers"],
-                capture_output=True,
-                text=True,
-                cwd=REPO,
-                check=True,
-                timeout=60,
-            ).stdout
-            assert f"{cid[:12]} kubelet-cgroupfs pod {pod} pid {doc['pid']} kind vllm" in text
-    finally:
-        # runc removes the container's own cgroup; the kubelet-style parents are ours.
-        for hierarchy in hierarchies:
-            _remove_empty_tree(hierarchy / "kubepods" / "besteffort" / f"pod{pod}")
-        for hierarchy in ours:
-            _remove_empty_tree(hierarchy / "kubepods")
+    # runc removes the container's own cgroup; the kubelet-style parents are ours.
+    with kubelet_parents(pod), running(bundle, cid[:32], tmp_path / "runc.log"):
+        poll(lambda: len(host_pids(cid[:32])) == 2, 30, what="the engine and its worker")
+        proc = subprocess.run(
+            [sys.executable, "-m", "supervisor", "containers", "--json"],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            check=True,
+            timeout=60,
+        )
+        docs = [d for d in json.loads(proc.stdout)["containers"] if d["container_id"] == cid]
+        assert len(docs) == 1, proc.stdout
+        doc = docs[0]
+        pids = sorted(host_pids(cid[:32]))
+        assert sorted(doc["pids"]) == pids
+        assert (doc["layout"], doc["pod_uid"], doc["qos"]) == (
+            "kubelet-cgroupfs",
+            pod,
+            "besteffort",
+        )
+        assert (doc["kind"], doc["cpus"], doc["cgroup"]) == ("vllm", cpu, cgroups_path)
+        assert doc["visible"] == {"CUDA_VISIBLE_DEVICES": "0"}
+        text = subprocess.run(
+            [sys.executable, "-m", "supervisor", "containers"],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            check=True,
+            timeout=60,
+        ).stdout
+        assert f"{cid[:12]} kubelet-cgroupfs pod {pod} pid {doc['pid']} kind vllm" in text

@@ -121,7 +121,15 @@ def _residue(config: pytest.Config) -> HostResidue:
     return HostResidue(str(config.getoption("--host-root")))
 
 
+def _is_xdist_worker(config: pytest.Config) -> bool:
+    """Under pytest-xdist the controller checks the host before its workers start and
+    after they all end; a worker's own session ends while others still run tests."""
+    return hasattr(config, "workerinput")
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
+    if _is_xdist_worker(session.config):
+        return
     session.config.stash[BEFORE] = _residue(session.config).read()
 
 

@@ -236,3 +236,47 @@ def running(bundle: Path, cid: str, log: Path) -> Iterator[None]:
         runc("kill", cid, "KILL", check=False)
         poll(lambda: state(cid) in ("stopped", "gone"), 20, what=f"container {cid} stopped")
         runc("delete", "--force", cid, check=False)
+
+
+def remove_cgroup_tree(top: Path, timeout_s: float = 20.0) -> None:
+    """rmdir `top` and every cgroup dir below it, deepest first. A dir whose last
+    tasks are still leaving (a killed container's, reaped a moment later on a busy
+    machine) is retried until `timeout_s`; one that still has a child dir of
+    someone else's is left."""
+    if not top.is_dir():
+        return
+    for d in sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+        _rmdir_when_empty(d, timeout_s)
+    _rmdir_when_empty(top, timeout_s)
+
+
+def _rmdir_when_empty(d: Path, timeout_s: float) -> None:
+    def removed() -> bool:
+        try:
+            d.rmdir()
+        except FileNotFoundError:
+            return True
+        except OSError:
+            # Busy: its last tasks are leaving (wait), or another pod's or container's
+            # dir is below it (not ours to wait for).
+            return any(p.is_dir() for p in d.iterdir())
+        return True
+
+    poll(removed, timeout_s, interval_s=0.05, what=f"{d} emptied and removed")
+
+
+@contextlib.contextmanager
+def kubelet_parents(pod: str) -> Iterator[None]:
+    """The kubelet's cgroupfs parents (`/kubepods/besteffort/pod<UID>`) of a test's
+    containers, on a host with no kubelet: runc makes them with the container's own
+    cgroup and removes only its own, so on exit the pod's dirs are removed, and
+    `/kubepods` in each hierarchy that had none before."""
+    hierarchies = [h for h in Path("/sys/fs/cgroup").iterdir() if h.is_dir()]
+    ours = [h for h in hierarchies if not (h / "kubepods").exists()]
+    try:
+        yield
+    finally:
+        for hierarchy in hierarchies:
+            remove_cgroup_tree(hierarchy / "kubepods" / "besteffort" / f"pod{pod}")
+        for hierarchy in ours:
+            remove_cgroup_tree(hierarchy / "kubepods")

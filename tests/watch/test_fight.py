@@ -120,14 +120,16 @@ def test_a_foreign_writer_every_10ms_is_backed_off_and_shown(tmp_path: Path) -> 
             assert "pid is not recorded" in found[0]["actual"]  # no writer is guessed at
             assert metrics(d.port)[conflicts] == 1
             # Over a window of 25 checks, the re-binds are bounded by the
-            # back-off (holds of 2, 4, 8... checks), not one a check.
+            # back-off (holds of 2, 4, 8... checks: 4-5 re-binds), not one a check
+            # (25). The counter read at the window's start may lag a pass or two
+            # behind on a busy machine (each pass publishes it), hence the slack.
             start = metrics(d.port)[rebinds]
             t0 = time.monotonic()
             while time.monotonic() - t0 < 25 * interval_s:
                 time.sleep(interval_s)
             window = metrics(d.port)[rebinds] - start
             print(f"rebinds over 25 checks under a 10 ms writer: {window:.0f}")
-            assert window <= 5, d.tail()
+            assert window <= 8, d.tail()
             assert metrics(d.port)[conflicts] == 1  # one fight, counted once
         finally:
             writer.kill()

@@ -97,7 +97,9 @@ def test_a_mover_every_10ms_is_counted_backed_off_and_shown(tmp_path: Path, memo
                 time.sleep(interval_s)
             window = metrics(daemon.port)[repairs] - start
             print(f"cgroup repairs over 25 checks under a 10 ms mover: {window:.0f}")
-            assert window <= 5, daemon.tail()
+            # The back-off allows 4-5, one a check would be 25; the counter read at
+            # the window's start may lag a pass or two on a busy machine.
+            assert window <= 8, daemon.tail()
         finally:
             mover.kill()
             mover.wait()
