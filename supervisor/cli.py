@@ -208,6 +208,7 @@ def _cmd_agent(args: argparse.Namespace) -> int:
         base_config=args.base_config,
         state_dir=args.state_dir,
         pods=args.pod or (),
+        kube_logs=args.kube_logs,
     )
     return run_agent(options)
 
@@ -378,8 +379,8 @@ def build_parser() -> argparse.ArgumentParser:
         "CPUs they share, and run one attach-mode supervisor per engine container within "
         "its share (restarted when its container's cpuset, share or main process changes, "
         "stopped when the container goes; they detach, the engines run on). GET /placement "
-        "lists the containers, GET /metrics is the supervisors' metrics with container and "
-        "pod labels.",
+        "lists the containers, GET /metrics is the supervisors' metrics with namespace, pod, "
+        "pod_uid, container, container_id, unit and cgroup labels.",
     )
     p.add_argument("--listen", default="127.0.0.1:9460", help="HOST:PORT for the agent's API")
     p.add_argument(
@@ -401,6 +402,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         metavar="UID",
         help="place only the containers of this pod (its UID); repeatable",
+    )
+    p.add_argument(
+        "--kube-logs",
+        metavar="DIR",
+        default="/var/log",
+        help="the kubelet's log directory, whose containers/ and pods/ name the pods and "
+        "containers (default /var/log; none there: no names, ids only)",
     )
     p.add_argument(
         "--base-config",

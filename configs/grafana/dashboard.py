@@ -6,8 +6,9 @@
 `placement-supervisor.json` is this script's output, committed so Grafana can
 provision it without Python; tests/serve/test_dashboard.py fails when the two differ.
 A fleet is one Prometheus job with one `instance` per host: every query filters
-on `instance=~"$host"` and every aggregation keeps `instance` (see `agg`), so
-"All" hosts never adds rank 0 of one host to rank 0 of another.
+on `instance=~"$host"` and `pod=~"$pod"`, and every aggregation and match keeps
+`instance`, `namespace`, `pod` and `container` (WHERE, see `agg`), so "All" never
+adds rank 0 of one host, or of one container of a node agent, to another's.
 """
 
 from __future__ import annotations
@@ -32,8 +33,14 @@ DATASOURCE = dm.DataSourceRef(type_val="prometheus", uid="${datasource}")
 # `node`: the Kubernetes node a pod runs on (the PodMonitor's relabeling); a pod's
 # IP, its `instance`, changes at each Recreate. Off Kubernetes there is no `node`
 # label: the variable's "All" is ".*", which matches its absence.
-HOST = 'instance=~"$host", node=~"$node"'
-HOST_RANK = 'instance=~"$host", node=~"$node", rank=~"$rank"'
+# `pod`: a node agent's container's pod (or the pod an in-pod supervisor runs in, the
+# PodMonitor's label). A supervisor off Kubernetes has none: "All" is ".*" again.
+HOST = 'instance=~"$host", node=~"$node", pod=~"$pod"'
+HOST_RANK = 'instance=~"$host", node=~"$node", pod=~"$pod", rank=~"$rank"'
+# What one supervisor's series have in common: a node agent serves several
+# supervisors' series under one `instance`, each with its container's labels.
+WHERE_LABELS = ("instance", "namespace", "pod", "container")
+WHERE = ", ".join(WHERE_LABELS)
 WORST_SERIES = 10  # counter panels: the series with the most over the range
 LOWEST = 5  # the local memory ratio graph: the lowest host/rank pairs over the range
 
@@ -41,8 +48,9 @@ Panel = Builder[dm.Panel]
 
 
 def agg(op: str, labels: Sequence[str], expr: str) -> str:
-    """`op by (instance, labels...) (expr)`: one series per host, never a sum over hosts."""
-    return f"{op} by ({', '.join(('instance', *labels))}) ({expr})"
+    """`op by (WHERE..., labels...) (expr)`: one series per supervisor, never a sum
+    over hosts or over a node agent's containers."""
+    return f"{op} by ({', '.join((*WHERE_LABELS, *labels))}) ({expr})"
 
 
 def query(expr: str, legend: str, ref_id: str = "A") -> prometheus.Dataquery:
@@ -113,7 +121,7 @@ def nonzero_ranked(metric: str, labels: Sequence[str], selector: str = HOST_RANK
     """A counter's increase per series, only where it is not 0, and only the
     WORST_SERIES series with the most over the dashboard's range (`@ end()` ranks once
     for the whole range, rather than a new top list per step)."""
-    on = ", ".join(("instance", *labels))
+    on = ", ".join((*WHERE_LABELS, *labels))
     now = agg("sum", labels, increase(metric, selector))
     total = agg("sum", labels, increase(metric, selector, "$__range", " @ end()"))
     return f"{now} > 0 and on({on}) topk({WORST_SERIES}, {total} > 0)"
@@ -202,11 +210,11 @@ def health() -> Iterator[Panel]:
             "PlacementConfigNotApplied after 10 minutes. 0: every host runs its file.",
             query(
                 "sum(clamp_max("
-                f"(1 - min by (instance) (placement_config_last_reload_successful{{{HOST}}}))"
-                " + on(instance) ("
-                f"count by (instance) (placement_config_on_disk_info{{{HOST}}}"
-                f" unless on(instance, job, sha256) placement_config_info{{{HOST}}})"
-                f" or on(instance) (0 * count by (instance) (placement_config_info{{{HOST}}})))"
+                f"(1 - min by ({WHERE}) (placement_config_last_reload_successful{{{HOST}}}))"
+                f" + on({WHERE}) ("
+                f"count by ({WHERE}) (placement_config_on_disk_info{{{HOST}}}"
+                f" unless on({WHERE}, job, sha256) placement_config_info{{{HOST}}})"
+                f" or on({WHERE}) (0 * count by ({WHERE}) (placement_config_info{{{HOST}}})))"
                 ", 1))",
                 "hosts not applied",
             ),
@@ -233,7 +241,7 @@ def health() -> Iterator[Panel]:
                     f'placement_process_state{{{HOST_RANK}, state!="running"}}',
                 )
                 + " == 1",
-                "{{instance}} {{rank}} {{state}}",
+                "{{instance}} {{pod}} {{rank}} {{state}}",
             )
         )
         .height(8)
@@ -248,8 +256,10 @@ def health() -> Iterator[Panel]:
             "Only the processes that are not up (placement_up 0: not running) or not bound "
             "(placement_bound 0: a planned bind not applied or not read back), while they "
             "are not: an empty panel is a healthy fleet.",
-            query(f"placement_up{{{HOST_RANK}}} == 0", "down {{instance}} {{rank}}"),
-            query(f"placement_bound{{{HOST_RANK}}} == 0", "unbound {{instance}} {{rank}}", "B"),
+            query(f"placement_up{{{HOST_RANK}}} == 0", "down {{instance}} {{pod}} {{rank}}"),
+            query(
+                f"placement_bound{{{HOST_RANK}}} == 0", "unbound {{instance}} {{pod}} {{rank}}", "B"
+            ),
         )
         .span(12)
         .min(0)
@@ -261,11 +271,11 @@ RATIO = f"placement_local_memory_ratio{{{HOST_RANK}}}"
 # The LOWEST host/rank pairs by their lowest ratio over the range (ranked once, at
 # its end), drawn at every step; and the thresholds of their hosts.
 LOWEST_RATIO_EXPR = (
-    f"{RATIO} and on(instance, rank) bottomk({LOWEST}, min_over_time({RATIO}[$__range] @ end()))"
+    f"{RATIO} and on({WHERE}, rank) bottomk({LOWEST}, min_over_time({RATIO}[$__range] @ end()))"
 )
 LOWEST_THRESHOLD_EXPR = (
-    f"max by (instance) (placement_local_memory_ratio_threshold{{{HOST}}})"
-    f" and on(instance) bottomk({LOWEST}, min_over_time({RATIO}[$__range] @ end()))"
+    f"max by ({WHERE}) (placement_local_memory_ratio_threshold{{{HOST}}})"
+    f" and on({WHERE}) bottomk({LOWEST}, min_over_time({RATIO}[$__range] @ end()))"
 )
 LOWEST_TABLE_EXPR = f"sort(bottomk({WORST_SERIES}, {RATIO}))"
 
@@ -278,8 +288,8 @@ def memory_locality() -> Iterator[Panel]:
             f"{LOWEST} host/rank pairs lowest over the time range, with their hosts' "
             "configured thresholds (dashed). Alert PlacementLocalMemoryLow when a rank stays "
             "below its host's threshold for 5 minutes.",
-            query(LOWEST_RATIO_EXPR, "{{instance}} rank {{rank}}"),
-            query(LOWEST_THRESHOLD_EXPR, "{{instance}} threshold", "B"),
+            query(LOWEST_RATIO_EXPR, "{{instance}} {{pod}} rank {{rank}}"),
+            query(LOWEST_THRESHOLD_EXPR, "{{instance}} {{pod}} threshold", "B"),
         )
         .span(12)
         .unit("percentunit")
@@ -309,7 +319,7 @@ def memory_locality() -> Iterator[Panel]:
                 id_val="organize",
                 options={
                     "excludeByName": {"Time": True, "__name__": True, "job": True},
-                    "indexByName": {"instance": 0, "rank": 1, "Value": 2},
+                    "indexByName": {"instance": 0, "pod": 1, "rank": 2, "Value": 3},
                     "renameByName": {"instance": "host", "Value": "local memory ratio"},
                 },
             )
@@ -343,7 +353,7 @@ def memory_locality() -> Iterator[Panel]:
             "choose a host).",
             query(
                 agg("sum", ("rank", "node"), f"placement_memory_bytes{{{HOST_RANK}}}"),
-                "{{instance}} rank {{rank}} node {{node}}",
+                "{{instance}} {{pod}} rank {{rank}} node {{node}}",
             ),
         )
         .span(10)
@@ -370,7 +380,7 @@ def host_failures_in_range(at: str = "") -> str:
 WORST_HOSTS_EXPR = f"sort_desc(topk({WORST_HOSTS}, {host_failures_in_range()}))"
 BIND_FAILURES_EXPR = (
     agg("sum", ("rank", "target", "reason"), increase(BIND_FAILURES))
-    + f" > 0 and on(instance) topk({WORST_HOSTS}, {host_failures_in_range(' @ end()')})"
+    + f" > 0 and on({WHERE}) topk({WORST_HOSTS}, {host_failures_in_range(' @ end()')})"
 )
 
 
@@ -382,7 +392,7 @@ def binding_and_drift() -> Iterator[Panel]:
             f"(gone, denied, invalid, managed): only series that are not 0, of the "
             f"{WORST_HOSTS} hosts with the most failures over the time range; legend "
             f"sorted by total.",
-            query(BIND_FAILURES_EXPR, "{{instance}} rank {{rank}} {{target}} {{reason}}"),
+            query(BIND_FAILURES_EXPR, "{{instance}} {{pod}} rank {{rank}} {{target}} {{reason}}"),
         )
         .span(8)
         .legend(ranked_legend())
@@ -401,7 +411,7 @@ def binding_and_drift() -> Iterator[Panel]:
                 id_val="organize",
                 options={
                     "excludeByName": {"Time": True},
-                    "indexByName": {"instance": 0, "Value": 1},
+                    "indexByName": {"instance": 0, "pod": 1, "Value": 2},
                     "renameByName": {"instance": "host", "Value": "bind failures"},
                 },
             )
@@ -424,7 +434,7 @@ def binding_and_drift() -> Iterator[Panel]:
             f"the {WORST_SERIES} with the most over the time range.",
             query(
                 nonzero_ranked("placement_drift_events_total", ("rank", "kind")),
-                "{{instance}} rank {{rank}} {{kind}}",
+                "{{instance}} {{pod}} rank {{rank}} {{kind}}",
             ),
         )
         .span(8)
@@ -438,10 +448,10 @@ def binding_and_drift() -> Iterator[Panel]:
             f"0 only, the {WORST_SERIES} with the most at any time in the range.",
             query(
                 agg("sum", ("rank", "kind"), findings)
-                + f" > 0 and on(instance, rank, kind) topk({WORST_SERIES}, "
+                + f" > 0 and on({WHERE}, rank, kind) topk({WORST_SERIES}, "
                 + agg("sum", ("rank", "kind"), f"max_over_time({findings}[$__range] @ end())")
                 + " > 0)",
-                "{{instance}} rank {{rank}} {{kind}}",
+                "{{instance}} {{pod}} rank {{rank}} {{kind}}",
             ),
         )
         .span(8)
@@ -455,7 +465,7 @@ def binding_and_drift() -> Iterator[Panel]:
             f"cpuset_changed, api: series not 0 only, the {WORST_SERIES} with the most.",
             query(
                 nonzero_ranked("placement_rebinds_total", ("rank", "reason")),
-                "{{instance}} rank {{rank}} {{reason}}",
+                "{{instance}} {{pod}} rank {{rank}} {{reason}}",
             ),
         )
         .span(8)
@@ -466,7 +476,9 @@ def binding_and_drift() -> Iterator[Panel]:
             "Cpuset changes",
             "Changes of the supervisor's allowed cpuset (each one re-plans): hosts with any, "
             f"the {WORST_SERIES} with the most.",
-            query(nonzero_ranked("placement_cpuset_changes_total", (), HOST), "{{instance}}"),
+            query(
+                nonzero_ranked("placement_cpuset_changes_total", (), HOST), "{{instance}} {{pod}}"
+            ),
         )
         .span(8)
         .legend(ranked_legend())
@@ -479,7 +491,7 @@ def binding_and_drift() -> Iterator[Panel]:
             f"series not 0 only, the {WORST_SERIES} with the most.",
             query(
                 nonzero_ranked("placement_host_bind_failures_total", ("target", "reason"), HOST),
-                "{{instance}} {{target}} {{reason}}",
+                "{{instance}} {{pod}} {{target}} {{reason}}",
             ),
         )
         .span(8)
@@ -493,8 +505,8 @@ def binding_and_drift() -> Iterator[Panel]:
 PLANNED_CPUS = agg("sum", ("rank", "role"), f"placement_planned_cpus{{{HOST_RANK}}}")
 MEMPOLICY = agg("max", ("rank", "policy"), f"placement_mempolicy{{{HOST_RANK}}}") + " == 1"
 PLAN_EXPR = (
-    f"{PLANNED_CPUS} * on(instance, rank) group_left(policy) ({MEMPOLICY})"
-    f" or on(instance, rank, role) {PLANNED_CPUS}"
+    f"{PLANNED_CPUS} * on({WHERE}, rank) group_left(policy) ({MEMPOLICY})"
+    f" or on({WHERE}, rank, role) {PLANNED_CPUS}"
 )
 
 
@@ -505,7 +517,8 @@ def processes() -> Iterator[Panel]:
             "Restarts by the supervisor (alert PlacementRankCrashLooping at 3 in 15 minutes): "
             f"processes with any, the {WORST_SERIES} with the most.",
             query(
-                nonzero_ranked("placement_restarts_total", ("rank",)), "{{instance}} rank {{rank}}"
+                nonzero_ranked("placement_restarts_total", ("rank",)),
+                "{{instance}} {{pod}} rank {{rank}}",
             ),
         )
         .span(8)
@@ -515,7 +528,10 @@ def processes() -> Iterator[Panel]:
         graph(
             "Restart backoff",
             "Delay before the next start while a process is in backoff (only those).",
-            query(f"placement_backoff_seconds{{{HOST_RANK}}} > 0", "{{instance}} rank {{rank}}"),
+            query(
+                f"placement_backoff_seconds{{{HOST_RANK}}} > 0",
+                "{{instance}} {{pod}} rank {{rank}}",
+            ),
         )
         .span(8)
         .unit("s")
@@ -526,7 +542,7 @@ def processes() -> Iterator[Panel]:
         "choose a host).",
         query(
             agg("sum", ("rank", "role"), f"placement_threads{{{HOST_RANK}}}"),
-            "{{instance}} rank {{rank}} {{role}}",
+            "{{instance}} {{pod}} rank {{rank}} {{role}}",
         ),
     ).span(8)
     yield (
@@ -544,7 +560,14 @@ def processes() -> Iterator[Panel]:
                 id_val="organize",
                 options={
                     "excludeByName": {"Time": True},
-                    "indexByName": {"instance": 0, "rank": 1, "role": 2, "Value": 3, "policy": 4},
+                    "indexByName": {
+                        "instance": 0,
+                        "pod": 1,
+                        "rank": 2,
+                        "role": 3,
+                        "Value": 4,
+                        "policy": 5,
+                    },
                     "renameByName": {"Value": "CPUs", "policy": "memory policy"},
                 },
             )
@@ -556,7 +579,7 @@ def processes() -> Iterator[Panel]:
 
 def host_table(title: str, description: str, expr: str, columns: dict[str, str]) -> Panel:
     """An instant table of `expr`'s series, one row each: host, then `columns` (label: heading)."""
-    order = {"instance": 0, **{label: i + 1 for i, label in enumerate(columns)}}
+    order = {"instance": 0, "pod": 1, **{label: i + 2 for i, label in enumerate(columns)}}
     return (
         table.Panel()
         .title(title)
@@ -580,7 +603,7 @@ def host_table(title: str, description: str, expr: str, columns: dict[str, str])
 # A capability the host denies while the config wants it (placement_capability_wanted).
 MISSING_CAPABILITIES = (
     f"placement_capability{{{HOST}}} == 0"
-    f" and on(instance, name) placement_capability_wanted{{{HOST}}} == 1"
+    f" and on({WHERE}, name) placement_capability_wanted{{{HOST}}} == 1"
 )
 CONFIG_HASHES = f"placement_config_info{{{HOST}}}"
 
@@ -607,7 +630,7 @@ def config_and_capabilities() -> Iterator[Panel]:
             f"{WORST_SERIES} with the most over the time range.",
             query(
                 nonzero_ranked("placement_config_reloads_total", ("result",), HOST),
-                "{{instance}} {{result}}",
+                "{{instance}} {{pod}} {{result}}",
             ),
         )
         .span(8)
@@ -632,9 +655,11 @@ def checks() -> Iterator[Panel]:
             query(
                 f"rate(placement_check_duration_seconds_sum{{{HOST}}}[$__rate_interval])"
                 f" / rate(placement_check_duration_seconds_count{{{HOST}}}[$__rate_interval])",
-                "mean {{instance}}",
+                "mean {{instance}} {{pod}}",
             ),
-            query(f"placement_last_check_duration_seconds{{{HOST}}}", "last {{instance}}", "B"),
+            query(
+                f"placement_last_check_duration_seconds{{{HOST}}}", "last {{instance}} {{pod}}", "B"
+            ),
         )
         .span(12)
         .unit("s")
@@ -645,7 +670,7 @@ def checks() -> Iterator[Panel]:
             "How often checks finish (drift.check_interval_s).",
             query(
                 f"rate(placement_check_duration_seconds_count{{{HOST}}}[$__rate_interval])",
-                "{{instance}}",
+                "{{instance}} {{pod}}",
             ),
         )
         .span(12)
@@ -684,6 +709,12 @@ def variables() -> list[Builder[dm.VariableModel]]:
         .sort(dm.VariableSort.ALPHABETICAL_ASC),
         label_values("host", "instance", 'placement_info{node=~"$node"}')
         .label("Host")
+        .sort(dm.VariableSort.ALPHABETICAL_ASC),
+        # A node agent's containers' pods on the hosts chosen; "All" (.*) also keeps a
+        # supervisor's series without any pod label (off Kubernetes).
+        label_values("pod", "pod", 'placement_up{instance=~"$host", node=~"$node"}')
+        .label("Pod")
+        .all_value(".*")
         .sort(dm.VariableSort.ALPHABETICAL_ASC),
         label_values("rank", "rank", f"placement_up{{{HOST}}}")
         .label("Rank")

@@ -12,9 +12,10 @@ stopped (SIGTERM: it detaches, the engine runs on) when its container goes, and
 all are stopped on the agent's own SIGTERM. The agent writes no cgroup: the
 children run with `cgroup = "off"`.
 
-GET /placement lists the containers with their shares and each child's own
-/placement; GET /metrics is the children's /metrics with `container` and `pod`
-labels on every sample.
+GET /placement lists the containers with their shares, names and each child's
+own /placement; GET /metrics is the children's /metrics with the same seven
+labels on every sample (LABEL_NAMES: the Kubernetes names the kubelet's log tree
+gives, supervisor.agent.kube_names, else the systemd unit or the cgroup).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ from typing import Any
 
 from aiohttp import ClientSession, ClientTimeout, web
 
-from supervisor.agent.containers import Container, find_containers
+from supervisor.agent.containers import Container, ContainerRef, find_containers
+from supervisor.agent.kube_names import KubeNames, read_kube_names
 from supervisor.agent.shares import compute_shares
 from supervisor.cpulist import format_cpulist
 from supervisor.hostfs import HostFS
@@ -66,6 +68,8 @@ class AgentOptions:
     base_config: Mapping[str, Any] = field(default_factory=dict)
     state_dir: Path = Path("/run/placement-supervisor-agent")
     root: str = "/"
+    # The kubelet's log tree (under `root`), where the pods' and containers' names are.
+    kube_logs: str = "/var/log"
 
 
 def child_config(base: Mapping[str, Any], cgroup: str, kind: str) -> dict[str, Any]:
@@ -80,6 +84,62 @@ def child_config(base: Mapping[str, Any], cgroup: str, kind: str) -> dict[str, A
     # the base config turns them on (for a node with one engine container).
     doc.setdefault("irq", {}).setdefault("enabled", False)
     return doc
+
+
+# Every sample of the agent's /metrics carries these, in this order, "" when unknown
+# (Prometheus stores an empty label as no label): one label set per series, whatever
+# the container. In Kubernetes: `namespace` and `pod` (the pod's names), `pod_uid`,
+# `container` (its name in the pod spec; id12 when the names are not found) and
+# `container_id` (id12). Outside it: `container` and `container_id` are id12,
+# `unit` the systemd unit that is the container's cgroup (`docker-<id>.scope`, a
+# `--cgroup-root /system.slice` child `vllm.service`), else `cgroup` its path.
+LABEL_NAMES = ("namespace", "pod", "pod_uid", "container", "container_id", "unit", "cgroup")
+
+
+@dataclass(frozen=True, slots=True)
+class Names:
+    """What a container is called: its Kubernetes names where the kubelet gives them."""
+
+    namespace: str | None = None
+    pod: str | None = None
+    container: str | None = None
+
+
+def names_of(ref: ContainerRef, kube: KubeNames | None) -> Names:
+    """`ref`'s Kubernetes names in `kube`; none outside a pod or where not found (pure)."""
+    if kube is None or ref.pod_uid is None:
+        return Names()
+    named = kube.container(ref.pod_uid, ref.container_id)
+    if named is not None:
+        return Names(named.pod.namespace, named.pod.name, named.container)
+    pod = kube.pod(ref.pod_uid)  # the pod's directory, when its container's link is not
+    return Names() if pod is None else Names(pod.namespace, pod.name)
+
+
+def container_labels(ref: ContainerRef, names: Names) -> dict[str, str]:
+    """The LABEL_NAMES of `ref`'s series, each a string (pure)."""
+    id12 = ref.container_id[:12]
+    leaf = ref.cgroup.rsplit("/", 1)[-1]
+    unit = leaf if ref.pod_uid is None and leaf.endswith((".scope", ".service")) else ""
+    return {
+        "namespace": names.namespace or "",
+        "pod": names.pod or "",
+        "pod_uid": ref.pod_uid or "",
+        "container": names.container or id12,
+        "container_id": id12,
+        "unit": unit,
+        "cgroup": ref.cgroup if ref.pod_uid is None and not unit else "",
+    }
+
+
+def format_labels(labels: Mapping[str, str]) -> str:
+    """`a="x",b="y"` with each value escaped as the text exposition format says
+    (backslash, double quote and line feed: a cgroup path may hold any of them) (pure)."""
+    return ",".join(f'{k}="{escape_label_value(v)}"' for k, v in labels.items())
+
+
+def escape_label_value(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 def relabel_metrics(text: str, labels: str, seen: set[str]) -> list[str]:
@@ -140,6 +200,8 @@ class NodeAgent:
         self.options = options
         self.managed: dict[str, Managed] = {}  # by container cgroup
         self.session: ClientSession | None = None
+        self.kube: KubeNames | None = None  # the last pass's names; None: no log tree
+        self.reported: set[str] = set()  # the log tree's problems already logged
 
     # -- the loop --------------------------------------------------------------------------
 
@@ -155,8 +217,16 @@ class NodeAgent:
                 out.append((c, self.options.kind_default))
         return out
 
+    def read_names(self) -> KubeNames | None:
+        return read_kube_names(HostFS(self.options.root), self.options.kube_logs)
+
     async def pass_once(self) -> None:
         engines = await asyncio.to_thread(self.engines)
+        self.kube = await asyncio.to_thread(self.read_names)
+        for problem in () if self.kube is None else self.kube.problems:
+            if problem not in self.reported:  # once each: the pass runs every 2 s
+                self.reported.add(problem)
+                log(f"kubelet log entry skipped {problem} action=no names from it")
         by_cgroup = {c.ref.cgroup: (c, kind) for c, kind in engines}
         for cgroup in sorted(set(self.managed) - set(by_cgroup)):
             m = self.managed.pop(cgroup)
@@ -280,10 +350,14 @@ class NodeAgent:
                 with contextlib.suppress(ValueError):
                     placement = json.loads(got[1])
             c = m.container
+            names = names_of(c.ref, self.kube)
             docs.append(
                 {
                     "container_id": c.ref.container_id,
                     "pod_uid": c.ref.pod_uid,
+                    "namespace": names.namespace,
+                    "pod": names.pod,
+                    "container": names.container,
                     "cgroup": cgroup,
                     "kind": m.kind,
                     "cpus": None if c.cpus is None else format_cpulist(c.cpus),
@@ -304,8 +378,8 @@ class NodeAgent:
         for (_, m), got in zip(managed, answers, strict=True):
             if got is None or got[0] != 200:
                 continue
-            pod = m.container.ref.pod_uid or ""
-            labels = f'container="{m.container.ref.container_id[:12]}",pod="{pod}"'
+            ref = m.container.ref
+            labels = format_labels(container_labels(ref, names_of(ref, self.kube)))
             lines += relabel_metrics(got[1], labels, seen)
         return "\n".join(lines) + "\n"
 
@@ -379,6 +453,7 @@ def options_from(
     base_config: str | None,
     state_dir: str | None,
     pods: Sequence[str] = (),
+    kube_logs: str = "/var/log",
 ) -> AgentOptions:
     return AgentOptions(
         listen=parse_host_port(listen),
@@ -388,4 +463,5 @@ def options_from(
         pods=tuple(pods),
         base_config=load_base_config(base_config),
         state_dir=Path(state_dir or "/run/placement-supervisor-agent"),
+        kube_logs=kube_logs,
     )

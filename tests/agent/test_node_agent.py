@@ -24,17 +24,25 @@ from pathlib import Path
 from typing import Any, cast
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-from supervisor.agent.containers import Container, ContainerRef
+from supervisor.agent.containers import Container, ContainerRef, container_of
+from supervisor.agent.kube_names import read_kube_names
 from supervisor.agent.node import (
+    LABEL_NAMES,
     AgentOptions,
     Managed,
+    Names,
     NodeAgent,
     child_config,
+    container_labels,
+    format_labels,
+    names_of,
     relabel_metrics,
     to_toml,
 )
 from supervisor.cpulist import format_cpulist, parse_cpulist
+from supervisor.hostfs import HostFS
 from supervisor.procfs.identity import ProcessId
 from tests.support.children import thread_cpus
 from tests.support.daemon_support import REPO, daemon_env, free_port, get_json, stop_process
@@ -67,6 +75,63 @@ def test_metrics_get_the_container_s_labels_and_help_lines_once() -> None:
     assert relabel_metrics("# HELP a_total A.\na_total 4\n", 'container="y"', seen) == [
         'a_total{container="y"} 4'
     ]
+
+
+UID = "0f2d8a9e-5b1c-4c7e-9f00-1234567890ab"
+CID = "4b825dc642cb6eb9a060e54bf8d69288fbee4904" + "0" * 24
+
+
+def kubelet_link(logs: Path, pod: str, ns: str, uid: str, *, container: str, cid: str) -> None:
+    """The link the kubelet makes under /var/log/containers (legacyLogSymlink)."""
+    (logs / "containers").mkdir(parents=True, exist_ok=True)
+    target = f"/var/log/pods/{ns}_{pod}_{uid}/{container}/0.log"
+    (logs / "containers" / f"{pod}_{ns}_{container}-{cid}.log").symlink_to(target)
+
+
+@pytest.mark.parametrize(
+    ("cgroup", "named", "want"),
+    [
+        # Kubernetes, names found: the pod's and the container's.
+        (f"/kubepods/burstable/pod{UID}/{CID}", True,
+         {"namespace": "ml", "pod": "vllm-0", "pod_uid": UID, "container": "engine"}),
+        # Kubernetes, no names (no log tree, or no link yet): ids only.
+        (f"/kubepods/pod{UID}/{CID}", False, {"pod_uid": UID, "container": CID[:12]}),
+        (f"/kubepods.slice/kubepods-pod{UID.replace('-', '_')}.slice/cri-containerd-{CID}.scope",
+         False, {"pod_uid": UID, "container": CID[:12]}),  # a scope, but a pod's: no unit
+        # Outside Kubernetes: the systemd unit, else the cgroup.
+        (f"/system.slice/docker-{CID}.scope", False,
+         {"container": CID[:12], "unit": f"docker-{CID}.scope"}),
+        (f"/docker/{CID}", False, {"container": CID[:12], "cgroup": f"/docker/{CID}"}),
+    ],
+)  # fmt: skip
+def test_every_series_gets_the_same_labels_named_as_well_as_known(
+    tmp_path: Path, cgroup: str, named: bool, want: dict[str, str]
+) -> None:
+    kubelet_link(tmp_path / "log", "vllm-0", "ml", UID, container="engine", cid=CID)
+    kube = read_kube_names(HostFS(str(tmp_path)), "log") if named else None
+    ref = container_of(cgroup)
+    assert ref is not None
+    labels = container_labels(ref, names_of(ref, kube))
+    assert tuple(labels) == LABEL_NAMES
+    assert labels == dict.fromkeys(LABEL_NAMES, "") | {"container_id": CID[:12]} | want
+
+
+def test_a_pod_without_its_container_s_link_is_named_by_its_directory(tmp_path: Path) -> None:
+    (tmp_path / f"log/pods/ml_vllm-0_{UID}/engine").mkdir(parents=True)
+    ref = container_of(f"/kubepods/pod{UID}/{CID}")
+    assert ref is not None
+    kube = read_kube_names(HostFS(str(tmp_path)), "log")
+    assert names_of(ref, kube) == Names("ml", "vllm-0", None)
+    assert container_labels(ref, names_of(ref, kube))["container"] == CID[:12]
+
+
+def test_a_label_value_is_escaped_as_the_exposition_format_says() -> None:
+    ref = ContainerRef('/runners/a"b\\c\nd', "x" * 12, "extra")
+    text = format_labels(container_labels(ref, Names()))
+    assert text.endswith(',unit="",cgroup="/runners/a\\"b\\\\c\\nd"'), text
+    # prometheus_client's parser reads it back as it was.
+    parsed = next(text_string_to_metric_families(f"m{{{text}}} 1\n")).samples[0].labels
+    assert parsed["cgroup"] == ref.cgroup
 
 
 # -- real containers ----------------------------------------------------------------------
@@ -150,6 +215,11 @@ def test_two_overlapping_runc_containers_are_placed_on_disjoint_shares(tmp_path:
             binds=binds,
         )
     (tmp_path / "base.toml").write_text(BASE)
+    # The kubelet's log tree (not the host's /var/log): a link for the first container;
+    # the second has none yet, so its pod is named by the pod's directory alone.
+    logs = tmp_path / "varlog"
+    kubelet_link(logs, "vllm-0", "ml", pod, container="engine", cid=cids[0])
+    (logs / f"pods/ml_vllm-0_{pod}/engine").mkdir(parents=True)
     port = free_port()
     agent: subprocess.Popen[bytes] | None = None
     log = tmp_path / "agent.log"
@@ -167,6 +237,7 @@ def test_two_overlapping_runc_containers_are_placed_on_disjoint_shares(tmp_path:
                         *("--listen", f"127.0.0.1:{port}", "--interval-s", "1", "--pod", pod),
                         *("--base-config", str(tmp_path / "base.toml")),
                         *("--state-dir", str(tmp_path / "state")),
+                        *("--kube-logs", str(logs)),
                     ],
                     cwd=REPO,
                     env=daemon_env(),
@@ -187,9 +258,30 @@ def test_two_overlapping_runc_containers_are_placed_on_disjoint_shares(tmp_path:
             assert [d["share"] for d in docs] == ["0", "1"], docs
             assert all(d["cpus"] == "0-1" and d["pod_uid"] == pod for d in docs)
             assert all(d["kind"] == "vllm" and d["reason"] is None for d in docs)
+            names = [(d["namespace"], d["pod"], d["container"]) for d in docs]
+            assert names == [("ml", "vllm-0", "engine"), ("ml", "vllm-0", None)]
             metrics = _get_text(f"{url}/metrics")
-            for cid in cids:
-                assert f'container="{cid[:12]}",pod="{pod}"' in metrics, metrics[:2000]
+            families = list(text_string_to_metric_families(metrics))
+            ranks = {
+                (s.labels["container"], s.labels["rank"])
+                for f in families
+                if f.name == "placement_up"
+                for s in f.samples
+            }
+            assert ranks == {(c, r) for c in ("engine", cids[1][:12]) for r in ("engine", "0", "1")}
+            for f in families:  # every sample: the seven labels, named as far as known
+                for s in f.samples:
+                    mine = {k: s.labels.get(k) for k in LABEL_NAMES}
+                    container = "engine" if s.labels["container_id"] == cids[0][:12] else None
+                    assert mine == {
+                        "namespace": "ml",
+                        "pod": "vllm-0",
+                        "pod_uid": pod,
+                        "container": container or cids[1][:12],
+                        "container_id": (cids[0] if container else cids[1])[:12],
+                        "unit": "",
+                        "cgroup": "",
+                    }, s
 
             # One container goes: its entry leaves /placement, its supervisor exits.
             gone_child = docs[0]["child_pid"]

@@ -1,9 +1,11 @@
 """The Grafana dashboard is code: configs/grafana/dashboard.py (grafana-foundation-sdk).
 
 - The committed `placement-supervisor.json` is exactly the generator's output.
-- A fleet is one job with one `instance` per host, so every aggregation groups by
-  `instance` and every vector match is `on(...)` `instance`: "All" hosts must never
-  add rank 0 of one host to rank 0 of another.
+- A fleet is one job with one `instance` per host, and a node agent serves one
+  supervisor per container under one `instance` (with its `namespace`, `pod` and
+  `container`), so every aggregation groups by all four (KEEP) and every vector match
+  is `on(...)` them: "All" must never add rank 0 of one host, or of one container, to
+  rank 0 of another.
 - Every metric name a panel or variable uses is one the daemon exports.
 
 tests/serve/test_prometheus.py runs every query against a real Prometheus.
@@ -79,8 +81,13 @@ def _after_parens(expr: str, start: int) -> int:
 SELECTIONS = ("topk", "bottomk", "limitk", "limit_ratio")
 
 
+# The labels that tell one supervisor's series from another's.
+KEEP = frozenset({"instance", "namespace", "pod", "container"})
+
+
 def instance_mergers(expr: str) -> list[str]:
-    """The parts of `expr` that merge series of different hosts (empty when none do)."""
+    """The parts of `expr` that merge series of different hosts or of different
+    containers of one node agent (empty when none do)."""
     found: list[str] = []
     for m in _AGGREGATION.finditer(expr):
         op, clause, labels = m.groups()
@@ -90,14 +97,15 @@ def instance_mergers(expr: str) -> list[str]:
             after = _CLAUSE_AFTER.match(expr, _after_parens(expr, m.end()))
             if after is not None:
                 clause, labels = after.groups()
-        keeps = (clause == "by" and "instance" in _labels(labels)) or (
-            clause == "without" and "instance" not in _labels(labels)
+        keeps = (clause == "by" and _labels(labels) >= KEEP) or (
+            clause == "without" and not KEEP & _labels(labels)
         )
         if not keeps:
             found.append(f"{op} {clause or ''}({labels or ''})")
     for m in _MATCHING.finditer(expr):
         keyword, labels = m.groups()
-        if ("instance" in _labels(labels)) != (keyword == "on"):
+        on = keyword == "on"
+        if (not _labels(labels) >= KEEP) if on else bool(KEEP & _labels(labels)):
             found.append(m.group(0))
     return found
 
@@ -179,19 +187,25 @@ def test_the_host_rule_catches_what_merges_hosts() -> None:
         "a * on(rank) group_left(policy) b",
         "a and ignoring(instance) b",
         "sum by (instance) (x) or on(rank) sum by (instance, rank) (y)",
+        # One instance, a node agent's, serves several containers' ranks.
+        "sum by (instance, rank) (placement_up)",
+        "sum by (instance, namespace, pod, rank) (placement_up)",
+        "a * on(instance, rank) group_left(policy) b",
+        "a and ignoring(pod) b",
+        "max without (container) (placement_up)",
     ]
     for expr in merging:
         assert instance_mergers(expr), expr
     keeping = [
-        "sum by (instance, rank) (placement_up)",
-        "sum(rate(placement_restarts_total[5m])) by (rank, instance)",
+        "sum by (instance, namespace, pod, container, rank) (placement_up)",
+        "sum(rate(placement_restarts_total[5m])) by (rank, container, pod, namespace, instance)",
         "sum without (rank) (placement_up)",
         "max_over_time(placement_up[5m])",
         "rate(placement_check_duration_seconds_count[5m])",
-        "a * on(instance, rank) group_left(policy) b",
+        "a * on(instance, namespace, pod, container, rank) group_left(policy) b",
         "a / ignoring(rank) b",
         "topk(3, placement_threads)",  # a selection: each series keeps its instance
-        "sort_desc(topk(10, sum by (instance) (x) > 0))",
+        "sort_desc(topk(10, sum by (instance, namespace, pod, container) (x) > 0))",
     ]
     for expr in keeping:
         assert not instance_mergers(expr), expr
@@ -199,7 +213,7 @@ def test_the_host_rule_catches_what_merges_hosts() -> None:
 
 def test_host_and_rank_variables() -> None:
     variables = {v["name"]: v for v in dashboard()["templating"]["list"]}
-    assert list(variables) == ["datasource", "node", "host", "rank"]
+    assert list(variables) == ["datasource", "node", "host", "pod", "rank"]
     assert variables["node"]["query"]["query"] == "label_values(placement_info, node)"
     assert variables["node"]["allValue"] == ".*"  # off Kubernetes: no `node` label at all
     assert (
@@ -207,7 +221,15 @@ def test_host_and_rank_variables() -> None:
         == 'label_values(placement_info{node=~"$node"}, instance)'
     )
     assert variables["host"]["includeAll"] and variables["host"]["multi"]
+    # The pods of the hosts chosen; "All" (.*) matches a series without a pod label too.
+    assert (
+        variables["pod"]["query"]["query"]
+        == 'label_values(placement_up{instance=~"$host", node=~"$node"}, pod)'
+    )
+    assert variables["pod"]["includeAll"] and variables["pod"]["multi"]
+    assert variables["pod"]["allValue"] == ".*"
     assert 'instance=~"$host"' in variables["rank"]["query"]["query"]
+    assert 'pod=~"$pod"' in variables["rank"]["query"]["query"]
 
 
 def test_tables_with_several_queries_join_them() -> None:

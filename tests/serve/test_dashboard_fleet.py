@@ -190,6 +190,7 @@ def as_grafana(expr: str, range_s: int) -> str:
     """Grafana's variables for "All" hosts and ranks and a dashboard range of `range_s`."""
     return (
         expr.replace("$node", ".*")  # "All" nodes: also series without a node label
+        .replace("$pod", ".*")  # "All" pods: also series without a pod label
         .replace("$host", ".+")
         .replace("$rank", ".+")
         .replace("$__rate_interval", "10m")

@@ -4,8 +4,10 @@
 - A real Prometheus (loopback, temp storage, 1 s scrapes and rule evaluation)
   scrapes two targets: the demo daemon (`python -m supervisor run --config
   supervisor/demo/demo.toml`) and the snapshot harness (`python -m
-  tests.support.api_fixture`, an ApiServer over a planned 4-GPU snapshot). Against
-  each target, every expression of every dashboard panel, both template
+  tests.support.api_fixture`, an ApiServer over a planned 4-GPU snapshot), and a
+  node agent's /metrics: the harness's series as the agent serves them for two
+  containers of two pods (its own relabelling and labels, supervisor.agent.node).
+  Against each target, every expression of every dashboard panel, both template
   variables, and every alert rule must return data through the HTTP query API
   (a panel that shows only non-zero series is checked without its `> 0`).
   tests/serve/test_dashboard_fleet.py loads 20 hosts of series for the bind
@@ -23,11 +25,13 @@ rest must return data for the target, i.e. the series the alert watches exist
 
 from __future__ import annotations
 
+import http.server
 import json
 import re
 import shutil
 import subprocess
 import sys
+import threading
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -37,6 +41,8 @@ from typing import Any
 
 import pytest
 
+from supervisor.agent.containers import ContainerRef
+from supervisor.agent.node import Names, container_labels, format_labels, relabel_metrics
 from supervisor.listen import parse_listen
 from supervisor.serve.metrics import build_registry
 from supervisor.serve.status import http_request
@@ -148,6 +154,7 @@ def test_dashboard_shape_and_names() -> None:
         for t in p["targets"]:
             assert t["datasource"]["uid"] == "${datasource}", p["title"]
             assert 'instance=~"$host"' in t["expr"], (p["title"], t["expr"])
+            assert 'pod=~"$pod"' in t["expr"], (p["title"], t["expr"])
             names = set(re.findall(r"\bplacement_[a-z_]+", t["expr"]))
             assert names and names <= exported, (p["title"], names - exported)
     # The required metrics of docs/contracts.md §5 each have a panel.
@@ -203,6 +210,42 @@ def start(name: str, argv: list[str], tmp: Path, **kw: Any) -> Proc:
     return Proc(name, popen, log)
 
 
+# The node agent's two containers: (pod name, pod UID, container id).
+AGENT_PODS = (
+    ("vllm-0", "0f2d8a9e-5b1c-4c7e-9f00-1234567890ab", "a" * 64),
+    ("vllm-1", "9c1e7a52-0d3b-4f6e-8a11-fedcba098765", "b" * 64),
+)
+
+
+def serve_as_agent(upstream: str) -> http.server.ThreadingHTTPServer:
+    """A /metrics that is `upstream`'s, as the node agent serves its children's: once
+    per container, with that container's labels (the agent's own code)."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            with urllib.request.urlopen(f"http://{upstream}/metrics", timeout=5) as resp:
+                text = resp.read().decode()
+            seen: set[str] = set()
+            lines: list[str] = []
+            for pod, uid, cid in AGENT_PODS:
+                ref = ContainerRef(f"/kubepods/pod{uid}/{cid}", cid, "kubelet-cgroupfs", uid)
+                labels = format_labels(container_labels(ref, Names("ml", pod, "engine")))
+                lines += relabel_metrics(text, labels, seen)
+            body = ("\n".join(lines) + "\n").encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
 @dataclass
 class Stack:
     prometheus: str  # base URL
@@ -223,6 +266,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         pytest.skip("no prometheus binary")
     tmp = tmp_path_factory.mktemp("prom")
     procs: list[Proc] = []
+    agent: http.server.ThreadingHTTPServer | None = None
     try:
         # The demo daemon, with a private port for its engine's readiness probe
         # so that other demo runs on this machine cannot collide with it.
@@ -251,6 +295,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         line = wait_for("the harness's address", harness.log.read_text, 30, procs)
         harness_addr = json.loads(line.splitlines()[0])["addresses"][0]
         daemon_addr = f"127.0.0.1:{daemon_port}"
+        agent = serve_as_agent(harness_addr)
+        agent_addr = f"127.0.0.1:{agent.server_address[1]}"
         prom_port = free_port()
         (tmp / "prometheus.yml").write_text(
             json.dumps(  # JSON is YAML
@@ -260,7 +306,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                     "scrape_configs": [
                         {
                             "job_name": JOB,
-                            "static_configs": [{"targets": [daemon_addr, harness_addr]}],
+                            "static_configs": [
+                                {"targets": [daemon_addr, harness_addr, agent_addr]}
+                            ],
                         }
                     ],
                 }
@@ -279,24 +327,28 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         )
         procs.append(prom)
         base = f"http://127.0.0.1:{prom_port}"
-        s = Stack(base, {"daemon": daemon_addr, "harness": harness_addr}, procs)
+        instances = {"daemon": daemon_addr, "harness": harness_addr, "agent": agent_addr}
+        s = Stack(base, instances, procs)
 
         def targets_up() -> bool:
             doc = get_json(f"{base}/api/v1/targets")
             health = {t["labels"]["instance"]: t["health"] for t in doc["data"]["activeTargets"]}
             return all(health.get(addr) == "up" for addr in s.instances.values())
 
-        wait_for("both targets scraped", targets_up, 90, procs)
+        wait_for("every target scraped", targets_up, 90, procs)
         yield s
     finally:
+        if agent is not None:
+            agent.shutdown()
         for p in reversed(procs):
             p.stop()
 
 
-def substitute(expr: str, instance: str) -> str:
-    """Grafana's variables as Grafana would expand them for one host."""
+def substitute(expr: str, instance: str, pod: str = ".*") -> str:
+    """Grafana's variables as Grafana would expand them for one host (and pod: "All")."""
     return (
         expr.replace("$host", instance)  # a regex matching itself: dots match dots too
+        .replace("$pod", pod)
         .replace("$node", ".*")  # "All": outside Kubernetes no series has a node label
         .replace("$rank", ".+")
         .replace("$__rate_interval", "10s")
@@ -334,7 +386,7 @@ def missing_until_deadline(
     return missing
 
 
-TARGETS = ["harness", "daemon"]
+TARGETS = ["harness", "daemon", "agent"]
 _NONZERO = re.compile(r"\s*>\s*0(?![.\d])")
 # A panel's own filter: a comparison with a number that ends the query or one
 # side of its top-level `and` (not one inside a group_left's parentheses).
@@ -345,12 +397,15 @@ _FILTER = re.compile(r"\s*(?:==|!=|>=|<=|>|<)\s*-?[0-9]+(?:\.[0-9]+)?(?=\s*$|\s+
 @pytest.mark.parametrize("target", TARGETS)
 def test_every_dashboard_query_returns_data(stack: Stack, target: str) -> None:
     instance = stack.instances[target]
+    # The agent's one pod of two, as a user picks it; the others have no pod label
+    # at all, and "All" (.*) must keep them.
+    pod = AGENT_PODS[0][0] if target == "agent" else ".*"
     doc = json.loads(DASHBOARD.read_text())
     # Panels that show only what is wrong (bind failures `> 0`, processes down
     # `== 0`, a state other than running `== 1`) are checked without that
     # filter: the series under it must exist.
     checks = [
-        (title, _FILTER.sub("", _NONZERO.sub("", substitute(expr, instance))))
+        (title, _FILTER.sub("", _NONZERO.sub("", substitute(expr, instance, pod))))
         for title, expr in dashboard_exprs()
     ]
     # The template variables: Grafana's label_values(metric, label) is the label API.
@@ -359,7 +414,7 @@ def test_every_dashboard_query_returns_data(stack: Stack, target: str) -> None:
             continue
         m = re.fullmatch(r"label_values\((.+), (\w+)\)", var["query"]["query"])
         assert m, var["query"]
-        selector = substitute(m.group(1), instance)
+        selector = substitute(m.group(1), instance, pod)
         url = f"{stack.prometheus}/api/v1/label/{m.group(2)}/values?" + urllib.parse.urlencode(
             {"match[]": selector}
         )
@@ -368,11 +423,26 @@ def test_every_dashboard_query_returns_data(stack: Stack, target: str) -> None:
             # "All" (.*) then keeps every host, as the host query shows.
             assert get_json(url)["data"] == []
             continue
+        if var["name"] == "pod" and target != "agent":
+            # Off a node agent (and off Kubernetes) no series has a pod label:
+            # "All" (.*) keeps them, as every panel's query shows below.
+            assert get_json(url)["data"] == []
+            continue
         values = wait_for(f"variable {var['name']}", lambda u=url: get_json(u)["data"], 30, [])
         if var["name"] == "host":
             assert instance in values
+    pods = get_json(
+        f"{stack.prometheus}/api/v1/label/pod/values?"
+        + urllib.parse.urlencode({"match[]": f'placement_up{{instance="{instance}"}}'})
+    )["data"]
+    assert pods == ([p for p, _, _ in AGENT_PODS] if target == "agent" else []), pods
     missing = missing_until_deadline(stack, checks, 45)
     assert not missing, f"{target}: panels without data: {missing}"
+    if target == "agent":  # the pod chosen, and only it
+        for title, expr in checks:
+            shown = {r["metric"].get("pod") for r in stack.query(expr)}
+            assert shown <= {pod, None}, (title, expr, shown)
+            assert "vllm-1" not in shown
 
 
 @needs_prometheus
@@ -398,8 +468,10 @@ def test_every_alert_rule_evaluates_and_watches_existing_series(stack: Stack, ta
     wait_for("rules evaluated with health ok", evaluated, 30, [])
     # The conditions judge real data right: the harness's snapshot has one
     # standing drift finding (rank 1), which makes exactly that alert pending;
-    # the demo daemon is healthy.
-    expected = {"harness": {"PlacementDriftPersists"}, "daemon": set()}[target]
+    # the demo daemon is healthy; the agent serves the harness's series for two
+    # containers: the alert stands for each of them, by its pod.
+    drift = {"PlacementDriftPersists"}
+    expected = {"harness": drift, "daemon": set(), "agent": drift}[target]
 
     def alerts() -> set[str]:
         found = stack.query(f'ALERTS{{instance="{instance}"}}')
@@ -407,6 +479,9 @@ def test_every_alert_rule_evaluates_and_watches_existing_series(stack: Stack, ta
 
     wait_until(lambda: alerts() == expected, 20, 0.5)
     assert alerts() == expected
+    if target == "agent":
+        found = stack.query(f'ALERTS{{instance="{instance}"}}')
+        assert sorted(a["metric"].get("pod") for a in found) == [p for p, _, _ in AGENT_PODS]
 
 
 def test_strip_conditions_rule() -> None:
