@@ -17,6 +17,8 @@ REPO = Path(__file__).resolve().parents[2]
 KUBE = REPO / "deploy/kubernetes"
 BASE = KUBE / "base"
 OVERLAY = KUBE / "overlays/example"
+AGENT = KUBE / "agent"
+AGENT_OVERLAY = KUBE / "overlays/agent-gpu-nodes"
 CONTAINERFILE = REPO / "deploy/Containerfile"
 # The Kubernetes release whose OpenAPI schemas the manifests are checked against
 # (kubernetes-validate ships them; the test extra pins it).
