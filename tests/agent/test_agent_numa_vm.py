@@ -16,8 +16,14 @@ import pytest
 from tests.support.vm import run_checks_in_vm
 from tests.vm_checks.agent_numa import RUNS
 
-PLACED = ("adopted", "rank r planned on node r", "rank 0 threads on its CPUs")
-PLACED += ("rank 1 threads on its CPUs", "metric agrees with numa_maps", "agent stops")
+PLACED = (
+    "adopted",
+    "rank r planned on node r",
+    "rank 0 threads on its CPUs",
+    "rank 1 threads on its CPUs",
+    "metric agrees with numa_maps",
+    "agent stops",
+)
 
 
 def expected(run: str) -> list[str]:
