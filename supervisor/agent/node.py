@@ -35,6 +35,7 @@ from typing import Any
 
 from aiohttp import ClientSession, ClientTimeout, web
 
+from supervisor.agent.cgroupns import NamespaceRoots
 from supervisor.agent.containers import Container, find_containers
 from supervisor.agent.shares import compute_shares
 from supervisor.cpulist import format_cpulist
@@ -140,11 +141,22 @@ class NodeAgent:
         self.options = options
         self.managed: dict[str, Managed] = {}  # by container cgroup
         self.session: ClientSession | None = None
+        # Its own cgroup namespace's roots on the host, found once, checked each pass.
+        self.ns_roots = NamespaceRoots()
+        self.unread: dict[str, str] = {}  # container cgroup -> what could not be read, logged once
 
     # -- the loop --------------------------------------------------------------------------
 
     def engines(self) -> list[tuple[Container, str]]:
-        found = find_containers(HostFS(self.options.root), extra_roots=self.options.cgroup_roots)
+        fs = HostFS(self.options.root)
+        found = find_containers(
+            fs, extra_roots=self.options.cgroup_roots, ns_roots=self.ns_roots.current(fs)
+        )
+        unread = {c.ref.cgroup: c.reason for c in found if c.reason is not None}
+        for cgroup, reason in sorted(unread.items()):
+            if self.unread.get(cgroup) != reason:
+                log(f"container partly unreadable cgroup={cgroup} reason={reason!r} action=list")
+        self.unread = unread
         out: list[tuple[Container, str]] = []
         for c in found:
             if self.options.pods and c.ref.pod_uid not in self.options.pods:
