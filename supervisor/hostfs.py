@@ -290,6 +290,14 @@ class HostFS:
             self.log.dirs.add(rel)
         return names
 
+    def listdir_or_raise(self, rel: str) -> list[str]:
+        """Sorted entries of a directory; raises OSError as the kernel returned it
+        (for /proc/<pid>/fd, where EACCES and ENOENT mean different things)."""
+        names = sorted(os.listdir(self.path(rel)))
+        if self.log is not None:
+            self.log.dirs.add(rel)
+        return names
+
     def char_device(self, rel: str) -> tuple[int, int] | None:
         """(major, minor) of the character device `rel` is or points to
         (stat(2) follows a /proc/<pid>/fd link to the open file), else None."""

@@ -39,8 +39,9 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from supervisor.agent.cgroupns import Hierarchy, NamespaceRoot, find_namespace_roots, resolve_lines
 from supervisor.engines.engine_kind import ResolvedKind, recognise_kind
-from supervisor.errors import SupervisorError
+from supervisor.errors import Gone, KernelError, SupervisorError
 from supervisor.hostfs import HostFS
 from supervisor.procfs.files import read_cmdline, read_environ
 from supervisor.procfs.identity import ProcessId
@@ -140,6 +141,9 @@ class Container:
     cpus: frozenset[int] | None  # its cgroup's effective CPUs; None: unreadable
     mems: frozenset[int] | None
     devices: tuple[str, ...]  # PCI addresses of the accelerators its processes hold open
+    # What could not be read (its main process's environ, some fds), when anything;
+    # the rest is listed as read.
+    reason: str | None = None
 
     def to_doc(self) -> dict[str, object]:
         from supervisor.cpulist import format_cpulist  # noqa: PLC0415 - for the document only
@@ -159,6 +163,7 @@ class Container:
             "cpus": None if self.cpus is None else format_cpulist(self.cpus),
             "mems": None if self.mems is None else format_cpulist(self.mems),
             "devices": list(self.devices),
+            "reason": self.reason,
         }
 
 
@@ -168,20 +173,21 @@ class _Member:
     lines: tuple[CgroupLine, ...]
 
 
-def _read_member(fs: HostFS, pid: int) -> _Member | None:
+def _read_member(
+    fs: HostFS, pid: int, ns_roots: Mapping[Hierarchy, NamespaceRoot]
+) -> _Member | None:
     text = fs.read_optional(f"proc/{pid}/cgroup")
     stat = read_proc_stat(fs, pid)
     if text is None or stat is None:
         return None  # gone meanwhile
-    return _Member(stat, parse_proc_cgroup(text, f"proc/{pid}/cgroup"))
+    lines = parse_proc_cgroup(text, f"proc/{pid}/cgroup")
+    return _Member(stat, resolve_lines(lines, ns_roots))
 
 
 def _open_devices(fs: HostFS, pid: int) -> set[tuple[int, int]]:
-    """(major, minor) of the character devices `pid` holds open (fds it may not show: none)."""
-    try:
-        names = fs.listdir(f"proc/{pid}/fd")
-    except OSError:
-        return set()
+    """(major, minor) of the character devices `pid` holds open; an OSError when its
+    fd directory cannot be listed (EACCES without CAP_SYS_PTRACE; gone: ENOENT)."""
+    names = fs.listdir_or_raise(f"proc/{pid}/fd")
     out: set[tuple[int, int]] = set()
     for name in names:
         target = fs.readlink(f"proc/{pid}/fd/{name}")
@@ -193,16 +199,25 @@ def _open_devices(fs: HostFS, pid: int) -> set[tuple[int, int]]:
 
 
 def find_containers(
-    fs: HostFS, *, extra_roots: Sequence[str] = (), pids: Iterable[int] | None = None
+    fs: HostFS,
+    *,
+    extra_roots: Sequence[str] = (),
+    pids: Iterable[int] | None = None,
+    ns_roots: Mapping[Hierarchy, NamespaceRoot] | None = None,
 ) -> list[Container]:
     """Every container with a process on this node, in cgroup-path order.
 
-    A process that exits during the walk is passed over; one whose files cannot
-    be read is skipped (the agent reports what it could not see by its count)."""
+    `ns_roots`: this process's cgroup namespace roots on the host
+    (supervisor.agent.cgroupns; found here when not given), to read paths that
+    /proc shows relative to them. A process that exits during the walk is passed
+    over, as is a container whose processes all went; one whose main process's
+    environ or fds cannot be read is listed with what was read and a `reason`."""
+    if ns_roots is None:
+        ns_roots = find_namespace_roots(fs)
     groups: dict[str, tuple[ContainerRef, dict[int, _Member]]] = {}
     for pid in host_pids(fs) if pids is None else pids:
         try:
-            member = _read_member(fs, pid)
+            member = _read_member(fs, pid, ns_roots)
         except (OSError, SupervisorError, ValueError):
             continue
         if member is None:
@@ -212,8 +227,21 @@ def find_containers(
             continue
         groups.setdefault(ref.cgroup, (ref, {}))[1][pid] = member
     numbers = read_char_devices(fs) if groups else {}
-    found = [_container(fs, ref, members, numbers) for ref, members in groups.values()]
+    found = []
+    for ref, members in groups.values():
+        try:
+            found.append(_container(fs, ref, members, numbers))
+        except (OSError, SupervisorError):
+            # Gone during the read (ESRCH, ENOENT), or a file of it garbled: this
+            # one is left out of this pass, never the whole node.
+            continue
     return sorted((c for c in found if c is not None), key=lambda c: c.ref.cgroup)
+
+
+def _denied(what: str, err: OSError | KernelError) -> str:
+    """One reason for a file the kernel refused ("environ of pid 4242: EACCES ...")."""
+    text = str(err) if isinstance(err, KernelError) else f"{err.strerror or err}"
+    return f"{what}: {text}"
 
 
 def _container(
@@ -228,15 +256,38 @@ def _container(
     if not heads:
         return None
     head = min(heads, key=lambda s: (s.start_time, s.pid))
+    # cmdline is readable by anyone (proc(5)); environ and fd/ need ptrace access
+    # to the process (CAP_SYS_PTRACE for another user's): without it the
+    # container is still listed, with its visibility variables and devices unknown.
+    reasons: list[str] = []
     command = read_cmdline(fs, head.pid)
-    environ = read_environ(fs, head.pid, VISIBILITY_VARIABLES)
-    if command is None or environ is None:
+    if command is None:
+        return None  # exited during the walk
+    try:
+        environ = read_environ(fs, head.pid, VISIBILITY_VARIABLES)
+    except KernelError as err:
+        if isinstance(err, Gone):
+            raise
+        environ = {}
+        reasons.append(_denied(f"environ of pid {head.pid}", err))
+    if environ is None:
         return None  # exited during the walk
     member = members[head.pid]
     cpuset = cpuset_of(fs, member.lines)
     held: set[tuple[int, int]] = set()
+    refused: list[int] = []
+    last: OSError | None = None
     for pid in members:
-        held |= _open_devices(fs, pid)
+        try:
+            held |= _open_devices(fs, pid)
+        except FileNotFoundError:
+            continue  # this one exited: its devices are closed
+        except OSError as err:
+            refused.append(pid)
+            last = err
+    if refused and last is not None:
+        pids = ",".join(str(p) for p in refused)
+        reasons.append(_denied(f"fds of pid {pids} (devices unknown)", last))
     devices = sorted({numbers[n] for n in held if n in numbers})
     return Container(
         ref,
@@ -248,4 +299,5 @@ def _container(
         None if cpuset is None else cpuset.cpus,
         None if cpuset is None else cpuset.mems,
         tuple(devices),
+        "; ".join(reasons) or None,
     )

@@ -16,6 +16,8 @@ GET /placement lists the containers with their shares, names and each child's
 own /placement; GET /metrics is the children's /metrics with the same seven
 labels on every sample (LABEL_NAMES: the Kubernetes names the kubelet's log tree
 gives, supervisor.agent.kube_names, else the systemd unit or the cgroup).
+GET /healthz says whether the pass loop still finishes passes (the DaemonSet's
+probes: /placement answers even when the loop is stuck).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from typing import Any
 
 from aiohttp import ClientSession, ClientTimeout, web
 
+from supervisor.agent.cgroupns import NamespaceRoots
 from supervisor.agent.containers import Container, ContainerRef, find_containers
 from supervisor.agent.kube_names import KubeNames, read_kube_names
 from supervisor.agent.shares import compute_shares
@@ -56,6 +59,36 @@ _TRAMPOLINE = (
     "os.sched_setaffinity(0, {int(c) for c in sys.argv[1].split(',')}); "
     "os.execv(sys.argv[2], sys.argv[2:])"
 )
+
+
+# /healthz fails once no pass has finished for this many intervals, and never
+# sooner than one pass may wait on a child legitimately (its API up, then its
+# stop: UP_TIMEOUT_S + STOP_TIMEOUT_S), so that stopping one child is not "stuck".
+HEALTH_INTERVALS = 3
+HEALTH_FLOOR_S = UP_TIMEOUT_S + STOP_TIMEOUT_S + 5.0
+
+
+def health(
+    *, now: float, started_at: float, last_pass_at: float | None, interval_s: float, containers: int
+) -> tuple[int, dict[str, Any]]:
+    """(HTTP status, body) of GET /healthz (pure; times from time.monotonic()).
+
+    200 while the last pass finished within HEALTH_INTERVALS x interval_s (at
+    least HEALTH_FLOOR_S); before the first, while the agent is younger than
+    that (its start-up grace). 503 with the age otherwise."""
+    limit_s = max(HEALTH_INTERVALS * interval_s, HEALTH_FLOOR_S)
+    age = None if last_pass_at is None else round(now - last_pass_at, 3)
+    doc: dict[str, Any] = {"last_pass_age_s": age, "containers": containers, "limit_s": limit_s}
+    if last_pass_at is None:
+        up_s = now - started_at
+        if up_s <= limit_s:
+            return 200, doc
+        doc["error"] = f"no pass finished in the {up_s:.1f} s since start (limit {limit_s:.1f} s)"
+        return 503, doc
+    if now - last_pass_at <= limit_s:
+        return 200, doc
+    doc["error"] = f"last pass finished {now - last_pass_at:.1f} s ago (limit {limit_s:.1f} s)"
+    return 503, doc
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,11 +235,24 @@ class NodeAgent:
         self.session: ClientSession | None = None
         self.kube: KubeNames | None = None  # the last pass's names; None: no log tree
         self.reported: set[str] = set()  # the log tree's problems already logged
+        # Its own cgroup namespace's roots on the host, found once, checked each pass.
+        self.ns_roots = NamespaceRoots()
+        self.unread: dict[str, str] = {}  # container cgroup -> what could not be read, logged once
+        self.started_at = time.monotonic()
+        self.last_pass_at: float | None = None  # time.monotonic() when a pass last finished
 
     # -- the loop --------------------------------------------------------------------------
 
     def engines(self) -> list[tuple[Container, str]]:
-        found = find_containers(HostFS(self.options.root), extra_roots=self.options.cgroup_roots)
+        fs = HostFS(self.options.root)
+        found = find_containers(
+            fs, extra_roots=self.options.cgroup_roots, ns_roots=self.ns_roots.current(fs)
+        )
+        unread = {c.ref.cgroup: c.reason for c in found if c.reason is not None}
+        for cgroup, reason in sorted(unread.items()):
+            if self.unread.get(cgroup) != reason:
+                log(f"container partly unreadable cgroup={cgroup} reason={reason!r} action=list")
+        self.unread = unread
         out: list[tuple[Container, str]] = []
         for c in found:
             if self.options.pods and c.ref.pod_uid not in self.options.pods:
@@ -386,6 +432,16 @@ class NodeAgent:
     async def handle_placement(self, _request: web.Request) -> web.Response:
         return web.json_response(await self.placement_doc())
 
+    async def handle_healthz(self, _request: web.Request) -> web.Response:
+        status, doc = health(
+            now=time.monotonic(),
+            started_at=self.started_at,
+            last_pass_at=self.last_pass_at,
+            interval_s=self.options.interval_s,
+            containers=len(self.managed),
+        )
+        return web.json_response(doc, status=status)
+
     async def handle_metrics(self, _request: web.Request) -> web.Response:
         return web.Response(text=await self.metrics_text(), content_type="text/plain")
 
@@ -400,6 +456,7 @@ class NodeAgent:
         app = web.Application()
         app.router.add_get("/placement", self.handle_placement)
         app.router.add_get("/metrics", self.handle_metrics)
+        app.router.add_get("/healthz", self.handle_healthz)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         host, port = self.options.listen
@@ -410,6 +467,8 @@ class NodeAgent:
                 started = time.monotonic()
                 try:
                     await self.pass_once()
+                    # Only a pass that ends counts: one that raises every time is no progress.
+                    self.last_pass_at = time.monotonic()
                 except Exception as exc:  # one bad pass must not end the agent
                     log(f"agent pass failed error={exc!r} action=try again")
                 wait = max(0.0, self.options.interval_s - (time.monotonic() - started))

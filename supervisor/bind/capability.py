@@ -1,10 +1,12 @@
 """What this host lets the supervisor bind, probed once at start (does I/O: syscalls, /proc/irq).
 
-A container's runtime decides: its default seccomp profile fails set_mempolicy,
-mbind, migrate_pages and move_pages with EPERM unless the container holds
-CAP_SYS_NICE (moby profiles/seccomp/default.json), its cgroupfs is read-only
-and /proc/irq is one of its readonlyPaths (runtime-spec config-linux.md). Each
-probe is a real attempt on the supervisor itself, undone at once.
+A container's runtime decides: moby's default seccomp profile
+(profiles/seccomp/default.json) allows get_mempolicy, mbind, set_mempolicy and
+set_mempolicy_home_node only with CAP_SYS_NICE and does not list migrate_pages
+or move_pages at all, so under it pages cannot be moved whatever the
+capabilities (EPERM); its cgroupfs is read-only and /proc/irq is one of its
+readonlyPaths (runtime-spec config-linux.md). Each probe is a real attempt on
+the supervisor itself that changes nothing or is undone at once.
 """
 
 from __future__ import annotations
@@ -57,6 +59,34 @@ def probe_mempolicy(mems: Iterable[int]) -> Capability:
     return Capability("mempolicy", True)
 
 
+def probe_migrate(mems: Iterable[int]) -> str | None:
+    """Why pages cannot be moved, or None when they can: migrate_pages(2) of this
+    process from its nodes to the same nodes and move_pages(2) of no page, both
+    no-ops that a seccomp filter refuses before the kernel looks at them."""
+    nodes = sorted(set(mems)) or [0]
+    for name, call in (
+        ("migrate_pages", lambda: syscalls.migrate_pages(0, nodes, nodes)),
+        ("move_pages", lambda: syscalls.move_pages(0, ())),
+    ):
+        try:
+            call()
+        except KernelError as err:
+            hint = ", seccomp?" if err.errno_name == "EPERM" else ""
+            return f"pages cannot be moved: {name} refused ({err.errno_name}{hint})"
+    return None
+
+
+def probe_mempolicy_and_migrate(mems: Iterable[int]) -> Capability:
+    """`probe_mempolicy`, with the reason pages cannot be moved when the policy
+    can be set but migration is refused (moby's profile with CAP_SYS_NICE)."""
+    nodes = sorted(set(mems))
+    cap = probe_mempolicy(nodes)
+    if not cap.available:
+        return cap
+    refused = probe_migrate(nodes)
+    return cap if refused is None else Capability("mempolicy", True, reason=refused)
+
+
 def probe_irq(fs: HostFS) -> Capability:
     """Write /proc/irq/default_smp_affinity's own value back (changes nothing)."""
     try:
@@ -86,7 +116,10 @@ def probe_capabilities(
     but missing only while the plan has IRQs to bind (`irqs_planned`; see
     state.capabilities_in_force, which /placement and the metrics show).
     """
-    caps: dict[CapabilityName, Capability] = {"mempolicy": probe_mempolicy(mems), "cgroup": cgroup}
+    caps: dict[CapabilityName, Capability] = {
+        "mempolicy": probe_mempolicy_and_migrate(mems),
+        "cgroup": cgroup,
+    }
     caps["irq"] = (
         probe_irq(fs) if irq_wanted else Capability("irq", False, wanted=False, reason="irq off")
     )
@@ -101,6 +134,12 @@ def probe_capabilities(
                 format_fields(
                     name=cap.name, available=False, wanted="no IRQ in the plan", reason=cap.reason
                 ),
+            )
+        elif cap.available and cap.reason is not None:
+            # Policies are set, pages stay where they were first touched.
+            log.warning(
+                "capability partial %s",
+                format_fields(name=cap.name, reason=cap.reason, action="bind without moving pages"),
             )
         elif cap.missing:
             log.warning(

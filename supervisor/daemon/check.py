@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from supervisor.bind.binder import CAP_SYS_NICE, parse_cap_eff
-from supervisor.bind.capability import probe_irq, probe_mempolicy
+from supervisor.bind.capability import probe_irq, probe_mempolicy, probe_migrate
 from supervisor.bind.cgroup import read_cgroup_setup
 from supervisor.bind.sock_diag import SockDiagUnavailable, dump_tcp_listeners
 from supervisor.config import Config
@@ -71,8 +71,25 @@ def check_mempolicy(fs: HostFS) -> Finding:
         "workers' memory is not bound and no page is moved; pages follow the CPUs by first touch "
         '(placement_capability{name="mempolicy"} 0)',
         "give the container CAP_SYS_NICE (docker --cap-add SYS_NICE, a pod's "
-        "securityContext.capabilities.add: [SYS_NICE]): the runtime's default seccomp profile "
-        "then allows mbind, set_mempolicy, migrate_pages and move_pages",
+        "securityContext.capabilities.add: [SYS_NICE]): moby's default seccomp profile then "
+        "allows get_mempolicy, mbind and set_mempolicy (not migrate_pages or move_pages)",
+    )
+
+
+def check_migrate(fs: HostFS) -> Finding:
+    mems = sorted(_mems(fs))
+    refused = probe_migrate(mems)
+    if refused is None:
+        return Finding("migrate", True, f"migrate_pages and move_pages on nodes {mems}")
+    return Finding(
+        "migrate",
+        False,
+        refused,
+        "pages already on the wrong node stay there (a worker's memory follows its CPUs only "
+        "for pages it touches after the bind)",
+        "a seccomp profile that allows migrate_pages and move_pages (moby's default profile "
+        "lists neither, with or without CAP_SYS_NICE): a custom localhost profile, or "
+        "seccompProfile: Unconfined",
     )
 
 
@@ -190,6 +207,7 @@ def run_checks(fs: HostFS, config: Config | None) -> list[Finding]:
     """Every probe `run` makes at start, in its order; `config` says what is wanted."""
     return [
         check_mempolicy(fs),
+        check_migrate(fs),
         check_cgroup(fs, config),
         check_irq(fs, config),
         check_proc_connector(fs),

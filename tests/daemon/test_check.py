@@ -21,6 +21,7 @@ from tests.support.poll import poll
 
 PROBES = (
     "mempolicy",
+    "migrate",
     "cgroup",
     "irq",
     "proc_connector",
@@ -72,6 +73,39 @@ def test_check_probes_each_thing_and_exits_by_what_is_missing() -> None:
     missing = [name for name, line in lines.items() if line.startswith("missing")]
     assert proc.returncode == (4 if missing else 0), proc.stdout
     assert proc.stdout.strip().splitlines()[-1].startswith("all present" if not missing else "1 ")
+
+
+def test_check_under_moby_s_profile_with_sys_nice_names_migrate_only() -> None:
+    """migrate_pages and move_pages refused, the policy calls allowed: what moby's
+    default seccomp profile gives a container holding CAP_SYS_NICE (it lists
+    get_mempolicy, mbind, set_mempolicy with that capability, the movers not at all)."""
+    proc = check(prefix=seccomp("migrate"))
+    lines = findings(proc)
+    assert lines["mempolicy"].startswith("ok       mempolicy: "), lines["mempolicy"]
+    assert lines["migrate"].startswith(
+        "missing  migrate: pages cannot be moved: migrate_pages refused (EPERM, seccomp?); "
+    ), lines["migrate"]
+    assert proc.returncode == 4, proc.stdout
+
+
+def test_the_capability_report_under_that_profile_keeps_mempolicy_and_says_why() -> None:
+    code = (
+        "from supervisor.bind.capability import probe_mempolicy_and_migrate as p; "
+        "c = p([0]); print(c.available, c.reason)"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [*seccomp("migrate"), sys.executable, "-c", code],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    expected = "True pages cannot be moved: migrate_pages refused (EPERM, seccomp?)"
+    assert proc.stdout.strip() == expected
 
 
 def test_check_under_the_runtimes_seccomp_profile_names_mempolicy() -> None:

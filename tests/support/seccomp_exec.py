@@ -3,6 +3,7 @@ the command and every process it starts, as a container's or a unit's filter is.
 
     python tests/support/seccomp_exec.py ERRNO -- COMMAND...     # sock_diag refused
     python tests/support/seccomp_exec.py memory -- COMMAND...    # NUMA memory calls refused
+    python tests/support/seccomp_exec.py migrate -- COMMAND...   # only page moves refused
 
 - ERRNO: socket(AF_NETLINK, *, NETLINK_SOCK_DIAG) fails with that errno (what a
   unit's `SystemCallErrorNumber=EPERM` deny list or an LSM gives); everything
@@ -11,6 +12,10 @@ the command and every process it starts, as a container's or a unit's filter is.
   what a container under the runtime's default seccomp profile gets: Docker's
   and containerd's default profiles allow them only with CAP_SYS_NICE, which
   the default capability set does not hold.
+
+- migrate: migrate_pages and move_pages fail with EPERM, the rest allowed: moby's
+  default profile with CAP_SYS_NICE (it allows the policy calls with that
+  capability and lists neither page mover).
 
 PR_SET_NO_NEW_PRIVS comes first, as an unprivileged filter needs.
 """
@@ -51,8 +56,8 @@ def sock_diag_program(errno_value: int) -> list[Insn]:
     ]
 
 
-def memory_program() -> list[Insn]:
-    numbers = MEMORY_NRS[platform.machine()]
+def memory_program(only_moves: bool = False) -> list[Insn]:
+    numbers = MEMORY_NRS[platform.machine()][2 if only_moves else 0 :]
     prog: list[Insn] = [(LD_W_ABS, 0, 0, 0)]
     for i, nr in enumerate(numbers):
         # equal: jump over the remaining tests and the ALLOW to the EPERM return
@@ -76,7 +81,10 @@ def install(prog: list[Insn]) -> None:
 def main() -> None:
     what, sep, *command = sys.argv[1:]
     assert sep == "--" and command, __doc__
-    install(memory_program() if what == "memory" else sock_diag_program(int(what)))
+    if what in ("memory", "migrate"):
+        install(memory_program(only_moves=what == "migrate"))
+    else:
+        install(sock_diag_program(int(what)))
     os.execvp(command[0], command)
 
 
