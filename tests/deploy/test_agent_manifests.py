@@ -555,12 +555,12 @@ def test_the_probes_and_the_scrape_hit_routes_the_agent_serves(
 def test_the_route_check_catches_a_route_the_agent_does_not_serve(
     agent: Docs, running_agent: int
 ) -> None:
-    # /healthz is the in-pod supervisor's liveness route; the agent has none (yet).
-    def healthz(docs: Docs) -> None:
-        agent_container(docs)["livenessProbe"]["httpGet"]["path"] = "/healthz"
+    # /readyz is the in-pod supervisor's readiness route; the agent has none.
+    def readyz(docs: Docs) -> None:
+        agent_container(docs)["livenessProbe"]["httpGet"]["path"] = "/readyz"
 
-    problems = route_problems(broken(agent, healthz), running_agent)
-    assert problems == ["livenessProbe: GET /healthz is 404"], problems
+    problems = route_problems(broken(agent, readyz), running_agent)
+    assert problems == ["livenessProbe: GET /readyz is 404"], problems
 
 
 def test_the_overlay_keeps_the_base_and_limits_it_to_gpu_nodes(agent_overlay: Docs) -> None:
