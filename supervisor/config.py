@@ -96,6 +96,9 @@ class AttachTarget:
 
     how: AttachHow
     value: str
+    # `cpus = "0-7"`: the plan stays within these CPUs of the engine's cpuset (the
+    # node agent's share of a container whose CPUs other containers share too).
+    cpus: frozenset[int] | None = None
 
     def __str__(self) -> str:
         return f"{self.how} = {self.value!r}"
@@ -214,13 +217,13 @@ def _attached_engine(t: Table) -> ProcessConfig:
     """[engine] attach = { unit | cgroup | match = "..." } (docs/attach.md)."""
     if t.has("command"):
         raise t.fail("attach", "give either command or attach, not both")
-    how, value = load_attach(t, ATTACH_HOWS)
+    how, value, cpus = load_attach(t, ATTACH_HOWS)
     asked: EngineKind = t.choice("kind", "auto", ENGINE_KINDS)
     # "auto" reads the kind from a match's words; a unit or cgroup tells nothing.
     argv = tuple(value.split()) if how == "match" else ()
     kind: ResolvedKind = recognise_kind(argv) if asked == "auto" else asked
     t.done()
-    return ProcessConfig((), {}, kind=kind, attach=AttachTarget(how, value))
+    return ProcessConfig((), {}, kind=kind, attach=AttachTarget(how, value, cpus))
 
 
 def _adopted_workers(t: Table) -> ProcessConfig:

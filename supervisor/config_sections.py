@@ -14,6 +14,7 @@ from fnmatch import fnmatchcase
 from typing import Literal
 
 from supervisor.config_table import Table
+from supervisor.cpulist import parse_cpulist
 from supervisor.plan.keys import ThreadRole
 from supervisor.plan.placement import Allocator, PlanSettings, Shortage, StrategySetting
 
@@ -175,11 +176,14 @@ def load_threads(t: Table) -> tuple[ThreadRole, ...]:
     return tuple(roles)
 
 
-def load_attach(engine: Table, hows: tuple[AttachHow, ...]) -> tuple[AttachHow, str]:
-    """`[engine] attach = { unit | cgroup | match = "..." }`: exactly one, checked."""
+def load_attach(
+    engine: Table, hows: tuple[AttachHow, ...]
+) -> tuple[AttachHow, str, frozenset[int] | None]:
+    """`[engine] attach = { unit | cgroup | match = "...", cpus = "0-7" }`: exactly one
+    of `hows`, and the optional CPUs the plan is narrowed to, checked."""
     sub = engine.table("attach")
     given = [how for how in hows if sub.has(how)]
-    unknown = sorted(k for k in sub.doc if k not in hows)
+    unknown = sorted(k for k in sub.doc if k not in (*hows, "cpus"))
     if unknown:
         raise sub.fail(unknown[0], f"unknown attach key; give one of {', '.join(hows)}")
     if len(given) != 1:
@@ -192,5 +196,14 @@ def load_attach(engine: Table, hows: tuple[AttachHow, ...]) -> tuple[AttachHow, 
         raise sub.fail(how, f"a cgroup path starts with / (as in /proc/PID/cgroup), got {value!r}")
     if how == "unit" and "/" in value:
         raise sub.fail(how, f"a unit name, not a path, got {value!r}")
+    cpus: frozenset[int] | None = None
+    if sub.has("cpus"):
+        text = sub.text("cpus", "")
+        try:
+            cpus = parse_cpulist(text)
+        except ValueError as err:
+            raise sub.fail("cpus", f'not a CPU list like "0-7,16": {err}') from None
+        if not cpus:
+            raise sub.fail("cpus", 'must name at least one CPU (a list like "0-7,16")')
     sub.done()
-    return how, value
+    return how, value, cpus

@@ -48,8 +48,9 @@ from supervisor.procfs.identity import ProcessId
 from supervisor.procfs.stat import ProcStat, read_proc_stat
 from supervisor.procfs.walk import host_pids
 from supervisor.topology.accelerators import VISIBILITY_VARIABLES
-from supervisor.topology.cgroup import CgroupLine, cpuset_of, parse_proc_cgroup
+from supervisor.topology.cgroup import cpuset_of, parse_proc_cgroup
 from supervisor.topology.device_minors import read_char_devices
+from supervisor.topology.model import CgroupLine
 
 # The pod's UID: the kubelet writes it with "-" (cgroupfs) or "_" (systemd).
 _UID = r"[0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12}"

@@ -4,9 +4,9 @@ Every `interval_s` it finds the containers (supervisor.agent.containers), keeps
 those whose main process names an engine kind (or every container under an
 operator's `--cgroup-root`, as `kind_default`), splits the CPUs of containers
 whose cpusets overlap (supervisor.agent.shares) and runs, per placed container,
-one child `python -m supervisor run` with `[engine] attach = { cgroup = ... }`,
-its CPU affinity set to the container's share before it starts (so attach mode
-plans within share ∩ the container's CPUs). A child is restarted when its
+one child `python -m supervisor run` with `[engine] attach = { cgroup = ...,
+cpus = SHARE }` (attach mode plans within the container's cgroup cpuset ∩ its
+share; the child itself runs wherever the agent does). A child is restarted when its
 container's cpuset, share or main process changes, or when it exited; it is
 stopped (SIGTERM: it detaches, the engine runs on) when its container goes, and
 all are stopped on the agent's own SIGTERM. The agent writes no cgroup: the
@@ -53,12 +53,6 @@ STOP_TIMEOUT_S = 30.0
 UP_TIMEOUT_S = 10.0
 # A child that exited of itself is started again no sooner than this after its start.
 RESTART_AFTER_S = 10.0
-# Sets the CPU affinity, then execs the supervisor (same pid): it starts within its share.
-_TRAMPOLINE = (
-    "import os, sys; "
-    "os.sched_setaffinity(0, {int(c) for c in sys.argv[1].split(',')}); "
-    "os.execv(sys.argv[2], sys.argv[2:])"
-)
 
 
 # /healthz fails once no pass has finished for this many intervals, and never
@@ -105,12 +99,22 @@ class AgentOptions:
     kube_logs: str = "/var/log"
 
 
-def child_config(base: Mapping[str, Any], cgroup: str, kind: str) -> dict[str, Any]:
-    """The per-container config: `base` with the attach target, kind, no cgroups and,
-    unless `base` says otherwise, no IRQ placement (pure)."""
+def child_config(
+    base: Mapping[str, Any], cgroup: str, kind: str, share: frozenset[int] = frozenset()
+) -> dict[str, Any]:
+    """The per-container config: `base` with the attach target and the container's
+    `share` of its CPUs (`attach.cpus`), kind, no cgroups and, unless `base` says
+    otherwise, no IRQ placement (pure)."""
     doc: dict[str, Any] = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
     doc["cgroup"] = "off"
-    doc.setdefault("engine", {}).update(attach={"cgroup": cgroup}, kind=kind)
+    # The share goes in the config, not in the child's own affinity: under the
+    # kubelet's static CPU manager the container's CPUs are exclusive, outside the
+    # agent's (shared-pool) cpuset, so a child could not set its affinity to them;
+    # its plan is read from the container's cgroup (docs/attach.md).
+    attach: dict[str, str] = {"cgroup": cgroup}
+    if share:
+        attach["cpus"] = format_cpulist(share)
+    doc.setdefault("engine", {}).update(attach=attach, kind=kind)
     doc["engine"].pop("command", None)
     doc.setdefault("workers", {})["spawned_by"] = "engine"
     # IRQs are host-wide: several supervisors would move the same ones. Off unless
@@ -312,7 +316,8 @@ class NodeAgent:
         state = self.options.state_dir
         state.mkdir(parents=True, exist_ok=True)
         config = state / f"{name}.toml"
-        config.write_text(to_toml(child_config(self.options.base_config, c.ref.cgroup, m.kind)))
+        base = self.options.base_config
+        config.write_text(to_toml(child_config(base, c.ref.cgroup, m.kind, m.share)))
         m.port = free_port()
         env = dict(os.environ)
         for var in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID"):
@@ -320,13 +325,8 @@ class NodeAgent:
         env["PLACEMENT_SUPERVISOR_INSTANCE"] = f"agent-{name}"
         argv = [sys.executable, "-m", "supervisor", "run", "--config", str(config)]
         argv += ["--listen", f"127.0.0.1:{m.port}"]
-        cpus = ",".join(str(x) for x in sorted(m.share))
         with open(state / f"{name}.log", "ab") as logf:
             m.proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-c",
-                _TRAMPOLINE,
-                cpus,
                 *argv,
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.DEVNULL,

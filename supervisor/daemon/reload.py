@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import Mapping
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from supervisor.config import (
@@ -291,7 +291,10 @@ class Reloader:
             reasons = restart_reasons(d.plan.config, config)
             if reasons:
                 return self._refused(path, digest, reasons)
-            options = discovery_options(config, d.env)
+            # The allowed set is read where the plan in force read it (attach mode: the
+            # engine's cgroup; an attach change needs a restart, restart_reasons).
+            scope = d.plan.topology.allowed.scope
+            options = replace(discovery_options(config, d.env), scope=scope)
             topology = await loop.run_in_executor(executor, read_topology, d.fs, options)
             placement = plan(topology, config.placement)
             adopted = config.workers.spawned_by == "engine"

@@ -32,6 +32,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from types import MappingProxyType
 from typing import Any, Protocol
 
@@ -72,7 +73,7 @@ from supervisor.topology.accelerators import CPU
 from supervisor.topology.discover import read_topology, reread_cpus
 from supervisor.topology.model import Topology
 from supervisor.trees.adopt import Adopter, AdoptingFleet, AdoptRunner
-from supervisor.trees.attach import AttachingFleet, attach_target, confine_to_engine
+from supervisor.trees.attach import AttachingFleet, attach_target, engine_scope
 from supervisor.trees.guardian import Guardian
 from supervisor.trees.keeper import TreeKeeper, open_events
 from supervisor.trees.proc_events import ProcEvents
@@ -710,8 +711,9 @@ class DaemonActions:
 
 def prepare(config: Config, env: Mapping[str, str], fs: HostFS) -> tuple[Topology, Placement]:
     """Discover and plan; log the plan table and its warnings."""
-    confine_to_engine(config, fs)  # attach mode: plan within the engine's cgroup (trees.attach)
-    topology = read_topology(fs, discovery_options(config, env))
+    # Attach mode: plan within the engine's cgroup's cpuset (trees.attach.engine_scope).
+    options = replace(discovery_options(config, env), scope=engine_scope(config, fs))
+    topology = read_topology(fs, options)
     placement = plan(topology, config.placement)
     for line in render_plan_table(placement, topology).splitlines():
         log.info("plan %s", line)

@@ -475,6 +475,16 @@ def _device_mems(view: HostView, draft: Draft, d: Device, strategy: DeviceStrate
     ok = [n for n in wanted if n in allowed] if allowed else wanted
     if ok:
         return ok
+    if view.mems_of_engine:
+        # The engine's pages may only be on its container's nodes (the kernel places
+        # new ones there). Moving them to another node would break that, and moving
+        # them to a nearer allowed one gains nothing: they are already on those.
+        draft.warnings.append(
+            f"{d.label}: memory node {format_cpulist(wanted) or 'unknown'} is outside the "
+            f"engine's cgroup cpuset.mems {format_cpulist(allowed)}; its memory is left "
+            "where it is (no page moves)"
+        )
+        return []
     candidates = [n for n in (allowed or view.nodes) if n in view.nodes_with_cpus]
     start = wanted[0] if wanted else (d.numa_node if d.numa_node is not None else 0)
     nearest = nearest_node(view, start, candidates)

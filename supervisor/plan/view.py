@@ -34,6 +34,10 @@ class HostView:
     nodes_with_cpus: frozenset[int]  # nodes with online CPUs at all (not HBM/CXL)
     allowed_mems: frozenset[int]  # empty: unrestricted
     cpu_l3: Mapping[int, int] = field(default_factory=dict)  # CPU -> L3 domain, where known
+    # Attach mode: `allowed_mems` is the engine's cgroup's cpuset.mems, which the kernel
+    # does not enforce on migrate_pages(2) by a CAP_SYS_NICE caller: a node outside is
+    # dropped, never replaced by a nearer one (plan.planner._device_mems).
+    mems_of_engine: bool = False
 
 
 @dataclass(slots=True)
@@ -93,6 +97,7 @@ def host_view(topology: Topology) -> HostView:
         cpu_node=cpu_node,
         nodes_with_cpus=with_cpus,
         allowed_mems=topology.allowed.mems,
+        mems_of_engine=topology.allowed.of_engine,
         cpu_l3={c.id: c.l3 for c in topology.cpus if c.l3 is not None},
     )
 

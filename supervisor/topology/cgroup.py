@@ -1,4 +1,9 @@
-"""The supervisor's allowed CPUs and memory nodes: affinity ∩ cgroup cpuset (reads via HostFS).
+"""The allowed CPUs and memory nodes: affinity ∩ cgroup cpuset (reads via HostFS).
+
+The supervisor's own, or in attach mode an `EngineScope`'s: the cpuset of the
+engine's cgroup, which bounds what its threads may be bound to whatever the
+supervisor's own affinity is (sched_setaffinity(2) on another task checks the
+target's cpuset, not the caller's).
 
 Affinity comes from /proc/self/status (proc(5): Cpus_allowed_list,
 Mems_allowed_list). The cpuset comes from the cgroup named in
@@ -18,22 +23,13 @@ from supervisor.cpulist import format_cpulist
 from supervisor.errors import TopologyError
 from supervisor.hostfs import HostFS
 from supervisor.topology.cpus import parse_list_text
-from supervisor.topology.model import Allowed
+from supervisor.topology.model import Allowed, CgroupLine, EngineScope
 from supervisor.topology.mountinfo import MOUNTINFO, map_cgroup_path, read_mounts
 
 STATUS = "proc/self/status"
 PROC_CGROUP = "proc/self/cgroup"
 CGROUP_ROOT = "sys/fs/cgroup"  # where the cgroup hierarchies are mounted
 V1_CPUSET_ROOT = f"{CGROUP_ROOT}/cpuset"
-
-
-@dataclass(frozen=True, slots=True)
-class CgroupLine:
-    """One line of /proc/self/cgroup: "hierarchy-ID:controller-list:cgroup-path"."""
-
-    hierarchy: int
-    controllers: tuple[str, ...]
-    path: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,8 +171,15 @@ def cpuset_of(fs: HostFS, lines: Sequence[CgroupLine]) -> Cpuset | None:
     return None
 
 
-def read_allowed(fs: HostFS, online: frozenset[int], node_ids: frozenset[int]) -> Allowed:
+def read_allowed(
+    fs: HostFS,
+    online: frozenset[int],
+    node_ids: frozenset[int],
+    scope: EngineScope | None = None,
+) -> Allowed:
     """Allowed CPUs and nodes; an empty result is a TopologyError naming the files."""
+    if scope is not None and scope.lines is not None:
+        return _read_engine_allowed(fs, online, node_ids, scope, scope.lines)
     status = fs.read_required(STATUS, "allowed CPUs and nodes")
     aff_cpus, aff_mems = parse_status_allowed(status)
     cpuset = read_cpuset(fs)
@@ -188,6 +191,9 @@ def read_allowed(fs: HostFS, online: frozenset[int], node_ids: frozenset[int]) -
         sources.append(f"{cpuset.files[0]} ({format_cpulist(cpuset.cpus)})")
     if cpuset is not None and cpuset.mems is not None:
         mems &= cpuset.mems
+    if scope is not None and scope.cpus is not None:
+        cpus &= scope.cpus
+        sources.append(f"engine.attach.cpus ({format_cpulist(scope.cpus)})")
     if not cpus:
         raise TopologyError(
             f"no allowed CPUs: Cpus_allowed_list {format_cpulist(aff_cpus)} in {STATUS}"
@@ -205,8 +211,50 @@ def read_allowed(fs: HostFS, online: frozenset[int], node_ids: frozenset[int]) -
         mems=mems,
         cgroup_path=None if cpuset is None else cpuset.path,
         cgroup_version=None if cpuset is None else cpuset.version,
+        scope=scope,
     )
     return allowed
+
+
+def _read_engine_allowed(
+    fs: HostFS,
+    online: frozenset[int],
+    node_ids: frozenset[int],
+    scope: EngineScope,
+    lines: tuple[CgroupLine, ...],
+) -> Allowed:
+    """The engine's cgroup's cpuset ∩ the online CPUs ∩ `scope.cpus`, its mems ∩ the
+    nodes. The supervisor's own affinity plays no part: binding another process's
+    threads needs only that they be allowed the CPUs (kernel/sched/core.c
+    __sched_setaffinity intersects with the target's cpuset)."""
+    engine = cpuset_of(fs, lines)
+    if engine is None or engine.cpus is None:
+        where = ", ".join(f"{x.hierarchy}:{','.join(x.controllers)}:{x.path}" for x in lines)
+        raise TopologyError(f"the engine's cgroup ({where}) has no readable cpuset", PROC_CGROUP)
+    cpus = engine.cpus & online
+    if scope.cpus is not None:
+        cpus &= scope.cpus
+    if not cpus:
+        given = "" if scope.cpus is None else f" ∩ engine.attach.cpus {format_cpulist(scope.cpus)}"
+        raise TopologyError(
+            f"no allowed CPUs: the engine's cgroup {engine.path} has CPUs "
+            f"{format_cpulist(engine.cpus)} ({engine.files[0]}){given}"
+            f" ∩ online CPUs {format_cpulist(online)} is empty",
+            engine.files[0],
+        )
+    if engine.mems is None:
+        mems = parse_status_allowed(fs.read_required(STATUS, "allowed memory nodes"))[1]
+    else:
+        mems = engine.mems
+    mems &= node_ids
+    if not mems:
+        raise TopologyError(
+            f"no allowed memory nodes: the engine's cgroup {engine.path} has mems "
+            f"{format_cpulist(engine.mems or ())} ∩ online nodes "
+            f"{format_cpulist(node_ids)} is empty",
+            engine.files[1] if len(engine.files) > 1 else STATUS,
+        )
+    return Allowed(cpus, mems, engine.path, engine.version, scope=scope)
 
 
 # The cached read re-resolves at least this often even when nothing it keys on
@@ -225,13 +273,17 @@ class CpusetCache:
     resolves: int = field(default=0, compare=False)  # full resolutions (for tests)
 
 
-def read_cpuset_cached(fs: HostFS, cache: CpusetCache) -> Cpuset | None:
+def read_cpuset_cached(
+    fs: HostFS, cache: CpusetCache, lines: tuple[CgroupLine, ...] | None = None
+) -> Cpuset | None:
     """`read_cpuset`, resolving the files to read only when /proc/self/cgroup or
     /proc/self/mountinfo changed, a cached file could not be read, or every
     CPUSET_RESOLVE_EVERY reads; otherwise two small reads of the files found
     last time. The resolution (a mountinfo parse and a walk up the hierarchy)
-    was ~3/4 of the check loop's read of its allowed set."""
-    key = (fs.read_optional(PROC_CGROUP), fs.read_optional(MOUNTINFO))
+    was ~3/4 of the check loop's read of its allowed set. With `lines` (an attached
+    engine's cgroup, fixed for the daemon's life) that cgroup's cpuset instead."""
+    own = fs.read_optional(PROC_CGROUP) if lines is None else repr(lines)
+    key = (own, fs.read_optional(MOUNTINFO))
     cache.reads += 1
     found = cache.found
     if key == cache.key and cache.reads % CPUSET_RESOLVE_EVERY != 0:
@@ -243,7 +295,7 @@ def read_cpuset_cached(fs: HostFS, cache: CpusetCache) -> Cpuset | None:
             return fresh
     # Read after the key: a change in between leaves the key stale, and the next
     # read resolves again.
-    cache.found = found = read_cpuset(fs)
+    cache.found = found = read_cpuset(fs) if lines is None else cpuset_of(fs, lines)
     cache.key = key
     cache.resolves += 1
     return found

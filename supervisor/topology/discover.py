@@ -93,7 +93,7 @@ def read_topology(fs: HostFS, options: DiscoveryOptions = DiscoveryOptions()) ->
     masks = read_cpu_masks(fs)
     nodes = read_nodes(fs, masks.online)
     cpus = read_cpus(fs, masks.online, node_of_cpus(nodes))
-    allowed = read_allowed(fs, masks.online, frozenset(n.id for n in nodes))
+    allowed = read_allowed(fs, masks.online, frozenset(n.id for n in nodes), options.scope)
     devices, warnings = _read_devices(fs, options, nodes, allowed.cpus)
     devices = apply_visibility(devices, dict(options.env))
     nics = read_nics(fs, nodes)
@@ -137,7 +137,7 @@ def reread_cpus(fs: HostFS, old: Topology) -> Topology:
     masks = read_cpu_masks(fs)
     nodes = read_nodes(fs, masks.online)
     cpus = read_cpus(fs, masks.online, node_of_cpus(nodes))
-    allowed = read_allowed(fs, masks.online, frozenset(n.id for n in nodes))
+    allowed = read_allowed(fs, masks.online, frozenset(n.id for n in nodes), old.allowed.scope)
     return replace(
         old,
         cpus=cpus,

@@ -58,13 +58,42 @@ class Node:
 
 
 @dataclass(frozen=True, slots=True)
+class CgroupLine:
+    """One line of /proc/self/cgroup: "hierarchy-ID:controller-list:cgroup-path"."""
+
+    hierarchy: int
+    controllers: tuple[str, ...]
+    path: str
+
+
+@dataclass(frozen=True, slots=True)
+class EngineScope:
+    """Attach mode: the plan fits the engine's cgroup's cpuset (`lines`: its
+    /proc/PID/cgroup, or a `cgroup` target's path; None when unknown: the
+    supervisor's own set then) ∩ the operator's `engine.attach.cpus` (`cpus`)."""
+
+    lines: tuple[CgroupLine, ...] | None
+    cpus: frozenset[int] | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Allowed:
-    """What the supervisor itself may use: affinity ∩ cgroup cpuset."""
+    """What the plan may use: the supervisor's own affinity ∩ its cgroup's cpuset or,
+    in attach mode, the engine's cgroup's cpuset (`of_engine`; topology.cgroup)."""
 
     cpus: frozenset[int]
     mems: frozenset[int]
-    cgroup_path: str | None  # the supervisor's cpuset cgroup, e.g. "/system.slice/x"
+    cgroup_path: str | None  # the cpuset's cgroup, e.g. "/system.slice/x"
     cgroup_version: Literal[1, 2] | None
+    # Attach mode: what it was read from (kept so that every re-read after a cpuset
+    # change reads the same); `of_engine` then says it is the engine cgroup's.
+    scope: EngineScope | None = None
+
+    @property
+    def of_engine(self) -> bool:
+        """The engine's cgroup's cpuset, not the supervisor's: a rank's memory node
+        outside its mems is then left alone rather than replaced (docs/attach.md)."""
+        return self.scope is not None and self.scope.lines is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,3 +220,5 @@ class DiscoveryOptions:
     # config `logical_ids = [...]`: PCI addresses in the runtime's logical id
     # order, for kinds numbered so (supervisor.topology.logical_ids)
     logical_ids: tuple[str, ...] = ()
+    # attach mode: the allowed set is the engine's cgroup's (trees.attach.engine_scope)
+    scope: EngineScope | None = None

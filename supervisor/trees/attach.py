@@ -42,6 +42,7 @@ from supervisor.run.runner import Runner, Runtime
 from supervisor.run.spec import SpecOf
 from supervisor.state import ProcessStatus
 from supervisor.topology.cgroup import V1_CPUSET_ROOT, Cpuset, cpuset_of, parse_proc_cgroup
+from supervisor.topology.model import CgroupLine, EngineScope
 from supervisor.trees.adopt import (
     AdoptingFleet,
     AdoptRunner,
@@ -359,45 +360,56 @@ def _cpuset_of_pid(fs: HostFS, pid: int) -> Cpuset | None:
 # -- planning within the engine's cgroup ------------------------------------------------------
 
 
-def engine_cpuset(fs: HostFS, target: AttachTarget, me: int) -> Cpuset | None:
-    """The cpuset of the engine's cgroup: a `cgroup` target's own directory (whether
-    or not the engine runs), else that of the engine running now (None: none runs)."""
+def engine_cgroup_lines(fs: HostFS, target: AttachTarget, me: int) -> tuple[CgroupLine, ...] | None:
+    """The cgroup lines whose cpuset confines the engine: a `cgroup` target's own
+    directory (whether or not the engine runs), else the /proc/PID/cgroup of the
+    engine running now (None: none runs)."""
     if target.how == "cgroup":
         v1 = fs.exists(f"{V1_CPUSET_ROOT}/cpuset.cpus")
         text = f"1:cpuset:{target.value}\n" if v1 else f"0::{target.value}\n"
-        return cpuset_of(fs, parse_proc_cgroup(text, f"engine.attach.cgroup {target.value}"))
+        return parse_proc_cgroup(text, f"engine.attach.cgroup {target.value}")
     found = find_engine(fs, target, me)
-    return None if found is None else _cpuset_of_pid(fs, found.pid)
+    if found is None:
+        return None
+    rel = f"proc/{found.pid}/cgroup"
+    lines = fs.read_optional(rel)
+    return None if lines is None else parse_proc_cgroup(lines, rel)
 
 
-def confine_to_engine(config: Config, fs: HostFS) -> frozenset[int] | None:
-    """Attach mode, before discovery: the supervisor's own CPU affinity narrowed to
-    the CPUs of the engine's cgroup (where known now), as if its unit said
-    CPUAffinity= them: the plan, and every re-plan after a cpuset change, then
-    fits in them. The CPUs kept, or None when nothing was narrowed. Blocking."""
+def engine_scope(config: Config, fs: HostFS) -> EngineScope | None:
+    """Attach mode, before discovery: where the plan's allowed set comes from. The
+    engine's cgroup's cpuset (`engine.attach.cpus` narrowing it) where it is known
+    now, for the plan and every re-plan after a change of that cpuset; else the
+    supervisor's own set (narrowed the same way). The supervisor's own affinity is
+    left as it is: binding the engine's threads needs them, not it, allowed the
+    CPUs (sched_setaffinity(2) checks the target's cpuset), so it may run anywhere,
+    e.g. a node agent's child in the shared pool while the engine's container has
+    exclusive CPUs (docs/kubernetes.md). None: not attach mode. Blocking."""
     target = attach_target(config)
-    if target is None or not fs.is_live:
+    if target is None:
         return None
     try:
-        cpuset = engine_cpuset(fs, target, os.getpid())
+        lines = engine_cgroup_lines(fs, target, os.getpid())
+        cpuset = None if lines is None else cpuset_of(fs, lines)
     except (SupervisorError, OSError) as err:
         log.warning("engine cpuset unreadable error=%r action=plan within own", str(err))
-        return None
-    if cpuset is None or cpuset.cpus is None:
-        log.info("engine cpuset unknown attach=%r action=plan within own", str(target))
-        return None
-    own = frozenset(os.sched_getaffinity(0))
-    within = own & cpuset.cpus
+        return EngineScope(None, target.cpus)
+    if lines is None or cpuset is None or cpuset.cpus is None:
+        log.warning("engine cpuset unknown attach=%r action=plan within own", str(target))
+        return EngineScope(None, target.cpus)
+    within = cpuset.cpus if target.cpus is None else cpuset.cpus & target.cpus
     fields = format_fields(
-        cgroup=cpuset.path, engine_cpus=format_cpulist(cpuset.cpus), own=format_cpulist(own)
+        cgroup=cpuset.path,
+        engine_cpus=format_cpulist(cpuset.cpus),
+        engine_mems=None if cpuset.mems is None else format_cpulist(cpuset.mems),
+        attach_cpus=None if target.cpus is None else format_cpulist(target.cpus),
     )
     if not within:
-        log.warning("engine cpuset disjoint %s action=plan within own", fields)
-        return None
-    if within != own:
-        os.sched_setaffinity(0, within)
-    log.info("engine cpuset %s cpus=%s action=plan within", fields, format_cpulist(within))
-    return within
+        # Discovery says it again as the error that stops the start (topology.cgroup).
+        log.error("engine cpuset disjoint from engine.attach.cpus %s action=refuse", fields)
+    else:
+        log.info("engine cpuset %s cpus=%s action=plan within", fields, format_cpulist(within))
+    return EngineScope(lines, target.cpus)
 
 
 def attach_target(config: Config) -> AttachTarget | None:

@@ -290,7 +290,7 @@ def decide(
             )
     if policy.cause == "cpuset_changed":
         reported = set(state.reported)
-        if policy.move_memory:
+        if policy.move_memory and slot.mems:  # no node: its memory is left alone
             moves.append(
                 MemoryMove(
                     seen.pid,
@@ -486,7 +486,7 @@ def _plan_move(
         return None
     mems = set(slot.mems)
     remote = {n: b for n, b in obs.memory_bytes_by_node.items() if n not in mems and b > 0}
-    if not remote or obs.local_memory_ratio is None:
+    if not mems or not remote or obs.local_memory_ratio is None:
         return None
     if sum(remote.values()) < floor_bytes and not force:
         return None

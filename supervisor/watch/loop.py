@@ -218,8 +218,11 @@ class CheckLoop:
         while not self.stopping.is_set():
             await asyncio.sleep(self.drift.cpuset_watch_s)
             node_ids = [n.id for n in self.plan.topology.nodes]
+            scope = self.plan.topology.allowed.scope
             try:
-                allowed = await loop.run_in_executor(self.executor, read_allowed, self.fs, node_ids)
+                allowed = await loop.run_in_executor(
+                    self.executor, read_allowed, self.fs, node_ids, None, scope
+                )
             except (SupervisorError, OSError):
                 continue  # the pass reports it
             if allowed != self.allowed:
@@ -286,6 +289,7 @@ class CheckLoop:
     ) -> ScanResult:
         manager = self.cgroups.manager if self.cgroups is not None else None
         node_ids = [n.id for n in self.plan.topology.nodes]
+        scope = self.plan.topology.allowed.scope  # attach mode: the engine's cgroup's
         placement = self.plan.placement
         result = await asyncio.get_running_loop().run_in_executor(
             self.executor,
@@ -299,6 +303,7 @@ class CheckLoop:
                 with_allowed=with_allowed,
                 cpuset_cache=self.cpuset_cache,
                 membership_every=self.membership_every,
+                scope=scope,
             ),
         )
         self._irq_facts()
@@ -413,9 +418,10 @@ class CheckLoop:
         again and, when it changed, wake the next pass now: it re-plans (the
         watch may not have seen it yet, or may be off)."""
         node_ids = [n.id for n in self.plan.topology.nodes]
+        scope = self.plan.topology.allowed.scope
         try:
             allowed = await asyncio.get_running_loop().run_in_executor(
-                self.executor, read_allowed, self.fs, node_ids, self.cpuset_cache
+                self.executor, read_allowed, self.fs, node_ids, self.cpuset_cache, scope
             )
         except (SupervisorError, OSError):
             return  # the next pass reports it

@@ -18,7 +18,7 @@ from types import MappingProxyType
 from typing import Literal
 
 from supervisor.cpulist import parse_cpulist
-from supervisor.errors import Gone, translate_oserror
+from supervisor.errors import Gone, TopologyError, translate_oserror
 from supervisor.hostfs import HostFS
 from supervisor.plan.keys import ProcessKind, ThreadRole
 from supervisor.plan.placement import Slot
@@ -28,12 +28,15 @@ from supervisor.procfs.identity import ThreadId, read_thread_start
 from supervisor.procfs.numa_maps import read_numa_maps
 from supervisor.state import IrqObservation, Observation, ThreadObservation
 from supervisor.topology.cgroup import (
+    PROC_CGROUP,
     STATUS,
     CpusetCache,
+    cpuset_of,
     parse_status_allowed,
     read_cpuset,
     read_cpuset_cached,
 )
+from supervisor.topology.model import EngineScope
 
 ThreadReadMethod = Literal["auto", "syscall", "status"]
 _GONE = (errno.ESRCH, errno.ENOENT)
@@ -396,25 +399,40 @@ def _parse_optional(text: str | None) -> frozenset[int] | None:
 
 
 def read_self_allowed(
-    fs: HostFS, cache: CpusetCache | None = None
+    fs: HostFS, cache: CpusetCache | None = None, scope: EngineScope | None = None
 ) -> tuple[frozenset[int], frozenset[int]]:
-    """The CPUs and memory nodes the supervisor may use now.
+    """The CPUs and memory nodes the supervisor may plan on now.
 
     proc/self/status Cpus_allowed_list / Mems_allowed_list narrowed by the
     effective cpuset of its own cgroup (v1 or v2), read with the discovery
-    helpers of supervisor.topology.cgroup. Not intersected with the online
-    CPUs (see `read_online_cpus`); may be empty. The daemon compares
-    successive values (supervisor.watch.loop) to detect a cpuset change.
-    With `cache`, the cpuset's files are found again only when the cgroup or
-    the mounts changed (topology.cgroup.read_cpuset_cached).
+    helpers of supervisor.topology.cgroup; in attach mode (`scope` with the
+    engine's cgroup) that cgroup's effective cpuset instead, as discovery reads
+    it (topology.cgroup.read_allowed); either narrowed by `engine.attach.cpus`.
+    Not intersected with the online CPUs (see `read_online_cpus`); may be empty.
+    The daemon compares successive values (supervisor.watch.loop) to detect a
+    cpuset change. With `cache`, the cpuset's files are found again only when
+    the cgroup or the mounts changed (topology.cgroup.read_cpuset_cached).
     """
-    status = fs.read_required(STATUS, "the supervisor's allowed CPUs")
-    cpus, mems = parse_status_allowed(status)
-    cpuset = read_cpuset(fs) if cache is None else read_cpuset_cached(fs, cache)
-    if cpuset is not None and cpuset.cpus is not None:
-        cpus &= cpuset.cpus
-    if cpuset is not None and cpuset.mems is not None:
-        mems &= cpuset.mems
+    lines = None if scope is None else scope.lines
+    if lines is not None:
+        cpuset = cpuset_of(fs, lines) if cache is None else read_cpuset_cached(fs, cache, lines)
+        if cpuset is None or cpuset.cpus is None:
+            raise TopologyError("the engine's cgroup has no readable cpuset", PROC_CGROUP)
+        cpus = cpuset.cpus
+        if cpuset.mems is not None:
+            mems = cpuset.mems
+        else:
+            mems = parse_status_allowed(fs.read_required(STATUS, "allowed memory nodes"))[1]
+    else:
+        status = fs.read_required(STATUS, "the supervisor's allowed CPUs")
+        cpus, mems = parse_status_allowed(status)
+        cpuset = read_cpuset(fs) if cache is None else read_cpuset_cached(fs, cache)
+        if cpuset is not None and cpuset.cpus is not None:
+            cpus &= cpuset.cpus
+        if cpuset is not None and cpuset.mems is not None:
+            mems &= cpuset.mems
+    if scope is not None and scope.cpus is not None:
+        cpus &= scope.cpus
     return cpus, mems
 
 
@@ -464,12 +482,14 @@ def observe_process(
         raise Gone(f"pid {pid}", OSError(errno.ESRCH, os.strerror(errno.ESRCH)))
     memory: Mapping[int, int]
     ratio: float | None
+    # No memory node (attach mode: the rank's node is outside the engine's cpuset.mems,
+    # plan.planner): its pages are left where they are, so no ratio, nothing to move.
     if numa_maps:
         memory = read_numa_maps(fs, pid)
-        ratio = local_memory_ratio(memory, slot.mems)
+        ratio = local_memory_ratio(memory, slot.mems) if slot.mems else None
     elif numa_stat is not None:
         memory = dict(numa_stat)
-        ratio = local_memory_ratio(memory, slot.mems)
+        ratio = local_memory_ratio(memory, slot.mems) if slot.mems else None
     elif previous is not None:
         memory, ratio = previous.memory_bytes_by_node, previous.local_memory_ratio
     else:

@@ -37,6 +37,7 @@ from supervisor.state import (
     TreeMember,
 )
 from supervisor.topology.cgroup import CpusetCache
+from supervisor.topology.model import EngineScope
 from supervisor.watch.decide import RepairState, Seen
 from supervisor.watch.observe import (
     ThreadScanner,
@@ -205,15 +206,19 @@ class ScanResult:
 
 
 def read_allowed(
-    fs: HostFS, node_ids: Iterable[int], cache: CpusetCache | None = None
+    fs: HostFS,
+    node_ids: Iterable[int],
+    cache: CpusetCache | None = None,
+    scope: EngineScope | None = None,
 ) -> AllowedSet:
-    """The supervisor's allowed CPUs (online ones) and nodes, as discovery computes them.
+    """The allowed CPUs (online ones) and nodes, as discovery computes them: the
+    supervisor's own, or in attach mode those of the engine's cgroup (`scope`).
 
     Two small reads and the cgroup's cpuset files (found again only when
     `cache` says so): what a cpuset write or a hotplug changes. Raises
     SupervisorError or OSError when unreadable.
     """
-    cpus, mems = read_self_allowed(fs, cache)
+    cpus, mems = read_self_allowed(fs, cache, scope)
     return normalize_allowed(cpus, mems, read_online_cpus(fs), node_ids)
 
 
@@ -228,6 +233,7 @@ def scan(
     with_allowed: bool = True,
     cpuset_cache: CpusetCache | None = None,
     membership_every: int = 1,
+    scope: EngineScope | None = None,
 ) -> ScanResult:
     """Every read of one pass; failures isolated per process, the IRQs (of
     `placement`, the plan in force) and the host."""
@@ -235,7 +241,7 @@ def scan(
     host_error: str | None = None
     if with_allowed:
         try:
-            allowed = read_allowed(fs, node_ids, cpuset_cache)
+            allowed = read_allowed(fs, node_ids, cpuset_cache, scope)
         except (SupervisorError, OSError) as err:
             host_error = str(err)
     irq_obs: Mapping[ProcKey, tuple[IrqObservation, ...]] = {}

@@ -57,6 +57,9 @@ def test_the_child_config_attaches_by_cgroup_without_cgroups_of_its_own() -> Non
     assert doc["engine"] == {"attach": {"cgroup": "/kubepods/podX/abc"}, "kind": "vllm"}
     assert doc["irq"] == {"enabled": False}
     assert child_config({"irq": {"enabled": True}}, "/c", "vllm")["irq"] == {"enabled": True}
+    # The share travels in the config (attach.cpus), not in the child's own affinity.
+    shared = child_config(base, "/c", "vllm", frozenset({1, 2, 3, 8}))
+    assert shared["engine"]["attach"] == {"cgroup": "/c", "cpus": "1-3,8"}
     assert base["engine"] == {"command": ["x"]}  # the base is left as it was
     assert tomllib.loads(to_toml(doc)) == doc
 
@@ -256,6 +259,9 @@ def test_two_overlapping_runc_containers_are_placed_on_disjoint_shares(tmp_path:
 
             docs = poll(both_placed, 60, interval_s=0.5, what="both containers placed")
             assert [d["share"] for d in docs] == ["0", "1"], docs
+            # The share is in each child's config: the child runs on the agent's CPUs.
+            agent_cpus = os.sched_getaffinity(agent.pid)
+            assert [os.sched_getaffinity(d["child_pid"]) for d in docs] == [agent_cpus] * 2
             assert all(d["cpus"] == "0-1" and d["pod_uid"] == pod for d in docs)
             assert all(d["kind"] == "vllm" and d["reason"] is None for d in docs)
             names = [(d["namespace"], d["pod"], d["container"]) for d in docs]

@@ -25,16 +25,26 @@ from typing import Any
 
 import pytest
 
-from supervisor.config import AttachTarget, parse_config
+from supervisor.config import AttachTarget, Config, parse_config
 from supervisor.cpulist import format_cpulist, parse_cpulist
 from supervisor.daemon.reload import restart_reasons
-from supervisor.errors import ConfigError
+from supervisor.daemon.root import prepare
+from supervisor.errors import ConfigError, TopologyError
+from supervisor.examples.builder import FakeHost
+from supervisor.hostfs import HostFS
 from supervisor.listen import parse_listen
+from supervisor.plan.placement import Slot
+from supervisor.plan.replan import AllowedSet
 from supervisor.procfs.identity import ProcessId, ThreadId
 from supervisor.procfs.stat import ProcStat
 from supervisor.serve.status import http_request
+from supervisor.topology.cgroup import CpusetCache
+from supervisor.topology.discover import reread_cpus
 from supervisor.trees.find_engine import cgroup_paths, dying, names, pick_root
 from supervisor.watch.adoption import Adoptee, decide_detach
+from supervisor.watch.drift import process_findings
+from supervisor.watch.observe import observe_process
+from supervisor.watch.scan import read_allowed
 from tests.support.cgroup_v1 import v1_available, v1_cpuset
 from tests.support.children import thread_cpus
 from tests.support.daemon_support import INSTANCE_ENV, DaemonProcess, daemon_env, to_toml
@@ -70,6 +80,15 @@ from tests.support.poll import poll
         ),
         ({"attach": {"match": " "}}, "engine.attach.match: must be a non-empty string"),
         ({"attach": "vllm.service"}, "engine.attach: expected a table"),
+        (
+            {"attach": {"cgroup": "/x", "cpus": "0-3,a"}},
+            "engine.attach.cpus: not a CPU list like \"0-7,16\": bad item 'a' in list '0-3,a'",
+        ),
+        (
+            {"attach": {"cgroup": "/x", "cpus": " "}},
+            "engine.attach.cpus: must name at least one CPU",
+        ),
+        ({"attach": {"cgroup": "/x", "cpus": 3}}, "engine.attach.cpus: expected a string"),
     ],
 )
 def test_attach_config_errors_name_the_field(engine: dict[str, Any], message: str) -> None:
@@ -417,6 +436,31 @@ def test_an_engine_found_later_in_a_narrower_cpuset_is_warned_about(tmp_path: Pa
             assert all(v == {"1"} for v in e.affinities().values()), e.affinities()
 
 
+@pytest.mark.skipif(v1_available() is not None, reason=str(v1_available()))
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs CPUs 0 and 1")
+@pytest.mark.parametrize("how", ["cgroup", "match"])
+def test_a_supervisor_on_other_cpus_than_the_engine_plans_on_the_engines(
+    tmp_path: Path, how: str
+) -> None:
+    """Defect A: the engine's cgroup has CPU 1 alone (a Guaranteed pod's exclusive
+    CPU) and the supervisor runs on CPU 0 (the shared pool, a unit's CPUAffinity=).
+    The plan is the engine's CPU 1 (planned on CPU 0, every bind was refused with
+    EINVAL), and the supervisor's own affinity is left at CPU 0."""
+    name = f"run-ps{os.getpid()}-{uuid.uuid4().hex[:8]}.scope"
+    env = daemon_env(**{INSTANCE_ENV: f"attach-other-{how}-{os.getpid()}"})
+    marker = f"attach-{uuid.uuid4().hex}"
+    with v1_cpuset(name, "1") as scope, engine(tmp_path, marker, scope) as e:
+        target = {"cgroup": f"/{name}"} if how == "cgroup" else {"match": marker}
+        before = e.affinities()
+        config = attach_config(tmp_path, target)
+        with DaemonProcess(config, tmp_path / "d.log", env=env, prefix=["taskset", "-c", "0"]) as d:
+            doc = poll(lambda: attached(d, e.proc.pid), timeout_s=60, what="placed on CPU 1")
+            assert [doc["engine"]["cpus"], *(r["cpus"] for r in doc["ranks"])] == [[1]] * 3, doc
+            assert [r["mems"] for r in doc["ranks"]] == [[0], [0]], doc
+            assert os.sched_getaffinity(d.proc.pid) == {0}
+            check_attached_and_detached(d, e, e.proc.pid, before, "1")
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="binds other processes' threads: needs root")
 def test_workers_orphaned_by_their_engine_get_their_affinity_back(tmp_path: Path) -> None:
     """The engine dies, its adopted workers run on (reparented away from its tree):
@@ -441,3 +485,106 @@ def test_workers_orphaned_by_their_engine_get_their_affinity_back(tmp_path: Path
             assert d.stop(timeout_s=30) == 0, d.tail()
         for pid in workers:
             assert set(thread_cpus(pid).values()) == before[pid], (pid, d.tail())
+
+
+# -- planning within the engine's cgroup, on a fixture host -----------------------------------
+
+
+def engine_host(tmp_path: Path, engine_mems: str) -> HostFS:
+    """Two nodes of 4 CPUs (0-3, 4-7), a GPU on each (GPU 0 on node 1, GPU 1 on
+    node 0). The supervisor's own affinity is CPUs 0-3 (a node agent's child in
+    the shared pool); the engine's container cgroup /eng has the exclusive CPUs
+    4-7 and the memory nodes `engine_mems`."""
+    root = (
+        FakeHost(tmp_path)
+        .cpus(2, 4, 1)
+        .allowed("0-3", "0-1")
+        .cgroup_v1("/", "0-7", "0-1")
+        .nvidia_gpu("0000:41:00.0", 1)
+        .nvidia_gpu("0000:01:00.0", 0)
+        .raw("sys/fs/cgroup/cpuset/eng/cpuset.cpus", "4-7\n")
+        .raw("sys/fs/cgroup/cpuset/eng/cpuset.effective_cpus", "4-7\n")
+        .raw("sys/fs/cgroup/cpuset/eng/cpuset.effective_mems", f"{engine_mems}\n")
+        .build()
+    )
+    return HostFS(str(root))
+
+
+def engine_config(attach: dict[str, str]) -> Config:
+    return parse_config(
+        {
+            "engine": {"attach": attach, "kind": "vllm"},
+            "placement": {"rank_roles": {}, "on_shortage": "share"},
+        },
+        "c.toml",
+    )
+
+
+def test_attach_plans_within_the_engine_cgroup_not_the_supervisors_affinity(
+    tmp_path: Path,
+) -> None:
+    """Defect A: the plan took the supervisor's own CPUs (0-3), which the kernel
+    refuses for every thread of an engine confined to 4-7."""
+    fs = engine_host(tmp_path, "0-1")
+    topology, placement = prepare(engine_config({"cgroup": "/eng"}), {}, fs)
+    assert topology.allowed.cpus == {4, 5, 6, 7}, topology.allowed
+    assert topology.allowed.of_engine and topology.allowed.cgroup_path == "/eng"
+    used = {c for r in placement.ranks for c in r.slot.cpus}
+    assert used and used <= {4, 5, 6, 7}, placement.ranks
+    # Every re-read after a cpuset change reads the engine's cgroup again.
+    assert reread_cpus(fs, topology).allowed == topology.allowed
+    assert read_allowed(fs, [0, 1], CpusetCache(), topology.allowed.scope) == AllowedSet(
+        frozenset({4, 5, 6, 7}), frozenset({0, 1})
+    )
+
+
+def test_attach_cpus_narrow_the_plan_within_the_engine_cgroup(tmp_path: Path) -> None:
+    fs = engine_host(tmp_path, "0-1")
+    topology, placement = prepare(engine_config({"cgroup": "/eng", "cpus": "6-7,9"}), {}, fs)
+    assert topology.allowed.cpus == {6, 7}
+    assert {c for r in placement.ranks for c in r.slot.cpus} <= {6, 7}
+
+
+def test_attach_cpus_outside_the_engine_cgroup_are_refused_naming_both(tmp_path: Path) -> None:
+    fs = engine_host(tmp_path, "0-1")
+    with pytest.raises(TopologyError) as info:
+        prepare(engine_config({"cgroup": "/eng", "cpus": "0-3"}), {}, fs)
+    assert "the engine's cgroup /eng has CPUs 4-7" in str(info.value)
+    assert "engine.attach.cpus 0-3" in str(info.value)
+
+
+def test_an_unknown_engine_cpuset_plans_within_the_supervisors_own(tmp_path: Path) -> None:
+    """No engine runs yet for a `match`: its cgroup is unknown, the supervisor's
+    own CPUs (0-3) are planned, narrowed by attach.cpus."""
+    fs = engine_host(tmp_path, "0-1")
+    target = {"match": f"vllm serve nothing-{uuid.uuid4().hex}", "cpus": "1-7"}
+    topology, _ = prepare(engine_config(target), {}, fs)
+    assert topology.allowed.cpus == {1, 2, 3}
+    assert not topology.allowed.of_engine
+
+
+def test_a_rank_node_outside_the_engine_mems_leaves_its_memory_alone(tmp_path: Path) -> None:
+    """Defect B: as root, migrate_pages(2) checks the nodes against the caller's
+    mems only; the engine's container has node 1 alone, so GPU 1's rank (node 0)
+    gets no node, and says why, rather than node 0 or a nearer one."""
+    fs = engine_host(tmp_path, "1")
+    topology, placement = prepare(engine_config({"cgroup": "/eng"}), {}, fs)
+    assert topology.allowed.mems == {1}
+    by_node = {r.device.numa_node: r.slot.mems for r in placement.ranks}
+    assert by_node == {1: (1,), 0: ()}, placement.ranks
+    assert any(
+        "memory node 0 is outside the engine's cgroup cpuset.mems 1" in w
+        and "left where it is" in w
+        for w in placement.warnings
+    ), placement.warnings
+
+
+def test_no_memory_node_means_no_locality_drift_and_no_page_move() -> None:
+    """The check loop, for a rank without a node: its pages (this process's own,
+    read from its numa_maps) are not judged remote, so nothing is moved."""
+    fs = HostFS("/")
+    slot = Slot((0,), ())
+    obs = observe_process(fs, os.getpid(), slot, "worker", numa_maps=True)
+    assert obs.memory_bytes_by_node, "numa_maps read nothing"
+    assert obs.local_memory_ratio is None
+    assert process_findings(slot, obs, threshold=0.9) == ()
