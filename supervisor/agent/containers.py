@@ -39,7 +39,6 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from supervisor.agent.cgroupns import Hierarchy, NamespaceRoot, find_namespace_roots, resolve_lines
 from supervisor.engines.engine_kind import ResolvedKind, recognise_kind
 from supervisor.errors import Gone, KernelError, SupervisorError
 from supervisor.hostfs import HostFS
@@ -49,6 +48,12 @@ from supervisor.procfs.stat import ProcStat, read_proc_stat
 from supervisor.procfs.walk import host_pids
 from supervisor.topology.accelerators import VISIBILITY_VARIABLES
 from supervisor.topology.cgroup import cpuset_of, parse_proc_cgroup
+from supervisor.topology.cgroupns import (
+    Hierarchy,
+    NamespaceRoot,
+    find_namespace_roots,
+    resolve_lines,
+)
 from supervisor.topology.device_minors import read_char_devices
 from supervisor.topology.model import CgroupLine
 
@@ -209,7 +214,7 @@ def find_containers(
     """Every container with a process on this node, in cgroup-path order.
 
     `ns_roots`: this process's cgroup namespace roots on the host
-    (supervisor.agent.cgroupns; found here when not given), to read paths that
+    (supervisor.topology.cgroupns; found here when not given), to read paths that
     /proc shows relative to them. A process that exits during the walk is passed
     over, as is a container whose processes all went; one whose main process's
     environ or fds cannot be read is listed with what was read and a `reason`."""

@@ -38,13 +38,13 @@ from typing import Any
 
 from aiohttp import ClientSession, ClientTimeout, web
 
-from supervisor.agent.cgroupns import NamespaceRoots
 from supervisor.agent.containers import Container, ContainerRef, find_containers
 from supervisor.agent.kube_names import KubeNames, read_kube_names
 from supervisor.agent.shares import compute_shares
 from supervisor.cpulist import format_cpulist
 from supervisor.hostfs import HostFS
 from supervisor.toml_out import to_toml
+from supervisor.topology.cgroupns import NamespaceRoots
 
 ENGINE_KINDS = ("vllm", "sglang", "torchrun", "ray")
 STOP_TIMEOUT_S = 30.0

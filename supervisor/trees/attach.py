@@ -42,6 +42,7 @@ from supervisor.run.runner import Runner, Runtime
 from supervisor.run.spec import SpecOf
 from supervisor.state import ProcessStatus
 from supervisor.topology.cgroup import V1_CPUSET_ROOT, Cpuset, cpuset_of, parse_proc_cgroup
+from supervisor.topology.cgroupns import host_lines
 from supervisor.topology.model import CgroupLine, EngineScope
 from supervisor.trees.adopt import (
     AdoptingFleet,
@@ -352,7 +353,7 @@ def _cpuset_of_pid(fs: HostFS, pid: int) -> Cpuset | None:
     rel = f"proc/{pid}/cgroup"
     try:
         text = fs.read_optional(rel)
-        return None if text is None else cpuset_of(fs, parse_proc_cgroup(text, rel))
+        return None if text is None else cpuset_of(fs, host_lines(fs, parse_proc_cgroup(text, rel)))
     except (SupervisorError, OSError):
         return None  # gone, or a garbled file: nothing to compare with
 
@@ -373,7 +374,7 @@ def engine_cgroup_lines(fs: HostFS, target: AttachTarget, me: int) -> tuple[Cgro
         return None
     rel = f"proc/{found.pid}/cgroup"
     lines = fs.read_optional(rel)
-    return None if lines is None else parse_proc_cgroup(lines, rel)
+    return None if lines is None else host_lines(fs, parse_proc_cgroup(lines, rel))
 
 
 def engine_scope(config: Config, fs: HostFS) -> EngineScope | None:

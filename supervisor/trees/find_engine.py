@@ -22,6 +22,8 @@ from supervisor.hostfs import HostFS
 from supervisor.procfs.files import read_cmdline
 from supervisor.procfs.identity import ProcessId
 from supervisor.procfs.stat import ProcStat, scan_procs
+from supervisor.topology.cgroupns import host_lines
+from supervisor.topology.model import CgroupLine
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +48,16 @@ def cgroup_paths(text: str) -> list[tuple[str, str]]:
         if len(parts) == 3:
             out.append((parts[1], parts[2].strip()))
     return out
+
+
+def host_paths(fs: HostFS, paths: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """`paths` as host paths: a supervisor in a private cgroup namespace (a node
+    agent's child in its DaemonSet pod) sees other processes' cgroups as
+    "/../../<host path below its own root>"; the target names the host path."""
+    if not any(path.startswith("/..") for _, path in paths):
+        return paths
+    lines = [CgroupLine(0, tuple(c.split(",")) if c else (), p) for c, p in paths]
+    return [(",".join(line.controllers), line.path) for line in host_lines(fs, lines)]
 
 
 def names(target: AttachTarget, paths: Sequence[tuple[str, str]], cmdline: str) -> str | None:
@@ -108,7 +120,7 @@ def find_engine(fs: HostFS, target: AttachTarget, me: int) -> FoundEngine | None
             text = fs.read_optional(f"proc/{pid}/cgroup")
             if text is None:
                 continue
-            paths = cgroup_paths(text)
+            paths = host_paths(fs, cgroup_paths(text))
         found = names(target, paths, cmdline)
         if found is not None and not dying(fs.read_optional(f"proc/{pid}/status") or ""):
             named[pid] = found

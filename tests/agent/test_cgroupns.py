@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.agent.cgroupns import NamespaceRoot, join_host_path, resolve_lines, up_count
 from supervisor.topology.cgroup import parse_proc_cgroup
+from supervisor.topology.cgroupns import NamespaceRoot, join_host_path, resolve_lines, up_count
 from tests.support.daemon_support import REPO
 
 UNIFIED = Path("/sys/fs/cgroup/unified")
@@ -192,6 +192,54 @@ def test_another_user_s_container_read_without_ptrace_is_listed_with_a_reason() 
             assert doc["visible"] == {}
             assert doc["reason"].startswith(f"environ of pid {engine.pid}: "), doc
             assert "EACCES" in doc["reason"] and f"fds of pid {engine.pid}" in doc["reason"], doc
+        finally:
+            engine.kill()
+            engine.wait()
+
+
+FIND = """
+import json, sys
+from supervisor.config import AttachTarget
+from supervisor.hostfs import HostFS
+from supervisor.trees.attach import engine_cgroup_lines
+from supervisor.trees.find_engine import find_engine
+fs = HostFS("/")
+by_cgroup = find_engine(fs, AttachTarget("cgroup", sys.argv[1]), 0)
+by_match = AttachTarget("match", sys.argv[2])
+lines = engine_cgroup_lines(fs, by_match, 0)
+print(json.dumps({
+    "pid": None if by_cgroup is None else by_cgroup.pid,
+    "cgroup": None if by_cgroup is None else by_cgroup.cgroup,
+    "lines": {",".join(line.controllers): line.path for line in lines or ()},
+}))
+"""
+
+
+def test_attach_mode_finds_its_engine_by_host_path_from_inside_a_cgroup_namespace(
+    tmp_path: Path,
+) -> None:
+    """A node agent's child (attach mode, in the agent's pod) is given the
+    container's host cgroup path; from inside a private cgroup namespace the
+    engine's /proc/<pid>/cgroup climbs out of it ("/../.."), and the finder and
+    the cpuset lookup read it as the host path all the same."""
+    _hybrid()
+    pod = str(uuid.uuid4())
+    cid = uuid.uuid4().hex + uuid.uuid4().hex
+    tag = uuid.uuid4().hex[:8]
+    ctr_rel = f"kubepods/besteffort/pod{pod}/{cid}"
+    (tmp_path / "find.py").write_text(FIND)
+    with _cgroups(f"robust-ns-{tag}/agentpod") as agent, _cgroups(ctr_rel) as ctr:
+        engine = subprocess.Popen([sys.executable, "-c", f"import time; time.sleep(600) # {tag}"])
+        try:
+            _move(engine.pid, ctr)
+            proc = _in_namespace(
+                agent, f"exec {sys.executable} {tmp_path}/find.py /{ctr_rel} 'sleep(600) # {tag}'"
+            )
+            assert proc.returncode == 0, proc.stderr
+            doc = json.loads(proc.stdout)
+            assert (doc["pid"], doc["cgroup"]) == (engine.pid, f"/{ctr_rel}"), doc
+            # The hierarchies the test moved it in (the others: the root, as the agent's)
+            assert doc["lines"][""] == doc["lines"]["cpuset"] == f"/{ctr_rel}", doc
         finally:
             engine.kill()
             engine.wait()

@@ -30,6 +30,7 @@ SHARED = {
     # parents it made, which another's containers may be using.
     "tests/agent/test_containers.py": "kubepods",
     "tests/agent/test_node_agent.py": "kubepods",
+    "tests/agent/test_cgroupns.py": "kubepods",
 }
 
 # The longest units, first (seconds with 3 workers on 2 cores, `--durations=0`).

@@ -17,7 +17,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from supervisor.hostfs import HostFS
-from supervisor.topology.cgroup import PROC_CGROUP, CgroupLine, parse_proc_cgroup
+from supervisor.topology.cgroup import PROC_CGROUP, parse_proc_cgroup
+from supervisor.topology.model import CgroupLine
 from supervisor.topology.mountinfo import MOUNTINFO, Mount, parse_mountinfo
 
 # A hierarchy by its controllers as /proc/self/cgroup names them; () is cgroup2.
@@ -160,3 +161,19 @@ class NamespaceRoots:
             self.key = key
             self.finds += 1
         return self.roots
+
+
+# One cache per root read (the host "/" in a daemon; a fixture tree in tests).
+_ROOTS: dict[str, NamespaceRoots] = {}
+
+
+def host_lines(fs: HostFS, lines: Sequence[CgroupLine]) -> tuple[CgroupLine, ...]:
+    """Another process's /proc/<pid>/cgroup `lines` as host paths: unchanged unless
+    one climbs out of this process's cgroup namespace ("/../.."), as every other
+    pod's does from a container with a private cgroup namespace (containerd and
+    CRI-O on cgroup v2); those are resolved against the namespace's roots on the
+    host (found once, re-checked at each use with one read per hierarchy)."""
+    if not any(line.path.startswith("/..") for line in lines):
+        return tuple(lines)
+    roots = _ROOTS.setdefault(fs.root, NamespaceRoots())
+    return resolve_lines(lines, roots.current(fs))
