@@ -32,7 +32,7 @@ def expected(run: str) -> list[str]:
         names += [f"{run} memory remote before the agent"]
         names += [f"{run} rank 0 pages on node 0", f"{run} rank 1 pages on node 1"]
     elif run == "mems-0":
-        names += [f"{run} rank 1 pages moved outside cpuset.mems"]
+        names += [f"{run} rank 1 pages left within cpuset.mems", f"{run} says why"]
     else:
         names += [f"{run} memory remote before the agent", f"{run} says why"]
         names += [f"{run} rank 0 pages left remote", f"{run} rank 1 pages left remote"]
