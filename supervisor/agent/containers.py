@@ -127,7 +127,13 @@ def container_of_lines(
     ordered = sorted(
         lines, key=lambda ln: 0 if not ln.controllers else 1 if "cpuset" in ln.controllers else 2
     )
+    tried: set[str] = set()
     for line in ordered:
+        # A v1 host names the same path in most of its hierarchies: each is tried
+        # once (the agent's walk does this for every process on the node).
+        if line.path in tried:
+            continue
+        tried.add(line.path)
         ref = container_of(line.path, extra_roots)
         if ref is not None:
             return ref
@@ -180,14 +186,24 @@ class _Member:
 
 
 def _read_member(
-    fs: HostFS, pid: int, ns_roots: Mapping[Hierarchy, NamespaceRoot]
-) -> _Member | None:
+    fs: HostFS,
+    pid: int,
+    ns_roots: Mapping[Hierarchy, NamespaceRoot],
+    extra_roots: Sequence[str],
+) -> tuple[ContainerRef, _Member] | None:
+    """`pid`'s container and its files; None when it is in none, or gone.
+
+    Its stat is read only once its cgroup names a container: most of a node's
+    processes are in none, and the walk reads this for every one of them."""
     text = fs.read_optional(f"proc/{pid}/cgroup")
-    stat = read_proc_stat(fs, pid)
-    if text is None or stat is None:
+    if text is None:
         return None  # gone meanwhile
-    lines = parse_proc_cgroup(text, f"proc/{pid}/cgroup")
-    return _Member(stat, resolve_lines(lines, ns_roots))
+    lines = resolve_lines(parse_proc_cgroup(text, f"proc/{pid}/cgroup"), ns_roots)
+    ref = container_of_lines(lines, extra_roots)
+    if ref is None:
+        return None
+    stat = read_proc_stat(fs, pid)
+    return None if stat is None else (ref, _Member(stat, lines))
 
 
 def _open_devices(fs: HostFS, pid: int) -> set[tuple[int, int]]:
@@ -210,6 +226,7 @@ def find_containers(
     extra_roots: Sequence[str] = (),
     pids: Iterable[int] | None = None,
     ns_roots: Mapping[Hierarchy, NamespaceRoot] | None = None,
+    devices: bool = True,
 ) -> list[Container]:
     """Every container with a process on this node, in cgroup-path order.
 
@@ -217,26 +234,28 @@ def find_containers(
     (supervisor.topology.cgroupns; found here when not given), to read paths that
     /proc shows relative to them. A process that exits during the walk is passed
     over, as is a container whose processes all went; one whose main process's
-    environ or fds cannot be read is listed with what was read and a `reason`."""
+    environ or fds cannot be read is listed with what was read and a `reason`.
+    `devices=False` leaves each container's `devices` empty, its fds unread: the
+    open files of every process are the walk's largest part after
+    /proc/<pid>/cgroup, and the node agent, which walks every `--interval-s`,
+    does not use them."""
     if ns_roots is None:
         ns_roots = find_namespace_roots(fs)
     groups: dict[str, tuple[ContainerRef, dict[int, _Member]]] = {}
     for pid in host_pids(fs) if pids is None else pids:
         try:
-            member = _read_member(fs, pid, ns_roots)
+            got = _read_member(fs, pid, ns_roots, extra_roots)
         except (OSError, SupervisorError, ValueError):
             continue
-        if member is None:
+        if got is None:
             continue
-        ref = container_of_lines(member.lines, extra_roots)
-        if ref is None:
-            continue
+        ref, member = got
         groups.setdefault(ref.cgroup, (ref, {}))[1][pid] = member
-    numbers = read_char_devices(fs) if groups else {}
+    numbers = read_char_devices(fs) if groups and devices else {}
     found = []
     for ref, members in groups.values():
         try:
-            found.append(_container(fs, ref, members, numbers))
+            found.append(_container(fs, ref, members, numbers, devices))
         except (OSError, SupervisorError):
             # Gone during the read (ESRCH, ENOENT), or a file of it garbled: this
             # one is left out of this pass, never the whole node.
@@ -255,6 +274,7 @@ def _container(
     ref: ContainerRef,
     members: Mapping[int, _Member],
     numbers: Mapping[tuple[int, int], str],
+    devices: bool,
 ) -> Container | None:
     # Its first process: a parent outside the container; of several (a runtime
     # that exec'd two), the oldest.
@@ -283,7 +303,7 @@ def _container(
     held: set[tuple[int, int]] = set()
     refused: list[int] = []
     last: OSError | None = None
-    for pid in members:
+    for pid in members if devices else ():
         try:
             held |= _open_devices(fs, pid)
         except FileNotFoundError:
@@ -294,7 +314,7 @@ def _container(
     if refused and last is not None:
         pids = ",".join(str(p) for p in refused)
         reasons.append(_denied(f"fds of pid {pids} (devices unknown)", last))
-    devices = sorted({numbers[n] for n in held if n in numbers})
+    pcis = sorted({numbers[n] for n in held if n in numbers})
     return Container(
         ref,
         ProcessId(head.pid, head.start_time),
@@ -304,6 +324,6 @@ def _container(
         environ,
         None if cpuset is None else cpuset.cpus,
         None if cpuset is None else cpuset.mems,
-        tuple(devices),
+        tuple(pcis),
         "; ".join(reasons) or None,
     )

@@ -250,7 +250,10 @@ class NodeAgent:
     def engines(self) -> list[tuple[Container, str]]:
         fs = HostFS(self.options.root)
         found = find_containers(
-            fs, extra_roots=self.options.cgroup_roots, ns_roots=self.ns_roots.current(fs)
+            fs,
+            extra_roots=self.options.cgroup_roots,
+            ns_roots=self.ns_roots.current(fs),
+            devices=False,  # a child finds its engine's accelerators itself
         )
         unread = {c.ref.cgroup: c.reason for c in found if c.reason is not None}
         for cgroup, reason in sorted(unread.items()):

@@ -9,6 +9,7 @@ a node agent would find it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -196,6 +197,10 @@ def test_a_fixture_node_s_containers_with_their_cpus_devices_and_kind(tmp_path: 
     assert (torch.cpus, torch.mems, torch.devices) == (frozenset(range(8, 16)), frozenset({1}), ())
     doc = vllm.to_doc()
     assert (doc["cpus"], doc["mems"], doc["pid"], doc["start_time"]) == ("4-7", "0", 100, 500)
+    # The node agent's walk leaves the open files unread; the rest is the same.
+    bare = find_containers(HostFS(str(tmp_path)), devices=False)
+    assert [c.devices for c in bare] == [(), ()]
+    assert [dataclasses.replace(c, devices=()) for c in found] == bare
 
 
 def test_nothing_on_a_node_without_containers(tmp_path: Path) -> None:
