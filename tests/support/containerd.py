@@ -104,9 +104,13 @@ class Containerd:
         """Kill the container's task, delete it and the container (each step may find nothing)."""
         self.ctr(namespace, "task", "kill", "--signal", "SIGKILL", cid, check=False)
         wait_until(lambda: self.task_pid(namespace, cid) is None, 20, 0.1)
-        for args in (("task", "delete", cid), ("container", "delete", cid)):
-            # The task's exit may reach containerd a moment after the kill.
-            wait_until(lambda a=args: self.ctr(namespace, *a, check=False).returncode == 0, 10, 0.1)
+
+        def done(*args: str) -> bool:
+            return self.ctr(namespace, *args, check=False).returncode == 0
+
+        # The task's exit may reach containerd a moment after the kill.
+        wait_until(lambda: done("task", "delete", cid), 10, 0.1)
+        wait_until(lambda: done("container", "delete", cid), 10, 0.1)
 
 
 def _shims(address: str) -> list[int]:
