@@ -30,6 +30,7 @@ from tests.support.agent_support import (
     rank_cpus,
 )
 from tests.support.containerd import available, private_containerd
+from tests.support.oci import kubelet_parents
 from tests.support.poll import poll
 
 
@@ -51,7 +52,8 @@ def test_engines_containerd_runs_are_found_and_the_pod_s_is_placed(tmp_path: Pat
     engine_bundle(tmp_path / "pod", tmp_path, f"/kubepods/besteffort/pod{pod}/{in_pod}", "0-1")
     engine_bundle(tmp_path / "plain", tmp_path, f"/{namespace}/{plain}", "1")
     with (
-        cgroup_parents(f"kubepods/besteffort/pod{pod}", "kubepods/besteffort", namespace),
+        kubelet_parents(pod),
+        cgroup_parents(namespace),
         private_containerd(tmp_path / "containerd") as containerd,
     ):
         mains = {

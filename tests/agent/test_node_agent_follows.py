@@ -28,13 +28,12 @@ from tests.support.agent_support import (
     Agent,
     agent_running,
     base_config,
-    cgroup_parents,
     engine_bundle,
     placed,
     rank_cpus,
     worker_pids,
 )
-from tests.support.oci import host_pids, runc, running, state
+from tests.support.oci import host_pids, kubelet_parents, runc, running, state
 from tests.support.poll import poll
 
 pytestmark = pytest.mark.usefixtures("need_root")
@@ -71,7 +70,7 @@ def test_the_agent_follows_a_runc_update_of_the_container_s_cpuset(tmp_path: Pat
     bundle = tmp_path / cid[:12]
     engine_bundle(bundle, tmp_path, f"/kubepods/besteffort/pod{pod}/{cid}", "0-1")
     with (
-        cgroup_parents(f"kubepods/besteffort/pod{pod}", "kubepods/besteffort"),
+        kubelet_parents(pod),
         running(bundle, cid[:32], tmp_path / "runc.log"),
     ):
         poll(lambda: len(host_pids(cid[:32])) == 3, 30, what="engine and 2 workers")
@@ -112,7 +111,7 @@ def test_a_container_run_again_under_its_id_is_placed_again(tmp_path: Path) -> N
     bundle = tmp_path / cid[:12]
     engine_bundle(bundle, tmp_path, f"/kubepods/besteffort/pod{pod}/{cid}", "0-1")
     with (
-        cgroup_parents(f"kubepods/besteffort/pod{pod}", "kubepods/besteffort"),
+        kubelet_parents(pod),
         running(bundle, cid[:32], tmp_path / "runc.log"),
     ):
         poll(lambda: len(host_pids(cid[:32])) == 3, 30, what="engine and 2 workers")

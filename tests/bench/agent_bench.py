@@ -41,12 +41,11 @@ from typing import Any
 from tests.support.agent_support import (
     agent_running,
     base_config,
-    cgroup_parents,
     engine_bundle,
     placed,
 )
 from tests.support.daemon_support import get_json
-from tests.support.oci import running
+from tests.support.oci import kubelet_parents, running
 from tests.support.poll import poll
 
 CONTAINERS, RANKS, THREADS = 10, 8, 100
@@ -192,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     cids = sorted(uuid.uuid4().hex + uuid.uuid4().hex for _ in range(CONTAINERS))
     with tempfile.TemporaryDirectory() as d, contextlib.ExitStack() as stack:
         tmp = Path(d)
-        stack.enter_context(cgroup_parents(f"kubepods/besteffort/pod{pod}", "kubepods/besteffort"))
+        stack.enter_context(kubelet_parents(pod))
         for cid, c in zip(cids, cpus, strict=True):
             bundle = tmp / cid[:12]
             path = f"/kubepods/besteffort/pod{pod}/{cid}"

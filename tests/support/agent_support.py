@@ -2,11 +2,11 @@
 
 A fake `vllm serve` launcher (the engine kind its command line names) that
 spawns its workers as vLLM's API server does, each a `python -c` with
-LOCAL_RANK in its environment and threads of its own; OCI bundles for it in the
-kubelet's cgroupfs layout (tests/support/oci.py's make_bundle); the agent as a
-real `python -m supervisor agent` subprocess; and the removal of the pod's
-cgroup parents runc leaves in each hierarchy (runc removes a container's own
-cgroup on delete, never the parents it made).
+LOCAL_RANK in its environment and threads of its own; OCI bundles for it
+(tests/support/oci.py's make_bundle); the agent as a real `python -m
+supervisor agent` subprocess; and the removal of cgroup parents runc leaves
+outside the kubelet's layout (runc removes a container's own cgroup on delete,
+never the parents it made).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 from supervisor.cpulist import format_cpulist, parse_cpulist
 from tests.support.children import thread_cpus
 from tests.support.daemon_support import REPO, daemon_env, free_port, get_json, stop_process
-from tests.support.oci import Profile, make_bundle
+from tests.support.oci import Profile, make_bundle, remove_cgroup_tree
 
 # argv[1:] of a worker: its thread count. Its threads sleep: a quiet engine, so a
 # benchmark's baseline is the host's own noise.
@@ -102,32 +102,18 @@ def engine_bundle(
     )
 
 
-def _remove_empty_tree(top: Path) -> None:
-    if not top.is_dir():
-        return
-    for d in sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
-        with contextlib.suppress(OSError):  # a cgroup still populated stays (and is reported)
-            d.rmdir()
-    with contextlib.suppress(OSError):
-        top.rmdir()
-
-
 @contextlib.contextmanager
 def cgroup_parents(*tops: str) -> Iterator[None]:
-    """Removes, afterwards, the cgroup dirs runc made as parents of the test's
-    containers: each of `tops` ("kubepods/besteffort/pod<UID>", "ps-ctr-x") in
-    every hierarchy, and the first component of each where this run made it."""
+    """Removes, afterwards, cgroup dirs runc made as parents of the test's
+    containers outside the kubelet's layout (oci.kubelet_parents has that one):
+    each of `tops` ("ps-ctr-x", a runtime namespace's) in every hierarchy."""
     hierarchies = [h for h in Path("/sys/fs/cgroup").iterdir() if h.is_dir()]
-    firsts = {top.strip("/").split("/")[0] for top in tops}
-    ours = [(h, f) for h in hierarchies for f in firsts if not (h / f).exists()]
     try:
         yield
     finally:
         for hierarchy in hierarchies:
             for top in tops:
-                _remove_empty_tree(hierarchy / top.strip("/"))
-        for hierarchy, first in ours:
-            _remove_empty_tree(hierarchy / first)
+                remove_cgroup_tree(hierarchy / top.strip("/"))
 
 
 @dataclass(frozen=True, slots=True)
