@@ -46,7 +46,7 @@ from supervisor.hostfs import HostFS
 from supervisor.procfs.identity import ProcessId
 from tests.support.children import thread_cpus
 from tests.support.daemon_support import REPO, daemon_env, free_port, get_json, stop_process
-from tests.support.oci import Profile, host_pids, make_bundle, runc, running, state
+from tests.support.oci import Profile, host_pids, kubelet_parents, make_bundle, runc, running, state
 from tests.support.poll import poll
 
 
@@ -161,14 +161,6 @@ check_interval_s = 0.5
 """
 
 
-def _remove_empty_tree(top: Path) -> None:
-    if not top.is_dir():
-        return
-    for d in sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
-        d.rmdir()
-    top.rmdir()
-
-
 def _get_text(url: str) -> str:
     with urllib.request.urlopen(url, timeout=10) as resp:
         return str(resp.read().decode())
@@ -205,8 +197,6 @@ def test_two_overlapping_runc_containers_are_placed_on_disjoint_shares(tmp_path:
     script.chmod(0o755)
     venv = Path(sys.executable).parent.parent
     binds = [str(tmp_path)] + ([] if venv.is_relative_to(REPO) else [str(venv)])
-    hierarchies = [h for h in Path("/sys/fs/cgroup").iterdir() if h.is_dir()]
-    ours = [h for h in hierarchies if not (h / "kubepods").exists()]
     for cid in cids:
         make_bundle(
             tmp_path / cid[:12],
@@ -228,6 +218,7 @@ def test_two_overlapping_runc_containers_are_placed_on_disjoint_shares(tmp_path:
     log = tmp_path / "agent.log"
     try:
         with (
+            kubelet_parents(pod),  # runc removes only the containers' own cgroups
             running(tmp_path / cids[0][:12], cids[0][:32], tmp_path / "runc0.log"),
             running(tmp_path / cids[1][:12], cids[1][:32], tmp_path / "runc1.log"),
         ):
@@ -320,10 +311,6 @@ def test_two_overlapping_runc_containers_are_placed_on_disjoint_shares(tmp_path:
     finally:
         if agent is not None:
             stop_process(agent, 30)
-        for hierarchy in hierarchies:
-            _remove_empty_tree(hierarchy / "kubepods" / "besteffort" / f"pod{pod}")
-        for hierarchy in ours:
-            _remove_empty_tree(hierarchy / "kubepods")
 
 
 # -- the loop's decisions, without processes -------------------------------------------------

@@ -28,6 +28,7 @@ from typing import Any
 
 from supervisor.bind.report import ShimReport, parse_shim_report, shim_argv
 from supervisor.cpulist import parse_cpulist
+from tests.support.poll import poll
 
 # argv: out-dir, key, mode. First action: report what the kernel says about
 # us. mode "crash" (or "crash-rank-KEY" for that key) exits 3; "ready-file"
@@ -278,6 +279,12 @@ class ThreadedChild:
         self.proc.stdin.flush()
         tid = self._reply(timeout_s)["tid"]
         assert isinstance(tid, int)
+        if line.startswith("stop "):
+            # pthread_join returns once the kernel clears the thread's tid futex
+            # (mm_release), a moment before the task is released and leaves
+            # /proc/<pid>/task: wait for that, so "stopped" means gone from /proc.
+            task = f"/proc/{self.pid}/task/{tid}"
+            poll(lambda: not os.path.exists(task), timeout_s, what=f"{task} gone")
         return tid
 
     def close(self) -> None:
