@@ -39,6 +39,8 @@ def _session(tmp_path: Path, body: str, root: Path | None) -> subprocess.Complet
     test.parent.mkdir()
     test.write_text(f"def test_inner():\n{textwrap.indent(textwrap.dedent(body), '    ')}")
     args = ["-p", "tests.support.host_residue", "-p", "no:cacheprovider", "-q", str(test)]
+    # Its own base temp dir: pytest's default one cleans up old runs' dirs on start.
+    args += ["--basetemp", str(tmp_path / "basetemp")]
     if root is not None:
         args += ["--host-root", str(root)]
     return subprocess.run(

@@ -53,14 +53,21 @@ def test_modules_and_shared_groups_each_run_on_one_worker_in_order(tmp_path: Pat
     for module in modules:
         path = tmp_path / module
         path.parent.mkdir(parents=True, exist_ok=True)
-        tests = "".join(TEST.format(i=i, out=str(out)) for i in range(6))
+        tests = "".join(TEST.format(i=i, out=str(out)) for i in range(4))
         path.write_text(MODULE.format(tests=tests))
     (tmp_path / "conftest.py").write_text(CONFTEST)
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    # Run from inside this suite's own xdist worker: none of its PYTEST_* settings,
+    # and a base temp dir of its own (pytest's default one would clean up the old
+    # runs' dirs under /tmp/pytest-of-<user>, example host trees and all).
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "3", "tests"],
+        [
+            *(sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2"),
+            *("--basetemp", str(tmp_path / "basetemp"), "tests"),
+        ],
         cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        env={**env, "PYTHONPATH": str(REPO)},
         capture_output=True,
         text=True,
         timeout=300,
@@ -68,7 +75,7 @@ def test_modules_and_shared_groups_each_run_on_one_worker_in_order(tmp_path: Pat
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     ran = [json.loads(line) for line in out.read_text().splitlines()]
-    assert len(ran) == 6 * len(modules)
+    assert len(ran) == 4 * len(modules)
     worker_of: dict[str, set[str]] = {}
     for module, _, worker in ran:
         worker_of.setdefault(module, set()).add(worker)
