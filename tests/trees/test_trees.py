@@ -230,6 +230,22 @@ def marked(marker: str) -> list[int]:
     return found
 
 
+def settled_marked(marker: str) -> set[int]:
+    """`marked` once two reads 0.2 s apart agree: the trees' intermediate forks (the
+    parent an orphan leaves behind, a child not yet exec'd) have come and gone."""
+    last: list[set[int]] = [set(marked(marker))]
+
+    def same() -> set[int] | None:
+        time.sleep(0.2)
+        now = set(marked(marker))
+        settled = now == last[0]
+        last[0] = now
+        return now if settled else None
+
+    found: set[int] = poll(same, timeout_s=30, interval_s=0, what="the marked processes settled")
+    return found
+
+
 def zombie_children(pid: int) -> list[int]:
     out = []
     for name in os.listdir("/proc"):
@@ -356,7 +372,7 @@ def test_no_sweep_while_a_daemon_of_the_instance_runs(tmp_path: Path) -> None:
     env = daemon_env(**{INSTANCE_ENV: suffix})
     with DaemonProcess(tree_config(tmp_path, marker, "auto"), tmp_path / "d.log", env=env) as d:
         poll(lambda: whole_trees(d), timeout_s=60)
-        before = set(marked(marker))
+        before = settled_marked(marker)
         setup = detect_cgroup_setup(FS)
         assert setup is not None
         manager = CgroupManager(FS, setup, suffix=suffix)
