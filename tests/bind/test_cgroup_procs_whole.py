@@ -19,9 +19,6 @@ from supervisor.hostfs import HostFS
 from supervisor.trees.tree import read_cgroup_procs
 
 N_CHILDREN = 5000
-# 5,000 processes started at once stall every other test on the host for seconds:
-# this one runs alone, after the parallel part of the suite (.ci/test).
-pytestmark = pytest.mark.alone
 
 # Joins the cgroup, forks the children (each waits for EOF on a pipe the test
 # holds, so none outlives the test), prints their pids, then waits too.

@@ -4,6 +4,7 @@ engine listens only when the test says so, real signals."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -141,7 +142,16 @@ def test_status_watch_redraws_until_interrupted(
             if frames > 3 and line.startswith("engine ") and " running " in f"{line} ":
                 break
         watch.send_signal(signal.SIGINT)
-        _, err = watch.communicate(timeout=20)
+        try:
+            _, err = watch.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            # Seen once in a parallel run: say what the process was doing.
+            proc = f"/proc/{watch.pid}"
+            state = []
+            for name in ("status", "wchan", "stack"):
+                with contextlib.suppress(OSError):
+                    state.append(Path(f"{proc}/{name}").read_text())
+            pytest.fail(f"status --watch did not end on SIGINT within 60 s: {state}")
     finally:
         if watch.poll() is None:
             watch.kill()
