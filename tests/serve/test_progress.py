@@ -118,14 +118,25 @@ def test_readyz_placement_and_status_show_the_engine_loading(
     assert "not ready: engine: loading " in proc.stdout and probe in proc.stdout, proc.stdout
 
 
+_DEFAULT_SIGINT = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+    "os.execv(sys.argv[1], sys.argv[1:])"
+)
+
+
 def test_status_watch_redraws_until_interrupted(
     loading: tuple[DaemonProcess, Path, int],
 ) -> None:
     daemon, tmp, _ = loading
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     listen = f"127.0.0.1:{daemon.port}"
+    command = [sys.executable, "-m", "supervisor", "status", "--watch", "0.2", "--listen", listen]
     watch = subprocess.Popen(
-        [sys.executable, "-m", "supervisor", "status", "--watch", "0.2", "--listen", listen],
+        # As typed at a terminal, where Ctrl-C's SIGINT is not ignored: a suite run
+        # in the background (`.ci/run &`: POSIX shells ignore SIGINT and SIGQUIT in
+        # asynchronous commands) hands that down, and Python then never installs
+        # its KeyboardInterrupt handler. exec keeps the default the trampoline sets.
+        [sys.executable, "-c", _DEFAULT_SIGINT, *command],
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,
@@ -145,7 +156,7 @@ def test_status_watch_redraws_until_interrupted(
         try:
             _, err = watch.communicate(timeout=60)
         except subprocess.TimeoutExpired:
-            # Seen once in a parallel run: say what the process was doing.
+            # Say what the process was doing (SigIgn, SigCgt, where it sleeps).
             proc = f"/proc/{watch.pid}"
             state = []
             for name in ("status", "wchan", "stack"):
