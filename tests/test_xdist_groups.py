@@ -44,7 +44,7 @@ def test_{i}(state):
 def test_a_module_is_its_own_scope_and_a_shared_group_one_scope() -> None:
     assert scope_of("tests/watch/test_fight.py::test_x[a-b]") == "tests/watch/test_fight.py"
     ray = [m for m, g in SHARED.items() if g == "ray"]
-    assert len(ray) == 3 and {scope_of(f"{m}::test_x") for m in ray} == {"ray"}
+    assert len(ray) == 4 and {scope_of(f"{m}::test_x") for m in ray} == {"ray"}
 
 
 def test_modules_and_shared_groups_each_run_on_one_worker_in_order(tmp_path: Path) -> None:
