@@ -22,7 +22,12 @@ from supervisor.hostfs import HostFS
 from supervisor.procfs.files import read_cmdline
 from supervisor.procfs.identity import ProcessId
 from supervisor.procfs.stat import ProcStat, scan_procs
-from supervisor.topology.cgroupns import host_lines
+from supervisor.topology.cgroupns import (
+    Hierarchy,
+    NamespaceRoot,
+    current_roots,
+    resolve_lines,
+)
 from supervisor.topology.model import CgroupLine
 
 
@@ -50,14 +55,14 @@ def cgroup_paths(text: str) -> list[tuple[str, str]]:
     return out
 
 
-def host_paths(fs: HostFS, paths: list[tuple[str, str]]) -> list[tuple[str, str]]:
+def host_paths(
+    paths: list[tuple[str, str]], roots: Mapping[Hierarchy, NamespaceRoot]
+) -> list[tuple[str, str]]:
     """`paths` as host paths: a supervisor in a private cgroup namespace (a node
     agent's child in its DaemonSet pod) sees other processes' cgroups as
     "/../../<host path below its own root>"; the target names the host path."""
-    if not any(path.startswith("/..") for _, path in paths):
-        return paths
     lines = [CgroupLine(0, tuple(c.split(",")) if c else (), p) for c, p in paths]
-    return [(",".join(line.controllers), line.path) for line in host_lines(fs, lines)]
+    return [(",".join(line.controllers), line.path) for line in resolve_lines(lines, roots)]
 
 
 def names(target: AttachTarget, paths: Sequence[tuple[str, str]], cmdline: str) -> str | None:
@@ -106,6 +111,7 @@ def find_engine(fs: HostFS, target: AttachTarget, me: int) -> FoundEngine | None
     supervisor (`me`) itself, nor a zombie, a killed process or a kernel thread. Blocking."""
     stats = scan_procs(fs)
     named: dict[int, str] = {}
+    roots: dict[Hierarchy, NamespaceRoot] | None = None  # read once a scan, when needed
     for pid, stat in stats.items():
         if pid == me or stat.state in ("Z", "X"):
             continue
@@ -120,7 +126,10 @@ def find_engine(fs: HostFS, target: AttachTarget, me: int) -> FoundEngine | None
             text = fs.read_optional(f"proc/{pid}/cgroup")
             if text is None:
                 continue
-            paths = host_paths(fs, cgroup_paths(text))
+            paths = cgroup_paths(text)
+            if any(path.startswith("/..") for _, path in paths):
+                roots = current_roots(fs) if roots is None else roots
+                paths = host_paths(paths, roots)
         found = names(target, paths, cmdline)
         if found is not None and not dying(fs.read_optional(f"proc/{pid}/status") or ""):
             named[pid] = found
