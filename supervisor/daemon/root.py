@@ -360,6 +360,7 @@ class Daemon:
                 names=naming.resolve,
                 applier=applier,
                 executor=self.adopt_executor,
+                on_engine=naming.engine_found,
             )
         else:
             self.fleet = fleet = AdoptingFleet(

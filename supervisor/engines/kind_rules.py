@@ -27,6 +27,9 @@ from supervisor.engines.rank_source import ProcFacts
 # vllm/envs.py: VLLM_PROCESS_NAME_PREFIX, default "VLLM"; set_process_title
 # (vllm/utils/system_utils.py) titles "<prefix>::<name>[_<suffix>]".
 VLLM_PREFIX_ENV = "VLLM_PROCESS_NAME_PREFIX"
+# The engine environment variables `rules_for` reads (attach mode reads them from
+# the found engine's /proc/<pid>/environ).
+ENGINE_ENV_NAMES = frozenset({VLLM_PREFIX_ENV})
 VLLM_DEFAULT_PREFIX = "VLLM"
 
 # `_DP0_PP1_TP2`, `_ATTN_CP0`: a parallel dimension and the process's index in it.

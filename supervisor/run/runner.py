@@ -69,9 +69,16 @@ class ProcessTrees(Protocol):
     """The daemon's tree keeper (`supervisor.trees.keeper.TreeKeeper`)."""
 
     def set_root(
-        self, key: ProcKey, pid: int, ident: ProcessId | None, *, adopted: bool = False
+        self,
+        key: ProcKey,
+        pid: int,
+        ident: ProcessId | None,
+        *,
+        adopted: bool = False,
+        cgroup_dir: str | None = None,
     ) -> None:
-        """`pid` is `key`'s root; `ident`, who it is (None until its start time is read)."""
+        """`pid` is `key`'s root; `ident`, who it is (None until its start time is
+        read); `cgroup_dir`, a cgroup holding its tree, read only (attach mode)."""
 
     def clear_root(self, key: ProcKey) -> None: ...
 

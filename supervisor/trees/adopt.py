@@ -395,16 +395,10 @@ class Adopter:
         # `resolve`, and this offers to each: the one cycle, through a mapping).
         self.runners = runners
         self.sources: tuple[RankSource, ...] = workers.rank_from
-        rules = None if engine is None else rules_for(engine.kind, engine.command, engine.env)
-        self.rules = None if rules is None or rules.kind == "custom" else rules
+        self.kind = None if engine is None else engine.kind
         self.local_ranks, self.device_ranks = rank_tables(placement)
         self.number_ranks = device_rank_by_number(read_char_devices(fs), bdf_ranks(placement))
-        self.want_fds = any(s.kind == "device" for s in self.sources) or (
-            self.rules is not None and self.rules.want_fds
-        )
-        self.env_names = frozenset(s.name for s in self.sources if s.kind == "env") | (
-            frozenset() if self.rules is None else self.rules.env_names
-        )
+        self._use_rules(None if engine is None else (engine.command, engine.env))
         self.read_failures = ReadFailures(store, log)
         self.recorder = Recorder(store, log)
         self.named: set[ProcessId] = set()
@@ -414,6 +408,29 @@ class Adopter:
         self.waiting_warning_s = workers.waiting_warning_s
         self.tree_since: float | None = None  # monotonic: the engine's tree first seen
         self.warned: set[int] = set()  # ranks warned about while they wait
+
+    def _use_rules(self, engine: tuple[Sequence[str], Mapping[str, str]] | None) -> None:
+        """The kind's rules for the engine command line and environment `engine`."""
+        rules = None
+        if engine is not None and self.kind is not None:
+            rules = rules_for(self.kind, *engine)
+        self.rules = None if rules is None or rules.kind == "custom" else rules
+        self.want_fds = any(s.kind == "device" for s in self.sources) or (
+            self.rules is not None and self.rules.want_fds
+        )
+        self.env_names = frozenset(s.name for s in self.sources if s.kind == "env") | (
+            frozenset() if self.rules is None else self.rules.env_names
+        )
+
+    def engine_found(self, argv: Sequence[str], env: Mapping[str, str]) -> None:
+        """Attach mode: the engine is the process found, not a configured command;
+        its rules come from its own command line and environment (vLLM's
+        `-tp 2` says its engine core is no rank; its title prefix variable)."""
+        try:
+            self._use_rules((argv, env))
+        except ValueError as err:  # a flag that is not an integer: the kind's defaults
+            log.warning("engine flags unreadable error=%r action=use the kind's defaults", str(err))
+            self._use_rules(((), env))
 
     def __call__(self, member: Member) -> None:
         """Name `member` now and offer it to its rank (on the loop: two small

@@ -21,20 +21,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import posixpath
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
 from supervisor.bind.binder import Binder
 from supervisor.config import AttachTarget, Config
 from supervisor.cpulist import format_cpulist
+from supervisor.engines.kind_rules import ENGINE_ENV_NAMES
 from supervisor.errors import KernelError, SupervisorError
 from supervisor.hostfs import HostFS
 from supervisor.in_force import PlanInForce
 from supervisor.logs import format_fields
 from supervisor.plan.keys import ProcKey
 from supervisor.plan.replan import slots_by_key
+from supervisor.procfs.files import read_environ
 from supervisor.procfs.identity import ProcessId
 from supervisor.procfs.stat import children_map, scan_procs
 from supervisor.run.procs import first_of
@@ -58,7 +61,17 @@ from supervisor.watch.decide import Decision
 
 log = logging.getLogger("placement_supervisor.attach")
 
+# Told the found engine's argv and environment (the adopter's rules: Adopter.engine_found).
+OnEngine = Callable[[Sequence[str], Mapping[str, str]], None]
+CMDLINE_MAX_BYTES = 1 << 16  # the engine's flags are near the front
+
 WAITING_LOG_S = 30.0  # while the engine is not there: one INFO line this often
+# After the start and after the engine exits, the first looks come at most this far
+# apart, whatever the check interval: a node agent's child starts with its engine
+# already there (two looks settle it), and a restarted engine is usually back
+# within seconds. Each look walks /proc, so a long wait goes on at the interval.
+FAST_LOOK_S = 1.0
+FAST_LOOKS = 10
 
 
 # -- what the tree looked like when found, and putting it back ----------------------
@@ -142,9 +155,17 @@ def restore_affinities(
 class AttachRunner(Runner):
     """The engine, found rather than spawned; watched, never signalled."""
 
-    def __init__(self, rt: Runtime, key: ProcKey, spec_of: SpecOf, target: AttachTarget) -> None:
+    def __init__(
+        self,
+        rt: Runtime,
+        key: ProcKey,
+        spec_of: SpecOf,
+        target: AttachTarget,
+        on_engine: OnEngine | None = None,
+    ) -> None:
         super().__init__(rt, key, spec_of)
         self.target = target
+        self.on_engine = on_engine  # told each found engine's command line and environment
         self.found: FoundEngine | None = None
         self.last: FoundEngine | None = None  # the last one found, until the next
         self.before: dict[ProcessId, frozenset[int]] = {}  # the found tree's affinities
@@ -167,7 +188,9 @@ class AttachRunner(Runner):
         self.launched.set()
         logged_at: float | None = None
         seen: FoundEngine | None = None  # found at the last look
+        looks = 0  # since the start or the last exit
         while not self.stopping:
+            looks += 1
             found = await loop.run_in_executor(
                 self.rt.executor, find_engine, self.rt.fs, self.target, os.getpid()
             )
@@ -182,11 +205,14 @@ class AttachRunner(Runner):
                     logged_at = now
                     log.info("engine waiting attach=%r action=look again", str(self.target))
                 interval = self.rt.config.drift.check_interval_s
+                if looks < FAST_LOOKS:
+                    interval = min(interval, FAST_LOOK_S)
                 await first_of(asyncio.sleep(interval), self.rt.stopping.wait())
                 continue
             assert found is not None
             self.waiting = None
             logged_at = seen = None
+            looks = 0
             if await self._attach(found):
                 await self._watch(found)
 
@@ -195,6 +221,11 @@ class AttachRunner(Runner):
         before = await loop.run_in_executor(self.rt.executor, read_affinities, self.rt.fs, found.id)
         if found.id not in before:
             return False  # exited before we got to it
+        if self.on_engine is not None:
+            engine = await loop.run_in_executor(self.rt.executor, _engine_facts, self.rt.fs, found)
+            if engine is None:
+                return False  # exited meanwhile
+            self.on_engine(*engine)
         self.found, self.last, self.before = found, found, before
         cpuset = await loop.run_in_executor(self.rt.executor, _cpuset_of_pid, self.rt.fs, found.pid)
         planned = frozenset(
@@ -202,7 +233,8 @@ class AttachRunner(Runner):
         )
         outside = sorted(planned - cpuset.cpus) if cpuset is not None and cpuset.cpus else []
         if self.rt.trees is not None:
-            self.rt.trees.set_root(self.key, found.pid, found.id)
+            scope = tree_cgroup_dir(found, cpuset)
+            self.rt.trees.set_root(self.key, found.pid, found.id, cgroup_dir=scope)
         self.set_status(
             state="running",
             pid=found.pid,
@@ -310,8 +342,9 @@ class AttachingFleet(AdoptingFleet):
         names: Callable[[int], int | None],
         applier: Applier,
         executor: Executor,
+        on_engine: OnEngine | None = None,
     ) -> None:
-        self.attach = AttachRunner(rt, "engine", spec_of, target)
+        self.attach = AttachRunner(rt, "engine", spec_of, target, on_engine)
         self.ranks = ranks  # filled by AdoptingFleet
         super().__init__(
             rt,
@@ -347,6 +380,40 @@ class AttachingFleet(AdoptingFleet):
         if trees is not None:
             for key in self.keys:
                 trees.release(key)
+
+
+def _engine_facts(fs: HostFS, found: FoundEngine) -> tuple[list[str], dict[str, str]] | None:
+    """The found engine's argv and the variables of its environment the kind's
+    rules read; None when it is gone. An environment the kernel refuses (another
+    user's, without CAP_SYS_PTRACE) reads as empty: the rules' defaults."""
+    try:
+        raw = fs.read_head(f"proc/{found.pid}/cmdline", CMDLINE_MAX_BYTES, f"pid {found.pid}")
+    except KernelError:
+        raw = b""  # world-readable (proc(5)): a garbled tree; the kind's defaults
+    if raw is None:
+        return None
+    argv = [w.decode(errors="replace") for w in raw.rstrip(b"\0").split(b"\0") if w]
+    try:
+        env = read_environ(fs, found.pid, ENGINE_ENV_NAMES) or {}
+    except KernelError:
+        env = {}
+    return argv, env
+
+
+def tree_cgroup_dir(found: FoundEngine, cpuset: Cpuset | None) -> str | None:
+    """The directory whose cgroup.procs the tree keeper may read for the engine's
+    tree instead of walking the host's /proc each pass (pure): the engine's cpuset
+    directory where it is the cgroup a `cgroup` or `unit` target names, or one
+    below it. Every process there is the engine's (the operator named that cgroup
+    as the engine's; a child is born in its parent's cgroup, cgroups(7)); it is
+    only read. None for a `match` target (its cgroup may be a login session's,
+    holding other processes) or a cpuset found only up the tree."""
+    if found.cgroup is None or cpuset is None or not cpuset.files:
+        return None
+    named = found.cgroup.rstrip("/")
+    if cpuset.path != named and not cpuset.path.startswith(named + "/"):
+        return None
+    return posixpath.dirname(cpuset.files[0])
 
 
 def _cpuset_of_pid(fs: HostFS, pid: int) -> Cpuset | None:

@@ -157,7 +157,7 @@ class TreeKeeper:
         self._wake = asyncio.Event()
         self.passes = 0  # tree passes so far (ps-tree thread)
         self.full_passes = 0  # those that walked all of /proc
-        self.in_cgroups = False  # at the last pass, every root was in its cgroup
+        self.in_cgroups = False  # at the last pass, every root was in a cgroup read
         self.recent_procs = recent_procs  # the check loop's cgroup.procs reads (quiet.py)
         # A quiet pass takes cgroup.procs readings this many intervals old: more than 1
         # where the check loop reads them every few checks (the daemon's, with events).
@@ -168,9 +168,19 @@ class TreeKeeper:
     # -- roots ---------------------------------------------------------------
 
     def set_root(
-        self, key: ProcKey, pid: int, ident: ProcessId | None, *, adopted: bool = False
+        self,
+        key: ProcKey,
+        pid: int,
+        ident: ProcessId | None,
+        *,
+        adopted: bool = False,
+        cgroup_dir: str | None = None,
     ) -> None:
-        self.roots[key] = Root(key, pid, ident, self.cgroup_dir(key))
+        """`pid` is `key`'s root now. `cgroup_dir`: a cgroup that holds the root's
+        tree, read (never written) for its members where the root has none of the
+        daemon's: an attached engine's container (supervisor.trees.attach)."""
+        own = self.cgroup_dir(key)
+        self.roots[key] = Root(key, pid, ident, own if own is not None else cgroup_dir)
         self.released.discard(key)
         self.members.pop(pid, None)
         replayed = self._replay_forks(key, pid)
@@ -345,7 +355,10 @@ class TreeKeeper:
         # one of them too (fork(2) puts a child in its parent's cgroup,
         # cgroups(7)), and a pass is a few dozen reads instead of the host's
         # whole /proc, whatever else runs there.
-        self.in_cgroups = all(r.pid in cgroup_members.get(r.key, ()) for r in roots)
+        # A root in another's cgroup counts (an adopted worker in its attached
+        # engine's container): its children are born there too.
+        in_some = set().union(*cgroup_members.values())
+        self.in_cgroups = all(r.pid in in_some for r in roots)
         scoped = self.in_cgroups and not self._full_due()
         self.passes += 1
         if scoped:

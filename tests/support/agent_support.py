@@ -139,13 +139,15 @@ def agent_running(
     base: str,
     interval_s: float | None = 1.0,
     argv: Sequence[str] | None = None,
+    prefix: Sequence[str] = (),
 ) -> Iterator[Agent]:
     """`python -m supervisor agent` for `pods`, its children's config `base`
     (interval_s None: the agent's default); SIGTERM (then KILL) afterwards.
-    `argv` replaces `python -m supervisor` (a benchmark's own entry point)."""
+    `argv` replaces `python -m supervisor` (a benchmark's own entry point);
+    `prefix` runs before it and execs it (ray_support.PRIVATE_DEV_PREFIX)."""
     (tmp / "base.toml").write_text(base)
     port = free_port()
-    args = [*(argv or (sys.executable, "-m", "supervisor")), "agent"]
+    args = [*prefix, *(argv or (sys.executable, "-m", "supervisor")), "agent"]
     args += ["--listen", f"127.0.0.1:{port}", "--base-config", str(tmp / "base.toml")]
     args += ["--state-dir", str(tmp / "state")]
     args += [] if interval_s is None else ["--interval-s", str(interval_s)]

@@ -143,8 +143,11 @@ def make_bundle(
     cpus: str,
     profile: Profile,
     binds: Sequence[str] = (),
+    devices: Sequence[tuple[str, int, int]] = (),
 ) -> dict[str, Any]:
-    """Write `bundle`/config.json (and an empty rootfs); returns the spec."""
+    """Write `bundle`/config.json (and an empty rootfs); returns the spec.
+    `devices`: (path, major, minor) character devices runc makes in the
+    container's own /dev (its tmpfs: the host's /dev is not touched)."""
     rootfs = bundle / "rootfs"
     rootfs.mkdir(parents=True)
     subprocess.run(["runc", "spec", "--bundle", str(bundle)], check=True, timeout=30)
@@ -173,6 +176,16 @@ def make_bundle(
     linux["namespaces"] = [n for n in linux["namespaces"] if n["type"] != "network"]
     linux["cgroupsPath"] = cgroups_path
     linux["resources"] = {"cpu": {"cpus": cpus, "mems": "0"}}
+    linux["devices"] = [
+        {"path": path, "type": "c", "major": major, "minor": minor, "fileMode": 0o666}
+        for path, major, minor in devices
+    ]
+    if devices:
+        # The device cgroup's rule for them (runc allows only its defaults).
+        linux["resources"]["devices"] = [
+            {"allow": True, "type": "c", "major": major, "minor": minor, "access": "rwm"}
+            for _, major, minor in devices
+        ]
     if profile.privileged:
         linux.pop("maskedPaths", None)
         linux.pop("readonlyPaths", None)

@@ -31,25 +31,8 @@ from tests.support.daemon_support import (
     to_toml,
 )
 from tests.support.fake_engine.layouts import STALL_ENV
+from tests.support.fake_engine.shims import SGLANG_MODULE, VLLM_MODULE, records, write_shim
 from tests.support.poll import poll
-
-SHIM = """import sys
-from tests.support.fake_engine.layouts import {main}
-if __name__ == "__main__":
-    {main}(sys.argv[1:])
-"""
-
-VLLM_MODULE = "vllm.entrypoints.openai.api_server"
-SGLANG_MODULE = "sglang.launch_server"
-
-
-def write_shim(root: Path, module: str, main: str) -> None:
-    parts = module.split(".")
-    for i in range(1, len(parts)):
-        package = root.joinpath(*parts[:i])
-        package.mkdir(parents=True, exist_ok=True)
-        (package / "__init__.py").touch()
-    root.joinpath(*parts[:-1], parts[-1] + ".py").write_text(SHIM.format(main=main))
 
 
 def layout_config(
@@ -90,15 +73,6 @@ def layout_config(
     path = tmp_path / "layout.toml"
     path.write_text(to_toml(doc) + "[drift]\ncheck_interval_s = 0.2\n")
     return path, record
-
-
-def records(record: Path) -> dict[int, int]:
-    """{device: pid} of the stand-in processes that drive a device."""
-    out: dict[int, int] = {}
-    for entry in record.iterdir():
-        if entry.name.isdigit():
-            out[int(entry.read_text())] = int(entry.name)
-    return out
 
 
 def cgroup_of(pid: int) -> str:

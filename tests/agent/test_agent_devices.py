@@ -1,0 +1,151 @@
+"""A vLLM-shaped engine in a real runc container, ranked by what its own processes
+show: their setproctitle titles and the device files they hold open inside the
+container's mount namespace (issue 31's container tests).
+
+The stand-in is the fake vLLM of tests/support/fake_engine/layouts.py, run as
+`python -m vllm.entrypoints.openai.api_server --tensor-parallel-size 2` (the
+engine kind comes from that command line): an API server, one engine core, two
+workers started by multiprocessing "spawn" and titled `VLLM::Worker_TP0` and
+`VLLM::Worker_TP1` by the real setproctitle, with no LOCAL_RANK in their
+environment (vLLM's workers take their rank as an argument). With
+FAKE_ENGINE_OPEN_DEVICE=reverse the TP0 worker opens /dev/nvidia1 and TP1
+/dev/nvidia0, and keeps it open, as a CUDA context holds its GPU: the device
+disagrees with the title and wins (docs/engine-kinds.md), one `rank_conflict`
+for each.
+
+The container's /dev is runc's own tmpfs, with nvidia0 and nvidia1 made from
+/dev/null's numbers (1:3); the agent runs in a mount namespace of its own whose
+/dev has the same two nodes (ray_support.PRIVATE_DEV), so that its child's
+discovery finds two NVIDIA GPUs and plans one rank per GPU; the host's /dev is
+not touched. The workers record, in a directory the container shares, which
+device each drives under its pid in the container's own pid namespace; the test
+maps those to host pids through NSpid.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from supervisor.cpulist import format_cpulist
+from tests.support.agent_support import Agent, agent_running, binds_for
+from tests.support.children import thread_cpus
+from tests.support.daemon_support import REPO
+from tests.support.fake_engine.layouts import OPEN_DEVICE_ENV
+from tests.support.fake_engine.shims import VLLM_MODULE, records, write_shim
+from tests.support.oci import (
+    Profile,
+    container_pid,
+    host_pids,
+    kubelet_parents,
+    make_bundle,
+    running,
+)
+from tests.support.poll import poll
+from tests.support.ray_support import PRIVATE_DEV_PREFIX, title
+
+# unshare(1) and mount(2) into a new mount namespace need CAP_SYS_ADMIN.
+pytestmark = [pytest.mark.root, pytest.mark.usefixtures("need_root")]
+
+NULL = (1, 3)  # /dev/null's numbers: openable with no driver
+BASE = """accelerator = "nvidia"
+stop_timeout_s = 2
+[placement]
+rank_roles = {}
+on_shortage = "share"
+[drift]
+check_interval_s = 0.5
+"""
+
+
+@pytest.fixture
+def runc_on_two_cpus() -> None:
+    if subprocess.run(["which", "runc"], capture_output=True, check=False).returncode:
+        pytest.skip("runc is not installed (.ci/setup installs it)")
+    if not {0, 1} <= os.sched_getaffinity(0):
+        pytest.skip("needs CPUs 0 and 1")
+
+
+def vllm_bundle(bundle: Path, tmp: Path, cgroup: str, record: Path) -> None:
+    shims = tmp / "shims"
+    write_shim(shims, VLLM_MODULE, "vllm_main")
+    command = [sys.executable, "-m", VLLM_MODULE, "--model", "m"]
+    command += ["--tensor-parallel-size", "2", "--record-dir", str(record)]
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "PYTHONPATH": f"{shims}{os.pathsep}{REPO}",
+        OPEN_DEVICE_ENV: "reverse",
+    }
+    make_bundle(
+        bundle,
+        command,
+        env,
+        cgroups_path=cgroup,
+        cpus="0-1",
+        profile=Profile(privileged=False),
+        binds=binds_for(tmp),
+        devices=[(f"/dev/nvidia{n}", *NULL) for n in (0, 1)],
+    )
+
+
+def drivers(cid: str, record: Path) -> dict[int, int]:
+    """device -> host pid of the workers that recorded one (in-container pids mapped)."""
+    by_ns = {container_pid(p): p for p in host_pids(cid)}
+    return {device: by_ns[pid] for device, pid in records(record).items() if pid in by_ns}
+
+
+def ranked(agent: Agent, cid: str, record: Path) -> dict[str, Any] | None:
+    """The container's entry once both ranks are adopted, each worker's every
+    thread on its rank's CPUs, and both workers have recorded their device."""
+    docs = agent.containers()
+    entry = next((d for d in docs or () if d["container_id"] == cid), None)
+    doc = None if entry is None else entry.get("placement")
+    if not doc or len(doc["ranks"]) != 2 or len(drivers(cid[:32], record)) != 2:
+        return None
+    for r in doc["ranks"]:
+        if r["state"] != "running" or not r.get("adopted") or not r.get("pid"):
+            return None
+        if set(thread_cpus(r["pid"]).values()) != {format_cpulist(r["cpus"])}:
+            return None
+    return entry
+
+
+@pytest.mark.usefixtures("runc_on_two_cpus")
+def test_titled_workers_are_ranked_by_the_device_they_hold_open_in_their_container(
+    tmp_path: Path,
+) -> None:
+    pod = str(uuid.uuid4())
+    cid = uuid.uuid4().hex + uuid.uuid4().hex
+    record = tmp_path / "record"
+    record.mkdir()
+    (tmp_path / "agent").mkdir()
+    bundle = tmp_path / cid[:12]
+    vllm_bundle(bundle, tmp_path, f"/kubepods/besteffort/pod{pod}/{cid}", record)
+    with kubelet_parents(pod), running(bundle, cid[:32], tmp_path / "runc.log"):
+        # API server, engine core, two workers, and the spawn's resource tracker.
+        poll(lambda: len(drivers(cid[:32], record)) == 2, 60, 0.5, what="both workers on a device")
+        drives = drivers(cid[:32], record)
+        titles = {device: title(pid) for device, pid in drives.items()}
+        # The title says the other rank: TP0 drives nvidia1.
+        assert titles == {0: "VLLM::Worker_TP1", 1: "VLLM::Worker_TP0"}, titles
+        with agent_running(
+            tmp_path / "agent", pods=[pod], base=BASE, prefix=PRIVATE_DEV_PREFIX
+        ) as agent:
+            entry = poll(lambda: ranked(agent, cid, record), 90, 0.5, what="both ranks placed")
+            got = {r["rank"]: r["pid"] for r in entry["placement"]["ranks"]}
+            assert got == drives, (got, drives, titles)  # the device won
+            cpus = {r["rank"]: format_cpulist(r["cpus"]) for r in entry["placement"]["ranks"]}
+            assert cpus == {0: "0", 1: "1"}, cpus
+            # One conflict each, in the container's supervisor's log.
+            logged = "".join(p.read_text() for p in (tmp_path / "agent/state").glob("*.log"))
+            conflicts = [ln for ln in logged.splitlines() if "rank conflict" in ln]
+            assert len(conflicts) == 2, logged[-3000:]
+            assert all('action="device wins"' in ln for ln in conflicts), conflicts
+        # The agent's SIGTERM left the engine running.
+        assert len(drivers(cid[:32], record)) == 2
