@@ -35,9 +35,10 @@ the accelerators its processes hold open, by device number
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from supervisor.engines.engine_kind import ResolvedKind, recognise_kind
 from supervisor.errors import Gone, KernelError, SupervisorError
@@ -185,25 +186,99 @@ class _Member:
     lines: tuple[CgroupLine, ...]
 
 
+# /proc/<pid>/cgroup text -> its lines (host paths) and container: the processes
+# of a container, and most of a host's services, share one text, and parsing it
+# was two thirds of a look at the node (a v1 host's text has a dozen lines).
+CgroupMemo = dict[str, tuple[tuple[CgroupLine, ...], "ContainerRef | None"]]
+MEMO_MAX = 4096  # distinct texts kept; past it the memo starts again
+CGROUP_FILE_MAX = 1 << 16
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+# A process is read again at every look until it is this old: a runtime starts a
+# container's first process in its own cgroup and moves it in just before the
+# exec (runc's init writes its pid to cgroup.procs), so a young process's cgroup
+# is not yet settled. An older one keeps the container (or none) it was seen in.
+SETTLED_S = 10.0
+# Every this many looks, every process is read again whatever its age (a process
+# an operator moved between cgroups; a pid reused between two looks).
+FULL_LOOK_EVERY = 30
+
+
+@dataclass(slots=True)
+class LookCache:
+    """What one look at the node leaves for the next (mutable; one per agent).
+
+    A settled process (older than SETTLED_S) keeps what its last read found:
+    the next look reads only the processes new since (and the young ones), not
+    every /proc/<pid>/cgroup of the node (each container's main process's
+    command line and environment are read at every look: it may exec). Every
+    FULL_LOOK_EVERY looks, and whenever the namespace roots are found again,
+    everything is read anew."""
+
+    memo: CgroupMemo = field(default_factory=dict)
+    # pid -> (its container and stat, or None: in none), for settled processes
+    seen: dict[int, tuple[ContainerRef, _Member] | None] = field(default_factory=dict)
+    roots: object = None  # the namespace roots the rest was read with
+    looks: int = 0
+    reads: int = 0  # /proc/<pid>/cgroup reads, for tests
+    settled_s: float = SETTLED_S
+    full_every: int = FULL_LOOK_EVERY
+
+    def begin(self, roots: object) -> bool:
+        """Start a look; True when everything is to be read anew."""
+        full = roots != self.roots or self.looks % self.full_every == 0
+        self.looks += 1
+        if full or len(self.memo) > MEMO_MAX:
+            self.memo.clear()
+        if full:
+            self.seen.clear()
+            self.roots = roots
+        return full
+
+
 def _read_member(
     fs: HostFS,
     pid: int,
     ns_roots: Mapping[Hierarchy, NamespaceRoot],
     extra_roots: Sequence[str],
+    *,
+    cache: LookCache,
+    settled_before: int | None,
 ) -> tuple[ContainerRef, _Member] | None:
     """`pid`'s container and its files; None when it is in none, or gone.
 
-    Its stat is read only once its cgroup names a container: most of a node's
-    processes are in none, and the walk reads this for every one of them."""
-    text = fs.read_optional(f"proc/{pid}/cgroup")
-    if text is None:
+    Its stat is read only once its cgroup names a container, or where the cache
+    keeps it (`settled_before`, in clock ticks since boot: started before this, it
+    is settled): most of a node's processes are in none."""
+    # One read: the file is a single_open seq_file, whole in one read of this size.
+    raw = fs.read_live(f"proc/{pid}/cgroup", CGROUP_FILE_MAX, f"pid {pid}")
+    cache.reads += 1
+    if raw is None:
         return None  # gone meanwhile
-    lines = resolve_lines(parse_proc_cgroup(text, f"proc/{pid}/cgroup"), ns_roots)
-    ref = container_of_lines(lines, extra_roots)
-    if ref is None:
+    text = raw.decode(errors="replace")
+    known = cache.memo.get(text)
+    if known is None:
+        lines = resolve_lines(parse_proc_cgroup(text, f"proc/{pid}/cgroup"), ns_roots)
+        known = cache.memo[text] = (lines, container_of_lines(lines, extra_roots))
+    lines, ref = known
+    if ref is None and settled_before is None:
         return None
-    stat = read_proc_stat(fs, pid)
-    return None if stat is None else (ref, _Member(stat, lines))
+    stat = read_proc_stat(fs, pid, main_thread=True)
+    if stat is None:
+        return None
+    if settled_before is not None and stat.start_time < settled_before:
+        cache.seen[pid] = None if ref is None else (ref, _Member(stat, lines))
+    return None if ref is None else (ref, _Member(stat, lines))
+
+
+def _settled_before(fs: HostFS, settled_s: float) -> int | None:
+    """The start time (clock ticks since boot, /proc/<pid>/stat field 22) before
+    which a process is settled now (/proc/uptime); None where it cannot be read."""
+    text = fs.read_optional("proc/uptime")
+    try:
+        uptime = float(text.split()[0]) if text else None
+    except (ValueError, IndexError):
+        uptime = None
+    return None if uptime is None else int((uptime - settled_s) * CLK_TCK)
 
 
 def _open_devices(fs: HostFS, pid: int) -> set[tuple[int, int]]:
@@ -227,6 +302,7 @@ def find_containers(
     pids: Iterable[int] | None = None,
     ns_roots: Mapping[Hierarchy, NamespaceRoot] | None = None,
     devices: bool = True,
+    cache: LookCache | None = None,
 ) -> list[Container]:
     """Every container with a process on this node, in cgroup-path order.
 
@@ -238,19 +314,33 @@ def find_containers(
     `devices=False` leaves each container's `devices` empty, its fds unread: the
     open files of every process are the walk's largest part after
     /proc/<pid>/cgroup, and the node agent, which walks every `--interval-s`,
-    does not use them."""
+    does not use them. `cache`: what the last look with the same `extra_roots`
+    found (a caller that looks again keeps one: LookCache); filled here."""
     if ns_roots is None:
         ns_roots = find_namespace_roots(fs)
+    keep = cache is not None
+    cache = LookCache() if cache is None else cache
+    cache.begin(ns_roots)
+    settled_before = _settled_before(fs, cache.settled_s) if keep else None
     groups: dict[str, tuple[ContainerRef, dict[int, _Member]]] = {}
-    for pid in host_pids(fs) if pids is None else pids:
-        try:
-            got = _read_member(fs, pid, ns_roots, extra_roots)
-        except (OSError, SupervisorError, ValueError):
-            continue
+    listed = host_pids(fs) if pids is None else list(pids)
+    for pid in listed:
+        if pid in cache.seen:
+            got = cache.seen[pid]
+        else:
+            try:
+                got = _read_member(
+                    fs, pid, ns_roots, extra_roots, cache=cache, settled_before=settled_before
+                )
+            except (OSError, SupervisorError, ValueError):
+                continue
         if got is None:
             continue
         ref, member = got
         groups.setdefault(ref.cgroup, (ref, {}))[1][pid] = member
+    if keep and len(cache.seen) > len(listed):  # forget the gone
+        present = set(listed)
+        cache.seen = {pid: got for pid, got in cache.seen.items() if pid in present}
     numbers = read_char_devices(fs) if groups and devices else {}
     found = []
     for ref, members in groups.values():
@@ -269,6 +359,25 @@ def _denied(what: str, err: OSError | KernelError) -> str:
     return f"{what}: {text}"
 
 
+def _head_facts(fs: HostFS, pid: int) -> tuple[str, dict[str, str], tuple[str, ...]] | None:
+    """A main process's command line, visibility variables and what of them the
+    kernel refused; None when it exited."""
+    # cmdline is readable by anyone (proc(5)); environ needs ptrace access to the
+    # process (CAP_SYS_PTRACE for another user's): without it the container is
+    # still listed, with its visibility variables unknown.
+    command = read_cmdline(fs, pid)
+    if command is None:
+        return None
+    refused: tuple[str, ...] = ()
+    try:
+        environ = read_environ(fs, pid, VISIBILITY_VARIABLES)
+    except KernelError as err:
+        if isinstance(err, Gone):
+            raise
+        environ, refused = {}, (_denied(f"environ of pid {pid}", err),)
+    return None if environ is None else (command, environ, refused)
+
+
 def _container(
     fs: HostFS,
     ref: ContainerRef,
@@ -282,22 +391,15 @@ def _container(
     if not heads:
         return None
     head = min(heads, key=lambda s: (s.start_time, s.pid))
-    # cmdline is readable by anyone (proc(5)); environ and fd/ need ptrace access
-    # to the process (CAP_SYS_PTRACE for another user's): without it the
-    # container is still listed, with its visibility variables and devices unknown.
-    reasons: list[str] = []
-    command = read_cmdline(fs, head.pid)
-    if command is None:
+    # fd/ needs ptrace access as environ does (_head_facts): without it the
+    # container is listed with its devices unknown.
+    main = ProcessId(head.pid, head.start_time)
+    # Read at every look: a main process may exec (a launcher script into the engine).
+    facts = _head_facts(fs, head.pid)
+    if facts is None:
         return None  # exited during the walk
-    try:
-        environ = read_environ(fs, head.pid, VISIBILITY_VARIABLES)
-    except KernelError as err:
-        if isinstance(err, Gone):
-            raise
-        environ = {}
-        reasons.append(_denied(f"environ of pid {head.pid}", err))
-    if environ is None:
-        return None  # exited during the walk
+    command, environ, refused_env = facts
+    reasons = list(refused_env)
     member = members[head.pid]
     cpuset = cpuset_of(fs, member.lines)
     held: set[tuple[int, int]] = set()
@@ -317,7 +419,7 @@ def _container(
     pcis = sorted({numbers[n] for n in held if n in numbers})
     return Container(
         ref,
-        ProcessId(head.pid, head.start_time),
+        main,
         (head.pid, *sorted(p for p in members if p != head.pid)),
         command,
         recognise_kind(command.split()),

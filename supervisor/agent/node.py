@@ -38,7 +38,7 @@ from typing import Any
 
 from aiohttp import ClientSession, ClientTimeout, web
 
-from supervisor.agent.containers import Container, ContainerRef, find_containers
+from supervisor.agent.containers import Container, ContainerRef, LookCache, find_containers
 from supervisor.agent.kube_names import KubeNames, read_kube_names
 from supervisor.agent.shares import compute_shares
 from supervisor.cpulist import format_cpulist
@@ -53,6 +53,21 @@ STOP_TIMEOUT_S = 30.0
 UP_TIMEOUT_S = 10.0
 # A child that exited of itself is started again no sooner than this after its start.
 RESTART_AFTER_S = 10.0
+# The children's `[drift] check_interval_s` unless the base config sets one: each
+# child's pass reads every thread's affinity (some 3 us a thread), so a node of
+# 10 containers x 800 threads checked every second costs 3% of a core in passes
+# alone. A new thread inherits its creator's binding and a new worker is adopted
+# on its fork event, so what waits for the pass is drift someone else causes.
+CHILD_CHECK_INTERVAL_S = 10.0
+# And their `numa_maps_interval_s`: a worker's numa_maps costs the kernel a walk of
+# its page tables (about 1 ms for a small Python worker, more with a model's
+# memory), nine a container; pages a worker allocates later are on its node
+# already (its threads run there, the kernel's local-first policy), so what a
+# read finds late is memory someone else moved.
+CHILD_NUMA_MAPS_INTERVAL_S = 60.0
+# And their `cpuset_watch_s`: 0, no watch thread of their own. The agent reads each
+# container's cpuset at every look and starts its child again within a new one.
+CHILD_CPUSET_WATCH_S = 0.0
 
 
 # /healthz fails once no pass has finished for this many intervals, and never
@@ -117,6 +132,10 @@ def child_config(
     doc.setdefault("engine", {}).update(attach=attach, kind=kind)
     doc["engine"].pop("command", None)
     doc.setdefault("workers", {})["spawned_by"] = "engine"
+    drift = doc.setdefault("drift", {})
+    drift.setdefault("check_interval_s", CHILD_CHECK_INTERVAL_S)
+    drift.setdefault("numa_maps_interval_s", CHILD_NUMA_MAPS_INTERVAL_S)
+    drift.setdefault("cpuset_watch_s", CHILD_CPUSET_WATCH_S)
     # IRQs are host-wide: several supervisors would move the same ones. Off unless
     # the base config turns them on (for a node with one engine container).
     doc.setdefault("irq", {}).setdefault("enabled", False)
@@ -241,6 +260,7 @@ class NodeAgent:
         self.reported: set[str] = set()  # the log tree's problems already logged
         # Its own cgroup namespace's roots on the host, found once, checked each pass.
         self.ns_roots = NamespaceRoots()
+        self.looks = LookCache()  # what the last look found (find_containers)
         self.unread: dict[str, str] = {}  # container cgroup -> what could not be read, logged once
         self.started_at = time.monotonic()
         self.last_pass_at: float | None = None  # time.monotonic() when a pass last finished
@@ -254,6 +274,7 @@ class NodeAgent:
             extra_roots=self.options.cgroup_roots,
             ns_roots=self.ns_roots.current(fs),
             devices=False,  # a child finds its engine's accelerators itself
+            cache=self.looks,
         )
         unread = {c.ref.cgroup: c.reason for c in found if c.reason is not None}
         for cgroup, reason in sorted(unread.items()):

@@ -115,6 +115,20 @@ def map_cgroup_path(
 
 
 def read_mounts(fs: HostFS) -> tuple[Mount, ...] | None:
-    """This process's mounts, or None when mountinfo cannot be read (a fixture without it)."""
+    """This process's mounts, or None when mountinfo cannot be read (a fixture without it).
+
+    The text is read each call; it is parsed again only when it changed (a node
+    agent maps each container's cgroup through it, every look)."""
     text = fs.read_optional(MOUNTINFO)
-    return None if text is None else parse_mountinfo(text)
+    if text is None:
+        return None
+    last = _PARSED.get(fs.root)
+    if last is not None and last[0] == text:
+        return last[1]
+    mounts = parse_mountinfo(text)
+    _PARSED[fs.root] = (text, mounts)
+    return mounts
+
+
+# The root read (the host's "/", a fixture tree) -> its last mountinfo text, parsed.
+_PARSED: dict[str, tuple[str, tuple[Mount, ...]]] = {}
