@@ -15,10 +15,12 @@ workers carry LOCAL_RANK=0/1, started before the agent:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -63,8 +65,10 @@ def _placed_on(agent: Agent, cid: str, cpus: str, **differs: object) -> dict[str
     return doc
 
 
-@pytest.mark.usefixtures("runc_on_two_cpus")
-def test_the_agent_follows_a_runc_update_of_the_container_s_cpuset(tmp_path: Path) -> None:
+@contextlib.contextmanager
+def _one_container_placed(tmp_path: Path) -> Iterator[tuple[Agent, str, dict[str, Any]]]:
+    """One fake vLLM container on 0-1 in the kubelet's layout, its two workers
+    up, then the agent: (the agent, the container id, its entry once placed)."""
     pod = str(uuid.uuid4())
     cid = uuid.uuid4().hex + uuid.uuid4().hex
     bundle = tmp_path / cid[:12]
@@ -77,82 +81,79 @@ def test_the_agent_follows_a_runc_update_of_the_container_s_cpuset(tmp_path: Pat
         with agent_running(tmp_path, pods=[pod], base=base_config()) as agent:
             first = poll(lambda: _placed_on(agent, cid, "0-1"), 60, 0.5, what="placed on 0-1")
             assert rank_cpus(first) == {0: "0", 1: "1"}, first
-            workers = worker_pids(first)
+            yield agent, cid, first
 
-            runc("update", "--cpuset-cpus", "1", cid[:32])
-            narrowed = poll(
-                lambda: _placed_on(agent, cid, "1", child_pid=first["child_pid"]),
-                60,
-                0.5,
-                what="placed again within CPU 1",
-            )
-            assert rank_cpus(narrowed) == {0: "1", 1: "1"}, narrowed
-            assert worker_pids(narrowed) == workers  # the engine was not touched
 
-            runc("update", "--cpuset-cpus", "0-1", cid[:32])
-            widened = poll(
-                lambda: _placed_on(agent, cid, "0-1", child_pid=narrowed["child_pid"]),
-                60,
-                0.5,
-                what="placed again on 0-1, one CPU per rank",
-            )
-            assert rank_cpus(widened) == {0: "0", 1: "1"}, widened
-            assert worker_pids(widened) == workers
-            log = agent.log.read_text()
-            cgroup = first["cgroup"]
-            restarts = f"child restart cgroup={cgroup} why='cpuset, share or main process changed'"
-            assert log.count(restarts) == 2, log[-4000:]
+@pytest.mark.usefixtures("runc_on_two_cpus")
+def test_the_agent_follows_a_runc_update_of_the_container_s_cpuset(tmp_path: Path) -> None:
+    with _one_container_placed(tmp_path) as (agent, cid, first):
+        workers = worker_pids(first)
+
+        runc("update", "--cpuset-cpus", "1", cid[:32])
+        narrowed = poll(
+            lambda: _placed_on(agent, cid, "1", child_pid=first["child_pid"]),
+            60,
+            0.5,
+            what="placed again within CPU 1",
+        )
+        assert rank_cpus(narrowed) == {0: "1", 1: "1"}, narrowed
+        assert worker_pids(narrowed) == workers  # the engine was not touched
+
+        runc("update", "--cpuset-cpus", "0-1", cid[:32])
+        widened = poll(
+            lambda: _placed_on(agent, cid, "0-1", child_pid=narrowed["child_pid"]),
+            60,
+            0.5,
+            what="placed again on 0-1, one CPU per rank",
+        )
+        assert rank_cpus(widened) == {0: "0", 1: "1"}, widened
+        assert worker_pids(widened) == workers
+        log = agent.log.read_text()
+        cgroup = first["cgroup"]
+        restarts = f"child restart cgroup={cgroup} why='cpuset, share or main process changed'"
+        assert log.count(restarts) == 2, log[-4000:]
 
 
 @pytest.mark.usefixtures("runc_on_two_cpus")
 def test_a_container_run_again_under_its_id_is_placed_again(tmp_path: Path) -> None:
-    pod = str(uuid.uuid4())
-    cid = uuid.uuid4().hex + uuid.uuid4().hex
-    bundle = tmp_path / cid[:12]
-    engine_bundle(bundle, tmp_path, f"/kubepods/besteffort/pod{pod}/{cid}", "0-1")
-    with (
-        kubelet_parents(pod),
-        running(bundle, cid[:32], tmp_path / "runc.log"),
-    ):
-        poll(lambda: len(host_pids(cid[:32])) == 3, 30, what="engine and 2 workers")
-        with agent_running(tmp_path, pods=[pod], base=base_config()) as agent:
-            first = poll(lambda: _placed_on(agent, cid, "0-1"), 60, 0.5, what="placed on 0-1")
-            old = set(worker_pids(first).values())
+    with _one_container_placed(tmp_path) as (agent, cid, first):
+        bundle = tmp_path / cid[:12]
+        old = set(worker_pids(first).values())
 
-            # The restart lands between two of the agent's passes (it is stopped
-            # meanwhile), as a restart quicker than its interval does: the next
-            # pass sees the same cgroup with another main process.
-            os.kill(agent.proc.pid, signal.SIGSTOP)
-            try:
-                runc("kill", cid[:32], "KILL", check=False)
-                poll(lambda: state(cid[:32]) in ("stopped", "gone"), 20, what="stopped")
-                runc("delete", "--force", cid[:32])
-                with open(tmp_path / "runc-again.log", "wb") as out:
-                    again = subprocess.run(
-                        ["runc", "run", "-d", "--bundle", str(bundle), cid[:32]],
-                        stdin=subprocess.DEVNULL,
-                        stdout=out,
-                        stderr=out,
-                        timeout=60,
-                        check=False,
-                    )
-                assert again.returncode == 0, (tmp_path / "runc-again.log").read_text()
-                poll(lambda: len(host_pids(cid[:32])) == 3, 30, what="the new engine's workers")
-            finally:
-                os.kill(agent.proc.pid, signal.SIGCONT)
+        # The restart lands between two of the agent's passes (it is stopped
+        # meanwhile), as a restart quicker than its interval does: the next
+        # pass sees the same cgroup with another main process.
+        os.kill(agent.proc.pid, signal.SIGSTOP)
+        try:
+            runc("kill", cid[:32], "KILL", check=False)
+            poll(lambda: state(cid[:32]) in ("stopped", "gone"), 20, what="stopped")
+            runc("delete", "--force", cid[:32])
+            with open(tmp_path / "runc-again.log", "wb") as out:
+                again = subprocess.run(
+                    ["runc", "run", "-d", "--bundle", str(bundle), cid[:32]],
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=out,
+                    timeout=60,
+                    check=False,
+                )
+            assert again.returncode == 0, (tmp_path / "runc-again.log").read_text()
+            poll(lambda: len(host_pids(cid[:32])) == 3, 30, what="the new engine's workers")
+        finally:
+            os.kill(agent.proc.pid, signal.SIGCONT)
 
-            def placed_again() -> dict[str, Any] | None:
-                doc = _placed_on(agent, cid, "0-1", child_pid=first["child_pid"])
-                return doc if doc and not set(worker_pids(doc).values()) & old else None
+        def placed_again() -> dict[str, Any] | None:
+            doc = _placed_on(agent, cid, "0-1", child_pid=first["child_pid"])
+            return doc if doc and not set(worker_pids(doc).values()) & old else None
 
-            second = poll(placed_again, 60, 0.5, what="the new workers placed by a new child")
-            assert rank_cpus(second) == {0: "0", 1: "1"}, second
-            assert not Path(f"/proc/{first['child_pid']}").exists()
-            log = agent.log.read_text()
-            cgroup = first["cgroup"]
-            # Seen as a new main process (the usual case), or, when the agent was
-            # stopped in the middle of a look at /proc, as gone and found again.
-            assert (
-                f"child restart cgroup={cgroup} why='cpuset, share or main process changed'" in log
-                or f"container gone cgroup={cgroup}" in log
-            ), log[-4000:]
+        second = poll(placed_again, 60, 0.5, what="the new workers placed by a new child")
+        assert rank_cpus(second) == {0: "0", 1: "1"}, second
+        assert not Path(f"/proc/{first['child_pid']}").exists()
+        log = agent.log.read_text()
+        cgroup = first["cgroup"]
+        # Seen as a new main process (the usual case), or, when the agent was
+        # stopped in the middle of a look at /proc, as gone and found again.
+        assert (
+            f"child restart cgroup={cgroup} why='cpuset, share or main process changed'" in log
+            or f"container gone cgroup={cgroup}" in log
+        ), log[-4000:]
