@@ -7,8 +7,9 @@ hold 100 sleeping threads each. Then:
 
 (a) quiet baseline: the same containers, no agent, for the window: the host's
     busy CPU (/proc/stat) and the containers' own (utime+stime, proc(5)).
-(b) the agent with its defaults (`--interval-s` 2; each child's check loop
-    every 1 s with the 50 ms cpuset watch, `[drift]` left out), once all ten
+(b) the agent with its defaults (`--interval-s` 2; `[drift]` left out, so the
+    children's: checks every 10 s, numa_maps every 60 s, no cpuset watch;
+    supervisor.agent.node), once all ten
     containers are placed and a settle time has passed: utime+stime of the
     agent and every process below it (the ten child supervisors) over the
     window, as % of one core (target < 1%), with the host's busy CPU beside
@@ -177,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--check-interval-s",
         type=float,
-        help="the children's [drift] check_interval_s (default: left out, the daemon's 1 s)",
+        help="the children's [drift] check_interval_s (default: left out, the agent's 10 s)",
     )
     args = p.parse_args(args_in)
     if os.geteuid() != 0 or shutil.which("runc") is None:
