@@ -43,15 +43,11 @@ from supervisor.cpulist import format_cpulist  # noqa: E402
 from tests.support.children import alive, status_field  # noqa: E402
 from tests.support.daemon_support import DaemonProcess, to_toml  # noqa: E402
 from tests.support.fake_engine.layouts import OPEN_DEVICE_ENV  # noqa: E402
+from tests.support.fake_engine.shims import records, write_shim  # noqa: E402
 from tests.support.poll import wait_until  # noqa: E402
 from tests.support.vm import Checklist  # noqa: E402
 
 CHECKS = Checklist()
-SHIM = """import sys
-from tests.support.fake_engine.layouts import {main}
-if __name__ == "__main__":
-    {main}(sys.argv[1:])
-"""
 
 
 def make_nodes() -> None:
@@ -61,17 +57,11 @@ def make_nodes() -> None:
             os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
 
 
-def records(record: Path) -> dict[int, int]:
-    return {int(e.read_text()): int(e.name) for e in record.iterdir() if e.name.isdigit()}
-
-
 def run_case(
     name: str, module: str, main: str, *, kind: str, flags: list[str], env: dict[str, str]
 ) -> None:
     tmp = Path(tempfile.mkdtemp())
-    shim = tmp / "shims" / f"{module}.py"
-    shim.parent.mkdir()
-    shim.write_text(SHIM.format(main=main))
+    write_shim(tmp / "shims", module, main)
     record = tmp / "record"
     record.mkdir()
     doc: dict[str, Any] = {

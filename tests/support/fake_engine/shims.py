@@ -28,7 +28,9 @@ def write_shim(root: Path, module: str, main: str) -> None:
         package = root.joinpath(*parts[:i])
         package.mkdir(parents=True, exist_ok=True)
         (package / "__init__.py").touch()
-    root.joinpath(*parts[:-1], parts[-1] + ".py").write_text(SHIM.format(main=main))
+    path = root.joinpath(*parts[:-1], parts[-1] + ".py")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(SHIM.format(main=main))
 
 
 def records(record: Path) -> dict[int, int]:
