@@ -25,7 +25,6 @@ maps those to host pids through NSpid.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import uuid
 from pathlib import Path
@@ -62,14 +61,6 @@ on_shortage = "share"
 [drift]
 check_interval_s = 0.5
 """
-
-
-@pytest.fixture
-def runc_on_two_cpus() -> None:
-    if subprocess.run(["which", "runc"], capture_output=True, check=False).returncode:
-        pytest.skip("runc is not installed (.ci/setup installs it)")
-    if not {0, 1} <= os.sched_getaffinity(0):
-        pytest.skip("needs CPUs 0 and 1")
 
 
 def vllm_bundle(bundle: Path, tmp: Path, cgroup: str, record: Path) -> None:

@@ -41,14 +41,6 @@ from tests.support.poll import poll
 pytestmark = pytest.mark.usefixtures("need_root")
 
 
-@pytest.fixture
-def runc_on_two_cpus() -> None:
-    if subprocess.run(["which", "runc"], capture_output=True, check=False).returncode:
-        pytest.skip("runc is not installed (.ci/setup installs it)")
-    if not {0, 1} <= os.sched_getaffinity(0):
-        pytest.skip("needs CPUs 0 and 1")
-
-
 def _entry(agent: Agent, cid: str) -> dict[str, Any] | None:
     docs = agent.containers()
     return next((d for d in docs or () if d["container_id"] == cid), None)
