@@ -77,6 +77,49 @@ def keeper(root: Path, recent_procs: RecentProcs | None = None) -> TreeKeeper:
     )
 
 
+def keeper_off(root: Path) -> TreeKeeper:
+    """A keeper with no cgroups of its own (`cgroup = "off"`, attach mode's)."""
+    store = StateStore(Snapshot(Placement("test", None, ()), read_topology(HostFS("/")), {}))
+    return TreeKeeper(
+        HostFS(str(root)),
+        store,
+        interval_s=1.0,
+        cgroup_dir=lambda _key: None,
+        direct_children=list,
+        subreaper=False,
+    )
+
+
+@pytest.mark.parametrize("named", [True, False], ids=["cgroup-named", "none"])
+def test_an_attached_engine_s_named_cgroup_scopes_the_pass_with_no_cgroups_of_its_own(
+    tmp_path: Path, named: bool
+) -> None:
+    """Attach mode: the engine's root comes with the cgroup the operator named
+    (read only), and an adopted worker (a root of its own, no cgroup) sits in it:
+    every pass after the first reads that cgroup alone. Without it, each pass
+    walks all of /proc."""
+    write_proc(tmp_path, 1, 0)
+    write_proc(tmp_path, 10, 1)  # the engine
+    write_proc(tmp_path, 11, 10)  # a worker, adopted as rank 0
+    write_proc(tmp_path, 12, 11)  # the worker's child
+    write_proc(tmp_path, 90, 1)  # another process of the host
+    write_cgroup(tmp_path, [10, 11, 12])
+
+    async def body() -> None:
+        trees = keeper_off(tmp_path)
+        trees.set_root("engine", 10, ProcessId(10, 100), cgroup_dir=ENGINE_CG if named else None)
+        trees.set_root(0, 11, ProcessId(11, 100), adopted=True)
+        for _ in range(3):
+            result = await trees.refresh()
+            assert set(result.members) == {12}
+            assert result.members[12].owner == 0
+        assert trees.full_passes == (1 if named else 3)
+        assert trees.in_cgroups is named
+        await trees.stop()
+
+    asyncio.run(body())
+
+
 def test_a_pass_reads_only_the_cgroups_while_every_root_is_in_one(tmp_path: Path) -> None:
     write_proc(tmp_path, 1, 0)
     write_proc(tmp_path, 10, 1)  # the engine
