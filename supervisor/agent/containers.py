@@ -223,8 +223,9 @@ class LookCache:
     settled_s: float = SETTLED_S
     full_every: int = FULL_LOOK_EVERY
 
-    def begin(self, roots: object) -> bool:
-        """Start a look; True when everything is to be read anew."""
+    def begin(self, roots: object) -> None:
+        """Start a look: everything is read anew at every `full_every`-th and
+        whenever the namespace roots changed."""
         full = roots != self.roots or self.looks % self.full_every == 0
         self.looks += 1
         if full or len(self.memo) > MEMO_MAX:
@@ -232,7 +233,6 @@ class LookCache:
         if full:
             self.seen.clear()
             self.roots = roots
-        return full
 
 
 def _read_member(
@@ -265,9 +265,10 @@ def _read_member(
     stat = read_proc_stat(fs, pid, main_thread=True)
     if stat is None:
         return None
+    got = None if ref is None else (ref, _Member(stat, lines))
     if settled_before is not None and stat.start_time < settled_before:
-        cache.seen[pid] = None if ref is None else (ref, _Member(stat, lines))
-    return None if ref is None else (ref, _Member(stat, lines))
+        cache.seen[pid] = got
+    return got
 
 
 def _settled_before(fs: HostFS, settled_s: float) -> int | None:

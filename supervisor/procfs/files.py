@@ -17,18 +17,25 @@ from supervisor.hostfs import HostFS
 CMDLINE_HEAD_BYTES = 1 << 16
 
 
-def parse_cmdline(raw: bytes) -> str:
-    """A /proc/<pid>/cmdline's words joined by single spaces (pure).
+def parse_argv(raw: bytes) -> list[str]:
+    """A /proc/<pid>/cmdline's words (pure).
 
     setproctitle pads the rewritten argv area with NULs: empty words drop."""
-    return " ".join(word for word in raw.decode("utf-8", "replace").split("\0") if word)
+    return [word for word in raw.decode("utf-8", "replace").split("\0") if word]
 
 
 def read_cmdline(fs: HostFS, pid: int) -> str | None:
     """The head of the command line (CMDLINE_HEAD_BYTES), words joined by single
     spaces (what setproctitle rewrites); None when the process is gone."""
+    argv = read_argv(fs, pid)
+    return None if argv is None else " ".join(argv)
+
+
+def read_argv(fs: HostFS, pid: int) -> list[str] | None:
+    """The head of the command line (CMDLINE_HEAD_BYTES) as words; None when the
+    process is gone."""
     raw = fs.read_head(f"proc/{pid}/cmdline", CMDLINE_HEAD_BYTES, f"pid {pid}")
-    return None if raw is None else parse_cmdline(raw)
+    return None if raw is None else parse_argv(raw)
 
 
 def read_environ(fs: HostFS, pid: int, names: Collection[str]) -> dict[str, str] | None:

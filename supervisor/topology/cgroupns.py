@@ -167,20 +167,16 @@ class NamespaceRoots:
 _ROOTS: dict[str, NamespaceRoots] = {}
 
 
-def host_lines(
-    fs: HostFS,
-    lines: Sequence[CgroupLine],
-    roots: Mapping[Hierarchy, NamespaceRoot] | None = None,
-) -> tuple[CgroupLine, ...]:
+def host_lines(fs: HostFS, lines: Sequence[CgroupLine]) -> tuple[CgroupLine, ...]:
     """Another process's /proc/<pid>/cgroup `lines` as host paths: unchanged unless
     one climbs out of this process's cgroup namespace ("/../.."), as every other
     pod's does from a container with a private cgroup namespace (containerd and
-    CRI-O on cgroup v2); those are resolved against the namespace's `roots` on the
-    host (None: found once per root read, re-checked at each call with one read
-    per hierarchy; a scan of many processes passes `current_roots` once)."""
+    CRI-O on cgroup v2); those are resolved against the namespace's roots on the
+    host (found once per root read, re-checked at each call with one read per
+    hierarchy; a scan of many processes takes `current_roots` once itself)."""
     if not any(line.path.startswith("/..") for line in lines):
         return tuple(lines)
-    return resolve_lines(lines, current_roots(fs) if roots is None else roots)
+    return resolve_lines(lines, current_roots(fs))
 
 
 def current_roots(fs: HostFS) -> dict[Hierarchy, NamespaceRoot]:

@@ -37,7 +37,7 @@ from supervisor.in_force import PlanInForce
 from supervisor.logs import format_fields
 from supervisor.plan.keys import ProcKey
 from supervisor.plan.replan import slots_by_key
-from supervisor.procfs.files import read_environ
+from supervisor.procfs.files import read_argv, read_environ
 from supervisor.procfs.identity import ProcessId
 from supervisor.procfs.stat import children_map, scan_procs
 from supervisor.run.procs import first_of
@@ -63,7 +63,6 @@ log = logging.getLogger("placement_supervisor.attach")
 
 # Told the found engine's argv and environment (the adopter's rules: Adopter.engine_found).
 OnEngine = Callable[[Sequence[str], Mapping[str, str]], None]
-CMDLINE_MAX_BYTES = 1 << 16  # the engine's flags are near the front
 
 WAITING_LOG_S = 30.0  # while the engine is not there: one INFO line this often
 # After the start and after the engine exits, the first looks come at most this far
@@ -387,12 +386,11 @@ def _engine_facts(fs: HostFS, found: FoundEngine) -> tuple[list[str], dict[str, 
     rules read; None when it is gone. An environment the kernel refuses (another
     user's, without CAP_SYS_PTRACE) reads as empty: the rules' defaults."""
     try:
-        raw = fs.read_head(f"proc/{found.pid}/cmdline", CMDLINE_MAX_BYTES, f"pid {found.pid}")
+        argv = read_argv(fs, found.pid)
     except KernelError:
-        raw = b""  # world-readable (proc(5)): a garbled tree; the kind's defaults
-    if raw is None:
+        argv = []  # world-readable (proc(5)): a garbled tree; the kind's defaults
+    if argv is None:
         return None
-    argv = [w.decode(errors="replace") for w in raw.rstrip(b"\0").split(b"\0") if w]
     try:
         env = read_environ(fs, found.pid, ENGINE_ENV_NAMES) or {}
     except KernelError:

@@ -362,7 +362,7 @@ class TreeKeeper:
         scoped = self.in_cgroups and not self._full_due()
         self.passes += 1
         if scoped:
-            pids = {r.pid for r in roots}.union(known, *cgroup_members.values())
+            pids = {r.pid for r in roots}.union(known, in_some)
             stats = scan_pids(self.fs, pids)
         else:
             self.full_passes += 1

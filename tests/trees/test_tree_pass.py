@@ -60,11 +60,15 @@ def write_cgroup(root: Path, pids: list[int]) -> None:
     (d / "cgroup.procs").write_text("".join(f"{pid}\n" for pid in pids))
 
 
-def keeper(root: Path, recent_procs: RecentProcs | None = None) -> TreeKeeper:
+def keeper(
+    root: Path, recent_procs: RecentProcs | None = None, *, own_cgroups: bool = True
+) -> TreeKeeper:
+    """A keeper whose engine has ENGINE_CG as its own cgroup; with `own_cgroups`
+    False, none of its roots has one (`cgroup = "off"`, attach mode's)."""
     store = StateStore(Snapshot(Placement("test", None, ()), read_topology(HostFS("/")), {}))
 
     def cgroup_dir(key: ProcKey) -> str | None:
-        return ENGINE_CG if key == "engine" else None
+        return ENGINE_CG if key == "engine" and own_cgroups else None
 
     return TreeKeeper(
         HostFS(str(root)),
@@ -74,19 +78,6 @@ def keeper(root: Path, recent_procs: RecentProcs | None = None) -> TreeKeeper:
         direct_children=list,
         subreaper=False,
         recent_procs=recent_procs,
-    )
-
-
-def keeper_off(root: Path) -> TreeKeeper:
-    """A keeper with no cgroups of its own (`cgroup = "off"`, attach mode's)."""
-    store = StateStore(Snapshot(Placement("test", None, ()), read_topology(HostFS("/")), {}))
-    return TreeKeeper(
-        HostFS(str(root)),
-        store,
-        interval_s=1.0,
-        cgroup_dir=lambda _key: None,
-        direct_children=list,
-        subreaper=False,
     )
 
 
@@ -106,7 +97,7 @@ def test_an_attached_engine_s_named_cgroup_scopes_the_pass_with_no_cgroups_of_it
     write_cgroup(tmp_path, [10, 11, 12])
 
     async def body() -> None:
-        trees = keeper_off(tmp_path)
+        trees = keeper(tmp_path, own_cgroups=False)
         trees.set_root("engine", 10, ProcessId(10, 100), cgroup_dir=ENGINE_CG if named else None)
         trees.set_root(0, 11, ProcessId(11, 100), adopted=True)
         for _ in range(3):
