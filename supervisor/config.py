@@ -29,6 +29,7 @@ from supervisor.config_sections import (
     load_attach,
     load_placement,
     load_threads,
+    pci_addresses,
 )
 from supervisor.config_table import Table
 from supervisor.engines.engine_kind import ENGINE_KINDS, EngineKind, ResolvedKind, recognise_kind
@@ -41,7 +42,6 @@ from supervisor.plan.keys import ThreadRole
 from supervisor.plan.placement import PlanSettings
 from supervisor.topology.accelerators import AUTO, PCI, SETTINGS, AcceleratorSetting
 from supervisor.topology.model import DiscoveryOptions
-from supervisor.topology.pci import normalize_bdf
 from supervisor.topology.visibility import visibility_env
 
 RestartPolicy = Literal["always", "on-failure", "never"]
@@ -99,6 +99,10 @@ class AttachTarget:
     # `cpus = "0-7"`: the plan stays within these CPUs of the engine's cpuset (the
     # node agent's share of a container whose CPUs other containers share too).
     cpus: frozenset[int] | None = None
+    # `devices = ["0000:41:00.0", ...]`: the accelerators the engine can reach (the
+    # node agent: its container's device nodes); the plan has these and none of the
+    # host's others, not even hidden (docs/attach.md). None: every one of the host's.
+    devices: tuple[str, ...] | None = None
 
     def __str__(self) -> str:
         return f"{self.how} = {self.value!r}"
@@ -217,13 +221,14 @@ def _attached_engine(t: Table) -> ProcessConfig:
     """[engine] attach = { unit | cgroup | match = "..." } (docs/attach.md)."""
     if t.has("command"):
         raise t.fail("attach", "give either command or attach, not both")
-    how, value, cpus = load_attach(t, ATTACH_HOWS)
+    keys = load_attach(t, ATTACH_HOWS)
     asked: EngineKind = t.choice("kind", "auto", ENGINE_KINDS)
     # "auto" reads the kind from a match's words; a unit or cgroup tells nothing.
-    argv = tuple(value.split()) if how == "match" else ()
+    argv = tuple(keys.value.split()) if keys.how == "match" else ()
     kind: ResolvedKind = recognise_kind(argv) if asked == "auto" else asked
     t.done()
-    return ProcessConfig((), {}, kind=kind, attach=AttachTarget(how, value, cpus))
+    target = AttachTarget(keys.how, keys.value, keys.cpus, keys.devices)
+    return ProcessConfig((), {}, kind=kind, attach=target)
 
 
 def _adopted_workers(t: Table) -> ProcessConfig:
@@ -364,16 +369,7 @@ def parse_config(
             "(or leave [workers] out), not a command",
         )
     accelerator: AcceleratorSetting = top.choice("accelerator", AUTO, SETTINGS)
-    devices = top.str_list("devices")
-    normalized = []
-    for i, text in enumerate(devices):
-        bdf = normalize_bdf(text)
-        if bdf is None:
-            raise top.fail(
-                "devices", f"item {i}: expected a PCI address like 0000:41:00.0, got {text!r}"
-            )
-        normalized.append(bdf)
-    devices = tuple(normalized)
+    devices = pci_addresses(top, "devices")
     logical_ids = _logical_ids(top)
     if accelerator == PCI.name and not devices:
         raise top.fail("devices", f'accelerator = "{PCI.name}" needs at least one PCI address here')
@@ -470,17 +466,7 @@ def parse_config(
 
 def _logical_ids(top: Table) -> tuple[str, ...]:
     """`logical_ids`: distinct PCI addresses; item i is the device of logical id i."""
-    out: list[str] = []
-    for i, text in enumerate(top.str_list("logical_ids")):
-        bdf = normalize_bdf(text)
-        if bdf is None:
-            raise top.fail(
-                "logical_ids", f"item {i}: expected a PCI address like 0000:c1:00.0, got {text!r}"
-            )
-        if bdf in out:
-            raise top.fail("logical_ids", f"item {i}: {text!r} is listed twice")
-        out.append(bdf)
-    return tuple(out)
+    return pci_addresses(top, "logical_ids", "0000:c1:00.0", distinct=True)
 
 
 def discovery_options(config: Config | None, environ: Mapping[str, str]) -> DiscoveryOptions:

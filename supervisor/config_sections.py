@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import string
 from collections.abc import Mapping
+from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Literal
 
@@ -17,6 +18,7 @@ from supervisor.config_table import Table
 from supervisor.cpulist import parse_cpulist
 from supervisor.plan.keys import ThreadRole
 from supervisor.plan.placement import Allocator, PlanSettings, Shortage, StrategySetting
+from supervisor.topology.pci import normalize_bdf
 
 COMMAND_FIELDS = ("rank", "local_rank", "device_index", "bus_id", "world_size")
 AttachHow = Literal["unit", "cgroup", "match"]
@@ -176,14 +178,39 @@ def load_threads(t: Table) -> tuple[ThreadRole, ...]:
     return tuple(roles)
 
 
-def load_attach(
-    engine: Table, hows: tuple[AttachHow, ...]
-) -> tuple[AttachHow, str, frozenset[int] | None]:
-    """`[engine] attach = { unit | cgroup | match = "...", cpus = "0-7" }`: exactly one
-    of `hows`, and the optional CPUs the plan is narrowed to, checked."""
+def pci_addresses(
+    t: Table, key: str, example: str = "0000:41:00.0", *, distinct: bool = False
+) -> tuple[str, ...]:
+    """`key = ["0000:41:00.0", ...]`: PCI addresses, each normalized (lower case,
+    with a domain); the item that is not one (or, `distinct`, is one again) is named."""
+    out: list[str] = []
+    for i, text in enumerate(t.str_list(key)):
+        bdf = normalize_bdf(text)
+        if bdf is None:
+            raise t.fail(key, f"item {i}: expected a PCI address like {example}, got {text!r}")
+        if distinct and bdf in out:
+            raise t.fail(key, f"item {i}: {text!r} is listed twice")
+        out.append(bdf)
+    return tuple(out)
+
+
+@dataclass(frozen=True, slots=True)
+class AttachKeys:
+    """What `[engine] attach = {...}` says, checked (config.AttachTarget holds it)."""
+
+    how: AttachHow
+    value: str
+    cpus: frozenset[int] | None  # `cpus = "0-7"`
+    devices: tuple[str, ...] | None  # `devices = ["0000:41:00.0"]`
+
+
+def load_attach(engine: Table, hows: tuple[AttachHow, ...]) -> AttachKeys:
+    """`[engine] attach = { unit | cgroup | match = "...", cpus = "0-7", devices = [...] }`:
+    exactly one of `hows`, and the optional CPUs and accelerators the plan is
+    narrowed to, checked."""
     sub = engine.table("attach")
     given = [how for how in hows if sub.has(how)]
-    unknown = sorted(k for k in sub.doc if k not in (*hows, "cpus"))
+    unknown = sorted(k for k in sub.doc if k not in (*hows, "cpus", "devices"))
     if unknown:
         raise sub.fail(unknown[0], f"unknown attach key; give one of {', '.join(hows)}")
     if len(given) != 1:
@@ -205,5 +232,8 @@ def load_attach(
             raise sub.fail("cpus", f'not a CPU list like "0-7,16": {err}') from None
         if not cpus:
             raise sub.fail("cpus", 'must name at least one CPU (a list like "0-7,16")')
+    devices: tuple[str, ...] | None = None
+    if sub.has("devices"):
+        devices = pci_addresses(sub, "devices", distinct=True)
     sub.done()
-    return how, value, cpus
+    return AttachKeys(how, value, cpus, devices)

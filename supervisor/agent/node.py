@@ -40,11 +40,15 @@ from aiohttp import ClientSession, ClientTimeout, web
 
 from supervisor.agent.containers import Container, ContainerRef, LookCache, find_containers
 from supervisor.agent.kube_names import KubeNames, read_kube_names
+from supervisor.agent.reach import Reach, container_reach
 from supervisor.agent.shares import compute_shares
 from supervisor.cpulist import format_cpulist
 from supervisor.hostfs import HostFS
+from supervisor.procfs.identity import ProcessId
 from supervisor.toml_out import to_toml
+from supervisor.topology.accelerators import VISIBILITY_VARIABLES
 from supervisor.topology.cgroupns import NamespaceRoots
+from supervisor.topology.device_minors import read_char_devices
 
 ENGINE_KINDS = ("vllm", "sglang", "torchrun", "ray")
 STOP_TIMEOUT_S = 30.0
@@ -115,20 +119,27 @@ class AgentOptions:
 
 
 def child_config(
-    base: Mapping[str, Any], cgroup: str, kind: str, share: frozenset[int] = frozenset()
+    base: Mapping[str, Any],
+    cgroup: str,
+    kind: str,
+    share: frozenset[int] = frozenset(),
+    devices: tuple[str, ...] | None = None,
 ) -> dict[str, Any]:
-    """The per-container config: `base` with the attach target and the container's
-    `share` of its CPUs (`attach.cpus`), kind, no cgroups and, unless `base` says
-    otherwise, no IRQ placement (pure)."""
+    """The per-container config: `base` with the attach target, the container's
+    `share` of its CPUs (`attach.cpus`) and the accelerators it reaches
+    (`attach.devices`; None: unknown, every one of the host's), kind, no cgroups
+    and, unless `base` says otherwise, no IRQ placement (pure)."""
     doc: dict[str, Any] = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
     doc["cgroup"] = "off"
     # The share goes in the config, not in the child's own affinity: under the
     # kubelet's static CPU manager the container's CPUs are exclusive, outside the
     # agent's (shared-pool) cpuset, so a child could not set its affinity to them;
     # its plan is read from the container's cgroup (docs/attach.md).
-    attach: dict[str, str] = {"cgroup": cgroup}
+    attach: dict[str, Any] = {"cgroup": cgroup}
     if share:
         attach["cpus"] = format_cpulist(share)
+    if devices is not None:
+        attach["devices"] = list(devices)
     doc.setdefault("engine", {}).update(attach=attach, kind=kind)
     doc["engine"].pop("command", None)
     doc.setdefault("workers", {})["spawned_by"] = "engine"
@@ -140,6 +151,33 @@ def child_config(
     # the base config turns them on (for a node with one engine container).
     doc.setdefault("irq", {}).setdefault("enabled", False)
     return doc
+
+
+# What a child must not inherit from the agent: systemd's notify and socket
+# activation, and the agent's own visibility variables (its pod's, not the container's).
+CHILD_ENV_DROPS = (
+    "NOTIFY_SOCKET",
+    "WATCHDOG_USEC",
+    "WATCHDOG_PID",
+    "LISTEN_FDS",
+    "LISTEN_PID",
+    *VISIBILITY_VARIABLES,
+)
+
+
+def child_env(
+    environ: Mapping[str, str], name: str, reach: Reach | None, visible: Mapping[str, str]
+) -> dict[str, str]:
+    """A child's environment (pure): the agent's, less CHILD_ENV_DROPS, with the
+    container's visibility variables (`visible`, its main process's) where its
+    devices are known. Its CUDA_VISIBLE_DEVICES counts the container's devices,
+    which the child's discovery then has alone (`attach.devices`); with them
+    unknown the child plans the host's, which the container's indices do not count."""
+    env = {k: v for k, v in environ.items() if k not in CHILD_ENV_DROPS}
+    if reach is not None and reach.devices is not None:
+        env.update(visible)
+    env["PLACEMENT_SUPERVISOR_INSTANCE"] = f"agent-{name}"
+    return env
 
 
 # Every sample of the agent's /metrics carries these, in this order, "" when unknown
@@ -236,6 +274,7 @@ class Managed:
     kind: str
     share: frozenset[int] = frozenset()
     reason: str | None = None
+    reach: Reach | None = None  # the accelerators it reaches, read for its main process
     proc: asyncio.subprocess.Process | None = None
     port: int = 0
     key: tuple[object, ...] = ()  # what the child was started for
@@ -262,6 +301,9 @@ class NodeAgent:
         self.ns_roots = NamespaceRoots()
         self.looks = LookCache()  # what the last look found (find_containers)
         self.unread: dict[str, str] = {}  # container cgroup -> what could not be read, logged once
+        # Each main process's reach, read once: a container's device nodes are made
+        # when it is created (a restart is a new main process).
+        self.reaches: dict[ProcessId, Reach] = {}
         self.started_at = time.monotonic()
         self.last_pass_at: float | None = None  # time.monotonic() when a pass last finished
 
@@ -308,6 +350,7 @@ class NodeAgent:
             await self.stop_child(m)
         readable = {cg: c.cpus for cg, (c, _) in by_cgroup.items() if c.cpus is not None}
         shares = compute_shares(readable)
+        await asyncio.to_thread(self.read_reaches, [c for c, _ in by_cgroup.values()])
         for cgroup, (c, kind) in sorted(by_cgroup.items()):
             if cgroup not in self.managed:
                 self.managed[cgroup] = Managed(c, kind)
@@ -323,7 +366,8 @@ class NodeAgent:
                 await self.stop_child(m)
                 continue
             m.reason, m.share = None, share.cpus
-            key = (share.cpus, c.cpus, c.main, kind)
+            m.reach = self.reaches.get(c.main)
+            key = (share.cpus, c.cpus, c.main, kind, m.reach)
             exited = m.proc is not None and m.proc.returncode is not None
             if exited and m.key == key and time.monotonic() - m.started_at < RESTART_AFTER_S:
                 continue  # exited of itself, lately: listed `exited` until it is started again
@@ -334,6 +378,23 @@ class NodeAgent:
             if m.proc is None:
                 await self.start_child(m, key)
 
+    def read_reaches(self, containers: Sequence[Container]) -> None:
+        """The reach of each main process not read yet; the gone ones forgotten. The
+        host's device numbers are read only when a new one is (once per container)."""
+        mains = {c.main: c for c in containers}
+        self.reaches = {p: r for p, r in self.reaches.items() if p in mains}
+        new = [c for p, c in mains.items() if p not in self.reaches]
+        if not new:
+            return
+        fs = HostFS(self.options.root)
+        numbers = read_char_devices(fs)
+        for c in new:
+            reach = container_reach(fs, c.main.pid, numbers)
+            self.reaches[c.main] = reach
+            devices = "unknown" if reach.devices is None else ",".join(reach.devices) or "none"
+            why = "" if reach.unknown is None else f" why={reach.unknown!r} action=plan all"
+            log(f"container devices cgroup={c.ref.cgroup} devices={devices}{why}")
+
     async def start_child(self, m: Managed, key: tuple[object, ...]) -> None:
         c = m.container
         name = c.ref.container_id[:12]
@@ -341,12 +402,10 @@ class NodeAgent:
         state.mkdir(parents=True, exist_ok=True)
         config = state / f"{name}.toml"
         base = self.options.base_config
-        config.write_text(to_toml(child_config(base, c.ref.cgroup, m.kind, m.share)))
+        devices = None if m.reach is None else m.reach.devices
+        config.write_text(to_toml(child_config(base, c.ref.cgroup, m.kind, m.share, devices)))
         m.port = free_port()
-        env = dict(os.environ)
-        for var in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID"):
-            env.pop(var, None)
-        env["PLACEMENT_SUPERVISOR_INSTANCE"] = f"agent-{name}"
+        env = child_env(os.environ, name, m.reach, c.visible)
         argv = [sys.executable, "-m", "supervisor", "run", "--config", str(config)]
         argv += ["--listen", f"127.0.0.1:{m.port}"]
         with open(state / f"{name}.log", "ab") as logf:
@@ -432,6 +491,10 @@ class NodeAgent:
                     "kind": m.kind,
                     "cpus": None if c.cpus is None else format_cpulist(c.cpus),
                     "share": format_cpulist(m.share) if m.share else None,
+                    # The accelerators it reaches (PCI addresses; null: unknown, and why).
+                    "devices": None if m.reach is None else m.reach.devices,
+                    "devices_unknown": None if m.reach is None else m.reach.unknown,
+                    "visible": dict(c.visible),
                     "state": m.state,
                     "reason": m.reason,
                     "child_pid": None if m.proc is None else m.proc.pid,

@@ -82,10 +82,44 @@ def _read_devices(
         warnings += warn
     if wanted not in (AUTO, CPU.name) and not devices:
         raise NoDevicesError(wanted, fs.root)
+    if options.scope is not None and options.scope.devices is not None:
+        devices, reach_warnings = within_reach(devices, options.scope.devices)
+        warnings += reach_warnings
     if not devices:
         devices += cpu_standins(nodes, allowed_cpus, options.cpu_ranks)
     devices.sort(key=device_order)
     return tuple(devices), tuple(warnings)
+
+
+def within_reach(devices: list[Device], reach: tuple[str, ...]) -> tuple[list[Device], list[str]]:
+    """The devices whose PCI address is in `reach` (`engine.attach.devices`), with
+    warnings (pure). The others are not hidden but gone from this plan: a
+    container's devices are its whole world, and its cpuset is its own, so no CPUs
+    are kept for the host's others (a hidden device's are: another service on the
+    same host may run there). Devices found by their nodes alone have no address
+    to tell them by: then all are kept, with a warning."""
+    if not devices:
+        return devices, []
+    unknown = [d.label for d in devices if d.bdf is None]
+    if unknown:
+        return devices, [
+            f"engine.attach.devices: {', '.join(unknown)} have no PCI address (found by "
+            "their device nodes only), so the engine's cannot be told apart: planning all"
+        ]
+    wanted = set(reach)
+    kept = [d for d in devices if d.bdf in wanted]
+    found = {d.bdf for d in devices}
+    warnings = [
+        f"engine.attach.devices: {bdf} is none of this host's accelerators: left out"
+        for bdf in reach
+        if bdf not in found
+    ]
+    if not kept:
+        warnings.append(
+            "engine.attach.devices: the engine reaches none of this host's "
+            f"{len(devices)} accelerators: planning it as CPU-only"
+        )
+    return kept, warnings
 
 
 def read_topology(fs: HostFS, options: DiscoveryOptions = DiscoveryOptions()) -> Topology:  # noqa: B008

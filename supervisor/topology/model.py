@@ -74,6 +74,9 @@ class EngineScope:
 
     lines: tuple[CgroupLine, ...] | None
     cpus: frozenset[int] | None = None
+    # `engine.attach.devices`: the accelerators (PCI addresses) the engine can reach;
+    # discovery keeps only these (topology.discover). None: all of the host's.
+    devices: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -459,10 +459,10 @@ def engine_scope(config: Config, fs: HostFS) -> EngineScope | None:
         cpuset = None if lines is None else cpuset_of(fs, lines)
     except (SupervisorError, OSError) as err:
         log.warning("engine cpuset unreadable error=%r action=plan within own", str(err))
-        return EngineScope(None, target.cpus)
+        return EngineScope(None, target.cpus, target.devices)
     if lines is None or cpuset is None or cpuset.cpus is None:
         log.warning("engine cpuset unknown attach=%r action=plan within own", str(target))
-        return EngineScope(None, target.cpus)
+        return EngineScope(None, target.cpus, target.devices)
     within = cpuset.cpus if target.cpus is None else cpuset.cpus & target.cpus
     fields = format_fields(
         cgroup=cpuset.path,
@@ -475,7 +475,7 @@ def engine_scope(config: Config, fs: HostFS) -> EngineScope | None:
         log.error("engine cpuset disjoint from engine.attach.cpus %s action=refuse", fields)
     else:
         log.info("engine cpuset %s cpus=%s action=plan within", fields, format_cpulist(within))
-    return EngineScope(lines, target.cpus)
+    return EngineScope(lines, target.cpus, target.devices)
 
 
 def attach_target(config: Config) -> AttachTarget | None:

@@ -27,12 +27,14 @@ from __future__ import annotations
 import os
 import sys
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from supervisor.cpulist import format_cpulist
+from supervisor.examples.builder import FakeHost
 from tests.support.agent_support import Agent, agent_running, binds_for
 from tests.support.children import thread_cpus
 from tests.support.daemon_support import REPO
@@ -63,7 +65,15 @@ check_interval_s = 0.5
 """
 
 
-def vllm_bundle(bundle: Path, tmp: Path, cgroup: str, record: Path) -> None:
+def vllm_bundle(
+    bundle: Path,
+    tmp: Path,
+    cgroup: str,
+    record: Path,
+    *,
+    nodes: Sequence[tuple[str, int, int]] = tuple((f"/dev/nvidia{n}", *NULL) for n in (0, 1)),
+    open_device: bool = True,
+) -> None:
     shims = tmp / "shims"
     write_shim(shims, VLLM_MODULE, "vllm_main")
     command = [sys.executable, "-m", VLLM_MODULE, "--model", "m"]
@@ -71,8 +81,9 @@ def vllm_bundle(bundle: Path, tmp: Path, cgroup: str, record: Path) -> None:
     env = {
         "PATH": "/usr/bin:/bin",
         "PYTHONPATH": f"{shims}{os.pathsep}{REPO}",
-        OPEN_DEVICE_ENV: "reverse",
     }
+    if open_device:
+        env[OPEN_DEVICE_ENV] = "reverse"
     make_bundle(
         bundle,
         command,
@@ -81,7 +92,7 @@ def vllm_bundle(bundle: Path, tmp: Path, cgroup: str, record: Path) -> None:
         cpus="0-1",
         profile=Profile(privileged=False),
         binds=binds_for(tmp),
-        devices=[(f"/dev/nvidia{n}", *NULL) for n in (0, 1)],
+        devices=nodes,
     )
 
 
@@ -140,3 +151,67 @@ def test_titled_workers_are_ranked_by_the_device_they_hold_open_in_their_contain
             assert all('action="device wins"' in ln for ln in conflicts), conflicts
         # The agent's SIGTERM left the engine running.
         assert len(drivers(cid[:32], record)) == 2
+
+
+# -- the container's devices: only those its runtime gave it ---------------------------------
+
+# Run as `unshare --mount --propagation private sh -c DRIVER_NS drv DIR CMD...`: a
+# tmpfs over /proc/driver holding DIR's copy (a fixture host's nvidia/gpus/<bdf>/
+# information files), private to the new mount namespace, so that the agent and
+# its children see an NVIDIA driver with four GPUs, minors 0-3; the host's
+# /proc/driver is not touched.
+DRIVER_NS = (
+    "set -eu; mount -t tmpfs -o mode=755 tmpfs /proc/driver; "
+    'cp -a "$1"/. /proc/driver/; shift; exec "$@"'
+)
+GPUS = ("0000:1a:00.0", "0000:1b:00.0", "0000:9a:00.0", "0000:9b:00.0")
+
+
+def driver_prefix(tmp: Path) -> tuple[str, ...]:
+    builder = FakeHost(tmp / "host").cpus(1, 2, 1)
+    for bdf in GPUS:
+        builder = builder.nvidia_gpu(bdf, 0)
+    driver = builder.build() / "proc/driver"
+    unshare = ("unshare", "--mount", "--propagation", "private")
+    return (*unshare, "sh", "-c", DRIVER_NS, "drv", str(driver))
+
+
+def reached(agent: Agent, cid: str) -> dict[str, Any] | None:
+    """The container's entry once its child's plan is in and both ranks are adopted."""
+    entry = next((d for d in agent.containers() or () if d["container_id"] == cid), None)
+    doc = None if entry is None else entry.get("placement")
+    if not doc or not doc.get("ranks"):
+        return None
+    if any(r["state"] != "running" or not r.get("adopted") for r in doc["ranks"]):
+        return None
+    return entry
+
+
+@pytest.mark.usefixtures("runc_on_two_cpus")
+def test_a_container_given_two_of_four_gpus_is_planned_on_those_two(tmp_path: Path) -> None:
+    """The runtime made the host's minors 2 and 3 the container's nvidia0 and
+    nvidia1 (renamed, as the NVIDIA toolkit's CDI specs may): the agent reads the
+    nodes' numbers, its child plans GPUs 9a and 9b only, two ranks (not four with
+    two waiting), and the workers are adopted by their titles (they open no
+    device: there is no driver behind these numbers)."""
+    pod = str(uuid.uuid4())
+    cid = uuid.uuid4().hex + uuid.uuid4().hex
+    record = tmp_path / "record"
+    record.mkdir()
+    (tmp_path / "agent").mkdir()
+    bundle = tmp_path / cid[:12]
+    nodes = [("/dev/nvidia0", 195, 2), ("/dev/nvidia1", 195, 3)]
+    cgroup = f"/kubepods/besteffort/pod{pod}/{cid}"
+    vllm_bundle(bundle, tmp_path, cgroup, record, nodes=nodes, open_device=False)
+    prefix = driver_prefix(tmp_path)
+    with kubelet_parents(pod), running(bundle, cid[:32], tmp_path / "runc.log"):
+        poll(lambda: len(records(record)) == 2, 60, 0.5, what="both workers up")
+        with agent_running(tmp_path / "agent", pods=[pod], base=BASE, prefix=prefix) as agent:
+            entry = poll(lambda: reached(agent, cid), 90, 0.5, what="the ranks placed")
+            assert entry["devices"] == list(GPUS[2:]), entry
+            ranks = entry["placement"]["ranks"]
+            assert [r["device"]["bus_id"] for r in ranks] == list(GPUS[2:]), ranks
+            by_title = {title(r["pid"]): r["rank"] for r in ranks}
+            assert by_title == {"VLLM::Worker_TP0": 0, "VLLM::Worker_TP1": 1}, by_title
+            logged = agent.log.read_text()
+            assert f"devices={GPUS[2]},{GPUS[3]}" in logged, logged[-2000:]
