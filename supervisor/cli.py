@@ -209,6 +209,7 @@ def _cmd_agent(args: argparse.Namespace) -> int:
         state_dir=args.state_dir,
         pods=args.pod or (),
         kube_logs=args.kube_logs,
+        pod_resources=args.pod_resources,
     )
     return run_agent(options)
 
@@ -409,6 +410,14 @@ def build_parser() -> argparse.ArgumentParser:
         default="/var/log",
         help="the kubelet's log directory, whose containers/ and pods/ name the pods and "
         "containers (default /var/log; none there: no names, ids only)",
+    )
+    p.add_argument(
+        "--pod-resources",
+        metavar="SOCKET",
+        default="/var/lib/kubelet/pod-resources/kubelet.sock",
+        help="the kubelet's Pod Resources socket, asked which devices each new container "
+        "was allotted (default /var/lib/kubelet/pod-resources/kubelet.sock; not there, or "
+        "'': the container's device nodes are read instead)",
     )
     p.add_argument(
         "--base-config",

@@ -39,7 +39,14 @@ from typing import Any
 from aiohttp import ClientSession, ClientTimeout, web
 
 from supervisor.agent.containers import Container, ContainerRef, LookCache, find_containers
+from supervisor.agent.grpc_unix import GrpcError
 from supervisor.agent.kube_names import KubeNames, read_kube_names
+from supervisor.agent.pod_resources import (
+    Allotted,
+    allotted_pci,
+    list_pod_resources,
+    nvidia_uuids,
+)
 from supervisor.agent.reach import Reach, container_reach
 from supervisor.agent.shares import compute_shares
 from supervisor.cpulist import format_cpulist
@@ -116,6 +123,8 @@ class AgentOptions:
     root: str = "/"
     # The kubelet's log tree (under `root`), where the pods' and containers' names are.
     kube_logs: str = "/var/log"
+    # The kubelet's Pod Resources socket (under `root`); "": not asked.
+    pod_resources: str = "/var/lib/kubelet/pod-resources/kubelet.sock"
 
 
 def child_config(
@@ -151,6 +160,28 @@ def child_config(
     # the base config turns them on (for a node with one engine container).
     doc.setdefault("irq", {}).setdefault("enabled", False)
     return doc
+
+
+def reach_of_grant(grant: Allotted, uuids: Mapping[str, str], nodes: Reach, cgroup: str) -> Reach:
+    """The kubelet's allotment as a reach, where it names devices that all resolve to
+    PCI addresses; else `nodes` (the container's device nodes), with a log line when
+    the two disagree or an id does not resolve (pure but for the log)."""
+    pcis, unresolved = allotted_pci(grant, uuids)
+    if unresolved:
+        log(
+            f"pod resources device ids unresolved cgroup={cgroup} ids={','.join(unresolved)} "
+            "action=read device nodes"
+        )
+        return nodes
+    if not pcis:
+        return nodes  # none from a device plugin: a privileged pod's own devices, say
+    if nodes.devices is not None and set(pcis) != set(nodes.devices):
+        log(
+            f"pod resources differ from device nodes cgroup={cgroup} "
+            f"kubelet={','.join(pcis)} nodes={','.join(nodes.devices) or 'none'} "
+            "action=plan the kubelet's"
+        )
+    return Reach(pcis, source="pod-resources")
 
 
 # What a child must not inherit from the agent: systemd's notify and socket
@@ -236,6 +267,19 @@ def escape_label_value(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
+def allotted_doc(allotted: Allotted | None) -> dict[str, Any] | None:
+    """The /placement view of a container's Pod Resources entry (pure)."""
+    if allotted is None:
+        return None
+    return {
+        "devices": [
+            {"resource": d.resource, "ids": list(d.ids), "numa_nodes": list(d.numa_nodes)}
+            for d in allotted.devices
+        ],
+        "exclusive_cpus": format_cpulist(frozenset(allotted.cpu_ids)) or None,
+    }
+
+
 def relabel_metrics(text: str, labels: str, seen: set[str]) -> list[str]:
     """`text`'s Prometheus samples with `labels` (`a="x",b="y"`) added to each; a
     HELP or TYPE line already in `seen` is dropped (pure but for `seen`)."""
@@ -304,6 +348,8 @@ class NodeAgent:
         # Each main process's reach, read once: a container's device nodes are made
         # when it is created (a restart is a new main process).
         self.reaches: dict[ProcessId, Reach] = {}
+        self.allotted: dict[ProcessId, Allotted] = {}  # what the kubelet allotted, where it said
+        self.kubelet_error: str | None = None  # the last Pod Resources failure, logged once
         self.started_at = time.monotonic()
         self.last_pass_at: float | None = None  # time.monotonic() when a pass last finished
 
@@ -350,7 +396,10 @@ class NodeAgent:
             await self.stop_child(m)
         readable = {cg: c.cpus for cg, (c, _) in by_cgroup.items() if c.cpus is not None}
         shares = compute_shares(readable)
-        await asyncio.to_thread(self.read_reaches, [c for c, _ in by_cgroup.values()])
+        containers = [c for c, _ in by_cgroup.values()]
+        new = [c for c in containers if c.main not in self.reaches]
+        allotted = await self.ask_kubelet() if new else None
+        await asyncio.to_thread(self.read_reaches, containers, allotted)
         for cgroup, (c, kind) in sorted(by_cgroup.items()):
             if cgroup not in self.managed:
                 self.managed[cgroup] = Managed(c, kind)
@@ -378,22 +427,55 @@ class NodeAgent:
             if m.proc is None:
                 await self.start_child(m, key)
 
-    def read_reaches(self, containers: Sequence[Container]) -> None:
+    async def ask_kubelet(self) -> list[Allotted] | None:
+        """The kubelet's List answer; None when its socket is not there (or not to be
+        asked) or the call failed (logged once for each new failure)."""
+        if not self.options.pod_resources:
+            return None
+        path = HostFS(self.options.root).path(self.options.pod_resources.lstrip("/"))
+        if not os.path.exists(path):
+            return None
+        try:
+            got = await list_pod_resources(path)
+        except GrpcError as err:
+            if self.kubelet_error != str(err):
+                log(f"pod resources unread error={str(err)!r} action=read device nodes")
+            self.kubelet_error = str(err)
+            return None
+        self.kubelet_error = None
+        return got
+
+    def read_reaches(
+        self, containers: Sequence[Container], allotted: Sequence[Allotted] | None = None
+    ) -> None:
         """The reach of each main process not read yet; the gone ones forgotten. The
-        host's device numbers are read only when a new one is (once per container)."""
+        kubelet's allotment where it lists the container (by its names) with device
+        ids that all resolve; else its device nodes. The host's device numbers are
+        read only when a new one is (once per container)."""
         mains = {c.main: c for c in containers}
         self.reaches = {p: r for p, r in self.reaches.items() if p in mains}
+        self.allotted = {p: a for p, a in self.allotted.items() if p in mains}
         new = [c for p, c in mains.items() if p not in self.reaches]
         if not new:
             return
         fs = HostFS(self.options.root)
         numbers = read_char_devices(fs)
+        by_name = {(a.namespace, a.pod, a.container): a for a in allotted or ()}
+        uuids = nvidia_uuids(fs) if by_name else {}
         for c in new:
+            names = names_of(c.ref, self.kube)
+            grant = by_name.get((names.namespace or "", names.pod or "", names.container or ""))
             reach = container_reach(fs, c.main.pid, numbers)
+            if grant is not None:
+                self.allotted[c.main] = grant
+                reach = reach_of_grant(grant, uuids, reach, c.ref.cgroup)
             self.reaches[c.main] = reach
             devices = "unknown" if reach.devices is None else ",".join(reach.devices) or "none"
             why = "" if reach.unknown is None else f" why={reach.unknown!r} action=plan all"
-            log(f"container devices cgroup={c.ref.cgroup} devices={devices}{why}")
+            log(
+                f"container devices cgroup={c.ref.cgroup} devices={devices} "
+                f"source={reach.source}{why}"
+            )
 
     async def start_child(self, m: Managed, key: tuple[object, ...]) -> None:
         c = m.container
@@ -494,6 +576,9 @@ class NodeAgent:
                     # The accelerators it reaches (PCI addresses; null: unknown, and why).
                     "devices": None if m.reach is None else m.reach.devices,
                     "devices_unknown": None if m.reach is None else m.reach.unknown,
+                    "devices_source": None if m.reach is None else m.reach.source,
+                    # The kubelet's Pod Resources answer for it, where it has one.
+                    "allotted": allotted_doc(self.allotted.get(c.main)),
                     "visible": dict(c.visible),
                     "state": m.state,
                     "reason": m.reason,
@@ -600,6 +685,7 @@ def options_from(
     state_dir: str | None,
     pods: Sequence[str] = (),
     kube_logs: str = "/var/log",
+    pod_resources: str = "/var/lib/kubelet/pod-resources/kubelet.sock",
 ) -> AgentOptions:
     return AgentOptions(
         listen=parse_host_port(listen),
@@ -610,4 +696,5 @@ def options_from(
         base_config=load_base_config(base_config),
         state_dir=Path(state_dir or "/run/placement-supervisor-agent"),
         kube_logs=kube_logs,
+        pod_resources=pod_resources,
     )

@@ -34,10 +34,13 @@ NODES: Mapping[str, tuple[DeviceNode, ...]] = {
 
 @dataclass(frozen=True, slots=True)
 class Reach:
-    """The accelerators a container reaches (PCI addresses, sorted), or why unknown."""
+    """The accelerators a container reaches (PCI addresses, sorted), or why unknown,
+    and where that was read: its device nodes, or the kubelet's Pod Resources API
+    (supervisor.agent.pod_resources)."""
 
     devices: tuple[str, ...] | None
     unknown: str | None = None
+    source: str = "device-nodes"
 
 
 def container_reach(fs: HostFS, pid: int, numbers: Mapping[tuple[int, int], str]) -> Reach:

@@ -40,6 +40,7 @@ from tests.support.children import thread_cpus
 from tests.support.daemon_support import REPO
 from tests.support.fake_engine.layouts import OPEN_DEVICE_ENV
 from tests.support.fake_engine.shims import VLLM_MODULE, records, write_shim
+from tests.support.kubelet import kubelet_link, list_answer, pod_resources_server
 from tests.support.oci import (
     Profile,
     container_pid,
@@ -165,12 +166,13 @@ DRIVER_NS = (
     'cp -a "$1"/. /proc/driver/; shift; exec "$@"'
 )
 GPUS = ("0000:1a:00.0", "0000:1b:00.0", "0000:9a:00.0", "0000:9b:00.0")
+UUIDS = tuple(f"GPU-0000000{i}-aaaa-bbbb-cccc-00000000000{i}" for i in range(4))
 
 
 def driver_prefix(tmp: Path) -> tuple[str, ...]:
     builder = FakeHost(tmp / "host").cpus(1, 2, 1)
-    for bdf in GPUS:
-        builder = builder.nvidia_gpu(bdf, 0)
+    for bdf, gpu_uuid in zip(GPUS, UUIDS, strict=True):
+        builder = builder.nvidia_gpu(bdf, 0, uuid=gpu_uuid)
     driver = builder.build() / "proc/driver"
     unshare = ("unshare", "--mount", "--propagation", "private")
     return (*unshare, "sh", "-c", DRIVER_NS, "drv", str(driver))
@@ -215,3 +217,51 @@ def test_a_container_given_two_of_four_gpus_is_planned_on_those_two(tmp_path: Pa
             assert by_title == {"VLLM::Worker_TP0": 0, "VLLM::Worker_TP1": 1}, by_title
             logged = agent.log.read_text()
             assert f"devices={GPUS[2]},{GPUS[3]}" in logged, logged[-2000:]
+
+
+@pytest.mark.usefixtures("runc_on_two_cpus")
+def test_the_kubelets_allotment_is_planned_over_the_containers_device_nodes(
+    tmp_path: Path,
+) -> None:
+    """A container with all four GPUs' nodes (as NVIDIA_VISIBLE_DEVICES=all gives a
+    pod) that the device plugin allotted two: the agent asks the kubelet's Pod
+    Resources API (a real gRPC server on a unix socket), matches the container by
+    the names of the kubelet's log tree, resolves the UUIDs through the driver's
+    information files, and its child plans those two. Without the kubelet's word
+    the plan would have four ranks, two of them waiting."""
+    pod = str(uuid.uuid4())
+    cid = uuid.uuid4().hex + uuid.uuid4().hex
+    record = tmp_path / "record"
+    record.mkdir()
+    (tmp_path / "agent").mkdir()
+    bundle = tmp_path / cid[:12]
+    nodes = [(f"/dev/nvidia{m}", 195, m) for m in range(4)]
+    cgroup = f"/kubepods/besteffort/pod{pod}/{cid}"
+    vllm_bundle(bundle, tmp_path, cgroup, record, nodes=nodes, open_device=False)
+    logs = tmp_path / "varlog"
+    kubelet_link(logs, "vllm-0", "ml", pod, container="engine", cid=cid)
+    grant = {"nvidia.com/gpu": [UUIDS[3], UUIDS[2]]}
+    answer = list_answer([("ml", "vllm-0", [("engine", grant, [])])])
+    with (
+        pod_resources_server(tmp_path, lambda _request, _context: answer) as socket,
+        kubelet_parents(pod),
+        running(bundle, cid[:32], tmp_path / "runc.log"),
+    ):
+        poll(lambda: len(records(record)) == 2, 60, 0.5, what="both workers up")
+        extra = ("--kube-logs", str(logs), "--pod-resources", socket)
+        prefix = driver_prefix(tmp_path)
+        with agent_running(
+            tmp_path / "agent", pods=[pod], base=BASE, prefix=prefix, extra=extra
+        ) as agent:
+            entry = poll(lambda: reached(agent, cid), 90, 0.5, what="the ranks placed")
+            assert entry["devices"] == list(GPUS[2:]), entry
+            assert entry["devices_source"] == "pod-resources"
+            allotted = entry["allotted"]["devices"]
+            assert allotted == [
+                {"resource": "nvidia.com/gpu", "ids": grant["nvidia.com/gpu"], "numa_nodes": []}
+            ]
+            ranks = entry["placement"]["ranks"]
+            assert [r["device"]["bus_id"] for r in ranks] == list(GPUS[2:]), ranks
+            logged = agent.log.read_text()
+            assert "pod resources differ from device nodes" in logged, logged[-2000:]
+            assert f"nodes={','.join(GPUS)}" in logged

@@ -46,6 +46,7 @@ from supervisor.hostfs import HostFS
 from supervisor.procfs.identity import ProcessId
 from tests.support.children import thread_cpus
 from tests.support.daemon_support import REPO, daemon_env, free_port, get_json, stop_process
+from tests.support.kubelet import kubelet_link
 from tests.support.oci import Profile, host_pids, kubelet_parents, make_bundle, runc, running, state
 from tests.support.poll import poll
 
@@ -82,13 +83,6 @@ def test_metrics_get_the_container_s_labels_and_help_lines_once() -> None:
 
 UID = "0f2d8a9e-5b1c-4c7e-9f00-1234567890ab"
 CID = "4b825dc642cb6eb9a060e54bf8d69288fbee4904" + "0" * 24
-
-
-def kubelet_link(logs: Path, pod: str, ns: str, uid: str, *, container: str, cid: str) -> None:
-    """The link the kubelet makes under /var/log/containers (legacyLogSymlink)."""
-    (logs / "containers").mkdir(parents=True, exist_ok=True)
-    target = f"/var/log/pods/{ns}_{pod}_{uid}/{container}/0.log"
-    (logs / "containers" / f"{pod}_{ns}_{container}-{cid}.log").symlink_to(target)
 
 
 @pytest.mark.parametrize(

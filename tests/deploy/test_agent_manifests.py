@@ -54,7 +54,12 @@ CORE_KINDS = {"Namespace", "ServiceAccount", "PriorityClass", "DaemonSet", "Conf
 # docs/kubernetes.md "Privileges" and daemonset.yaml's header say why each.
 CAPABILITIES = {"SYS_NICE", "SYS_PTRACE", "DAC_OVERRIDE"}
 # The host paths the agent reads, and nothing else of the host's.
-HOST_PATHS = {"/sys/fs/cgroup", "/var/log/pods", "/var/log/containers"}
+HOST_PATHS = {
+    "/sys/fs/cgroup",
+    "/var/log/pods",
+    "/var/log/containers",
+    "/var/lib/kubelet/pod-resources",
+}
 CGROUP_ROOT = "/sys/fs/cgroup"
 
 

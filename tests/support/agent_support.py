@@ -140,11 +140,13 @@ def agent_running(
     interval_s: float | None = 1.0,
     argv: Sequence[str] | None = None,
     prefix: Sequence[str] = (),
+    extra: Sequence[str] = (),
 ) -> Iterator[Agent]:
     """`python -m supervisor agent` for `pods`, its children's config `base`
     (interval_s None: the agent's default); SIGTERM (then KILL) afterwards.
     `argv` replaces `python -m supervisor` (a benchmark's own entry point);
-    `prefix` runs before it and execs it (ray_support.PRIVATE_DEV_PREFIX)."""
+    `prefix` runs before it and execs it (ray_support.PRIVATE_DEV_PREFIX); `extra`
+    are more of the agent's options."""
     (tmp / "base.toml").write_text(base)
     port = free_port()
     args = [*prefix, *(argv or (sys.executable, "-m", "supervisor")), "agent"]
@@ -153,6 +155,7 @@ def agent_running(
     args += [] if interval_s is None else ["--interval-s", str(interval_s)]
     for pod in pods:
         args += ["--pod", pod]
+    args += extra
     log = tmp / "agent.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
