@@ -5,8 +5,10 @@ those whose main process names an engine kind (or every container under an
 operator's `--cgroup-root`, as `kind_default`), splits the CPUs of containers
 whose cpusets overlap (supervisor.agent.shares) and runs, per placed container,
 one child `python -m supervisor run` with `[engine] attach = { cgroup = ...,
-cpus = SHARE }` (attach mode plans within the container's cgroup cpuset ∩ its
-share; the child itself runs wherever the agent does). A child is restarted when its
+cpus = SHARE, devices = [...] }` (attach mode plans within the container's cgroup
+cpuset ∩ its share, on the accelerators the container reaches: the kubelet's Pod
+Resources answer, else its device nodes, supervisor.agent.reach; the child itself
+runs wherever the agent does). A child is restarted when its
 container's cpuset, share or main process changes, or when it exited; it is
 stopped (SIGTERM: it detaches, the engine runs on) when its container goes, and
 all are stopped on the agent's own SIGTERM. The agent writes no cgroup: the
@@ -361,7 +363,7 @@ class NodeAgent:
             fs,
             extra_roots=self.options.cgroup_roots,
             ns_roots=self.ns_roots.current(fs),
-            devices=False,  # a child finds its engine's accelerators itself
+            devices=False,  # no fds: its device nodes are read once per container (read_reaches)
             cache=self.looks,
         )
         unread = {c.ref.cgroup: c.reason for c in found if c.reason is not None}
