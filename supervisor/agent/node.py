@@ -55,7 +55,7 @@ from supervisor.cpulist import format_cpulist
 from supervisor.hostfs import HostFS
 from supervisor.procfs.identity import ProcessId
 from supervisor.toml_out import to_toml
-from supervisor.topology.accelerators import VISIBILITY_VARIABLES
+from supervisor.topology.accelerators import PCI, VISIBILITY_VARIABLES
 from supervisor.topology.cgroupns import NamespaceRoots
 from supervisor.topology.device_minors import read_char_devices
 
@@ -149,7 +149,9 @@ def child_config(
     attach: dict[str, Any] = {"cgroup": cgroup}
     if share:
         attach["cpus"] = format_cpulist(share)
-    if devices is not None:
+    # Devices named in the config by address (accelerator = "pci") have no node the
+    # agent could find in a container's /dev: those are all planned, as before.
+    if devices is not None and base.get("accelerator") != PCI.name:
         attach["devices"] = list(devices)
     doc.setdefault("engine", {}).update(attach=attach, kind=kind)
     doc["engine"].pop("command", None)

@@ -202,6 +202,9 @@ def test_the_child_gets_the_reach_in_its_config_and_the_containers_visibility() 
         "devices": THEIRS,
     }
     assert "devices" not in child_config({}, "/x", "vllm")["engine"]["attach"]
+    # Devices the config names by address have no node to be found by: all kept.
+    pci = {"accelerator": "pci", "devices": ["0000:41:00.0"]}
+    assert "devices" not in child_config(pci, "/x", "vllm", devices=())["engine"]["attach"]
     agent = {"PATH": "/usr/bin", "CUDA_VISIBLE_DEVICES": "0-7", "NOTIFY_SOCKET": "/run/n"}
     visible = {"CUDA_VISIBLE_DEVICES": "1"}
     env = child_env(agent, "abc", Reach(tuple(THEIRS)), visible)
