@@ -47,6 +47,18 @@ def test_a_module_is_its_own_scope_and_a_shared_group_one_scope() -> None:
     assert len(ray) == 4 and {scope_of(f"{m}::test_x") for m in ray} == {"ray"}
 
 
+def test_every_module_with_kubelet_parents_is_in_the_kubepods_group() -> None:
+    """kubelet_parents removes the /kubepods parents it made, which another module's
+    containers may be using: each module that makes them runs in one group."""
+    users = {
+        str(p.relative_to(REPO))
+        for p in (REPO / "tests").rglob("test_*.py")
+        if "kubelet_parents(" in p.read_text()
+    }
+    assert users, "no module uses kubelet_parents: this check checks nothing"
+    assert {m: SHARED.get(m) for m in sorted(users)} == dict.fromkeys(sorted(users), "kubepods")
+
+
 def test_modules_and_shared_groups_each_run_on_one_worker_in_order(tmp_path: Path) -> None:
     out = tmp_path / "ran.jsonl"
     modules = [*(m for m, g in SHARED.items() if g == "ray"), "tests/test_a.py", "tests/test_b.py"]

@@ -36,6 +36,7 @@ SHARED = {
     "tests/agent/test_cgroupns.py": "kubepods",
     "tests/agent/test_node_agent_follows.py": "kubepods",
     "tests/agent/test_containerd.py": "kubepods",
+    "tests/agent/test_agent_devices.py": "kubepods",
 }
 
 # The longest units, first (seconds with 3 workers on 2 cores, `--durations=0`).

@@ -12,8 +12,12 @@ runc container with renamed nodes, is tests/agent/test_agent_devices.py.
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import stat
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +33,7 @@ from supervisor.hostfs import HostFS
 from supervisor.plan.placement import Placement
 from supervisor.topology.device_minors import read_char_devices
 from supervisor.topology.model import Topology
+from tests.support.daemon_support import REPO
 
 GPUS = ("0000:1a:00.0", "0000:1b:00.0", "0000:9a:00.0", "0000:9b:00.0")  # minors 0-3
 THEIRS = [GPUS[2], GPUS[3]]  # the container's: node 1's two
@@ -216,3 +221,51 @@ def test_the_child_gets_the_reach_in_its_config_and_the_containers_visibility() 
     # Its devices unknown: the container's indices would count the host's GPUs.
     env = child_env(agent, "abc", Reach(None, "EACCES"), visible)
     assert "CUDA_VISIBLE_DEVICES" not in env and "NOTIFY_SOCKET" not in env
+
+
+READ_REACH = """
+import json, sys
+from supervisor.agent.reach import container_reach
+from supervisor.hostfs import HostFS
+from supervisor.topology.device_minors import read_char_devices
+fs = HostFS("/")
+got = container_reach(fs, int(sys.argv[1]), read_char_devices(fs))
+print(json.dumps([got.devices, got.unknown]))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="reads another user's /proc/<pid>/root as root")
+def test_without_ptrace_access_the_reach_is_unknown_and_says_why(tmp_path: Path) -> None:
+    """A DaemonSet without SYS_PTRACE (and the DAC capabilities) may not look into
+    another user's /proc/<pid>/root: unknown, so the child plans every accelerator,
+    never none. With them (plain root here) the same process's /dev is read."""
+    if shutil.which("capsh") is None or shutil.which("setpriv") is None:
+        pytest.skip("needs capsh (libcap) and setpriv (util-linux)")
+    script = tmp_path / "reach.py"
+    script.write_text(READ_REACH)
+    nobody = ("setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups")
+    engine = subprocess.Popen([*nobody, sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        command = f"exec {sys.executable} {script} {engine.pid}"
+
+        def reach(*capsh: str) -> list[Any]:
+            done = subprocess.run(
+                ["capsh", *capsh, "--", "-c", command],
+                capture_output=True,
+                text=True,
+                cwd=REPO,
+                timeout=60,
+                check=False,
+            )
+            assert done.returncode == 0, done.stderr
+            got: list[Any] = json.loads(done.stdout)
+            return got
+
+        drop = "--drop=cap_sys_ptrace,cap_dac_override,cap_dac_read_search"
+        devices, unknown = reach(drop)
+        assert devices is None and unknown == f"/proc/{engine.pid}/root/dev: Permission denied"
+        devices, unknown = reach()
+        assert unknown is None and isinstance(devices, list), (devices, unknown)
+    finally:
+        engine.kill()
+        engine.wait()
