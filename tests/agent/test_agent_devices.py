@@ -28,6 +28,7 @@ import os
 import sys
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +98,27 @@ def vllm_bundle(
     )
 
 
+@dataclass(frozen=True, slots=True)
+class Engine:
+    pod: str
+    cid: str
+    record: Path  # where its workers record the device each drives
+    bundle: Path
+
+
+def engine_bundle(tmp: Path, **bundle: Any) -> Engine:
+    """A fake vLLM's runc bundle in a new pod's kubelet layout (vllm_bundle's
+    `bundle` options), its record directory, and the agent's directory."""
+    pod = str(uuid.uuid4())
+    cid = uuid.uuid4().hex + uuid.uuid4().hex
+    record = tmp / "record"
+    record.mkdir()
+    (tmp / "agent").mkdir()
+    path = tmp / cid[:12]
+    vllm_bundle(path, tmp, f"/kubepods/besteffort/pod{pod}/{cid}", record, **bundle)
+    return Engine(pod, cid, record, path)
+
+
 def drivers(cid: str, record: Path) -> dict[int, int]:
     """device -> host pid of the workers that recorded one (in-container pids mapped)."""
     by_ns = {container_pid(p): p for p in host_pids(cid)}
@@ -123,13 +145,8 @@ def ranked(agent: Agent, cid: str, record: Path) -> dict[str, Any] | None:
 def test_titled_workers_are_ranked_by_the_device_they_hold_open_in_their_container(
     tmp_path: Path,
 ) -> None:
-    pod = str(uuid.uuid4())
-    cid = uuid.uuid4().hex + uuid.uuid4().hex
-    record = tmp_path / "record"
-    record.mkdir()
-    (tmp_path / "agent").mkdir()
-    bundle = tmp_path / cid[:12]
-    vllm_bundle(bundle, tmp_path, f"/kubepods/besteffort/pod{pod}/{cid}", record)
+    e = engine_bundle(tmp_path)
+    pod, cid, record, bundle = e.pod, e.cid, e.record, e.bundle
     with kubelet_parents(pod), running(bundle, cid[:32], tmp_path / "runc.log"):
         # API server, engine core, two workers, and the spawn's resource tracker.
         poll(lambda: len(drivers(cid[:32], record)) == 2, 60, 0.5, what="both workers on a device")
@@ -196,15 +213,9 @@ def test_a_container_given_two_of_four_gpus_is_planned_on_those_two(tmp_path: Pa
     nodes' numbers, its child plans GPUs 9a and 9b only, two ranks (not four with
     two waiting), and the workers are adopted by their titles (they open no
     device: there is no driver behind these numbers)."""
-    pod = str(uuid.uuid4())
-    cid = uuid.uuid4().hex + uuid.uuid4().hex
-    record = tmp_path / "record"
-    record.mkdir()
-    (tmp_path / "agent").mkdir()
-    bundle = tmp_path / cid[:12]
     nodes = [("/dev/nvidia0", 195, 2), ("/dev/nvidia1", 195, 3)]
-    cgroup = f"/kubepods/besteffort/pod{pod}/{cid}"
-    vllm_bundle(bundle, tmp_path, cgroup, record, nodes=nodes, open_device=False)
+    e = engine_bundle(tmp_path, nodes=nodes, open_device=False)
+    pod, cid, record, bundle = e.pod, e.cid, e.record, e.bundle
     prefix = driver_prefix(tmp_path)
     with kubelet_parents(pod), running(bundle, cid[:32], tmp_path / "runc.log"):
         poll(lambda: len(records(record)) == 2, 60, 0.5, what="both workers up")
@@ -229,15 +240,9 @@ def test_the_kubelets_allotment_is_planned_over_the_containers_device_nodes(
     the names of the kubelet's log tree, resolves the UUIDs through the driver's
     information files, and its child plans those two. Without the kubelet's word
     the plan would have four ranks, two of them waiting."""
-    pod = str(uuid.uuid4())
-    cid = uuid.uuid4().hex + uuid.uuid4().hex
-    record = tmp_path / "record"
-    record.mkdir()
-    (tmp_path / "agent").mkdir()
-    bundle = tmp_path / cid[:12]
     nodes = [(f"/dev/nvidia{m}", 195, m) for m in range(4)]
-    cgroup = f"/kubepods/besteffort/pod{pod}/{cid}"
-    vllm_bundle(bundle, tmp_path, cgroup, record, nodes=nodes, open_device=False)
+    e = engine_bundle(tmp_path, nodes=nodes, open_device=False)
+    pod, cid, record, bundle = e.pod, e.cid, e.record, e.bundle
     logs = tmp_path / "varlog"
     kubelet_link(logs, "vllm-0", "ml", pod, container="engine", cid=cid)
     grant = {"nvidia.com/gpu": [UUIDS[3], UUIDS[2]]}
