@@ -361,6 +361,7 @@ class Daemon:
                 applier=applier,
                 executor=self.adopt_executor,
                 on_engine=naming.engine_found,
+                planned_env=self.env,
             )
         else:
             self.fleet = fleet = AdoptingFleet(

@@ -34,6 +34,7 @@ from supervisor.errors import ConfigError
 from supervisor.hostfs import HostFS
 from supervisor.logs import format_fields, setup_logging
 from supervisor.run.stop_budget import log_stop_budget
+from supervisor.trees.attach import attach_env
 
 log = logging.getLogger("placement_supervisor.daemon")  # the start is the daemon's
 
@@ -67,6 +68,8 @@ def run_command(args: argparse.Namespace) -> int:
     log_fd_limit(raise_fd_limit())  # before the API sizes its cap; after the lock (one line)
     fs = HostFS("/")
     checkpoint = irq_checkpoint_for(instance, env, fs)  # restores one left behind first
+    # Attach mode: the engine's own visibility variables where ours set none.
+    env = attach_env(config, env, fs)
     topology, placement = prepare(config, env, fs)
     refuse(check_spawns(config, placement, env, sys.executable))  # argv + env over E2BIG
     cgroups, cgroup_cap = cgroups_and_capability(config, fs, env)

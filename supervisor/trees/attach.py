@@ -54,6 +54,11 @@ from supervisor.trees.adopt import (
     exit_of,
     read_adoptees,
 )
+from supervisor.trees.engine_visibility import (
+    engine_visibility,
+    visibility_difference,
+    with_engine_visibility,
+)
 from supervisor.trees.find_engine import FoundEngine, find_engine
 from supervisor.watch.adoption import decide_detach
 from supervisor.watch.apply import Applier
@@ -161,10 +166,14 @@ class AttachRunner(Runner):
         spec_of: SpecOf,
         target: AttachTarget,
         on_engine: OnEngine | None = None,
+        *,
+        planned_env: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(rt, key, spec_of)
         self.target = target
         self.on_engine = on_engine  # told each found engine's command line and environment
+        # The environment the plan was made with (its visibility variables).
+        self.planned_env: Mapping[str, str] = planned_env or {}
         self.found: FoundEngine | None = None
         self.last: FoundEngine | None = None  # the last one found, until the next
         self.before: dict[ProcessId, frozenset[int]] = {}  # the found tree's affinities
@@ -225,6 +234,11 @@ class AttachRunner(Runner):
             if engine is None:
                 return False  # exited meanwhile
             self.on_engine(*engine)
+        visible = await loop.run_in_executor(
+            self.rt.executor, engine_visibility, self.rt.fs, found.pid
+        )
+        if visible is not None:
+            self._check_visibility(visible)
         self.found, self.last, self.before = found, found, before
         cpuset = await loop.run_in_executor(self.rt.executor, _cpuset_of_pid, self.rt.fs, found.pid)
         planned = frozenset(
@@ -271,6 +285,22 @@ class AttachRunner(Runner):
             )
         self.ready.set()
         return True
+
+    def _check_visibility(self, visible: Mapping[str, str]) -> None:
+        """An `error` event when the engine's visibility variables select other
+        devices than the plan (made at start, from the supervisor's environment or
+        the engine's then: supervisor.trees.engine_visibility)."""
+        differs = visibility_difference(self.rt.plan.topology.devices, self.planned_env, visible)
+        if differs is None:
+            return
+        self.recorder.note(
+            "error",
+            self.key,
+            f"engine: {differs}; restart the supervisor to plan the engine's (docs/attach.md)",
+            log_message="engine visibility differs from the plan",
+            level=logging.WARNING,
+            action="keep the plan",
+        )
 
     async def _watch(self, found: FoundEngine) -> None:
         """Until the engine exits (its pidfd, or a look each check) or the daemon stops."""
@@ -342,8 +372,11 @@ class AttachingFleet(AdoptingFleet):
         applier: Applier,
         executor: Executor,
         on_engine: OnEngine | None = None,
+        planned_env: Mapping[str, str] | None = None,
     ) -> None:
-        self.attach = AttachRunner(rt, "engine", spec_of, target, on_engine)
+        self.attach = AttachRunner(
+            rt, "engine", spec_of, target, on_engine, planned_env=planned_env
+        )
         self.ranks = ranks  # filled by AdoptingFleet
         super().__init__(
             rt,
@@ -476,6 +509,21 @@ def engine_scope(config: Config, fs: HostFS) -> EngineScope | None:
     else:
         log.info("engine cpuset %s cpus=%s action=plan within", fields, format_cpulist(within))
     return EngineScope(lines, target.cpus, target.devices)
+
+
+def attach_env(config: Config, env: Mapping[str, str], fs: HostFS) -> dict[str, str]:
+    """The environment to plan with at start: the supervisor's `env`, with the
+    attached engine's visibility variables where `env` sets none and the engine
+    runs now under this root (supervisor.trees.engine_visibility). Blocking."""
+    target = attach_target(config)
+    if target is None:
+        return dict(env)
+    try:
+        found = find_engine(fs, target, os.getpid())
+    except (SupervisorError, OSError):
+        found = None
+    engine = None if found is None else engine_visibility(fs, found.pid)
+    return dict(with_engine_visibility(env, engine))
 
 
 def attach_target(config: Config) -> AttachTarget | None:
