@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 
 from supervisor.config_sections import (
     ATTACH_HOWS,
-    AttachHow,
+    AttachTarget,
     check_env_name,
     check_exec_strings,
     check_template,
@@ -87,25 +87,6 @@ class ProcessConfig:
     # [engine] only: the running engine to place instead of a command to spawn
     # (docs/attach.md); `command` is then empty.
     attach: AttachTarget | None = field(default=None, kw_only=True)
-
-
-@dataclass(frozen=True, slots=True)
-class AttachTarget:
-    """`[engine] attach = { unit = "vllm.service" }`, `{ cgroup = "/x.slice/y" }` or
-    `{ match = "vllm serve" }`: how the supervisor finds an engine it did not start."""
-
-    how: AttachHow
-    value: str
-    # `cpus = "0-7"`: the plan stays within these CPUs of the engine's cpuset (the
-    # node agent's share of a container whose CPUs other containers share too).
-    cpus: frozenset[int] | None = None
-    # `devices = ["0000:41:00.0", ...]`: the accelerators the engine can reach (the
-    # node agent: its container's device nodes); the plan has these and none of the
-    # host's others, not even hidden (docs/attach.md). None: every one of the host's.
-    devices: tuple[str, ...] | None = None
-
-    def __str__(self) -> str:
-        return f"{self.how} = {self.value!r}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,13 +202,12 @@ def _attached_engine(t: Table) -> ProcessConfig:
     """[engine] attach = { unit | cgroup | match = "..." } (docs/attach.md)."""
     if t.has("command"):
         raise t.fail("attach", "give either command or attach, not both")
-    keys = load_attach(t, ATTACH_HOWS)
+    target = load_attach(t, ATTACH_HOWS)
     asked: EngineKind = t.choice("kind", "auto", ENGINE_KINDS)
     # "auto" reads the kind from a match's words; a unit or cgroup tells nothing.
-    argv = tuple(keys.value.split()) if keys.how == "match" else ()
+    argv = tuple(target.value.split()) if target.how == "match" else ()
     kind: ResolvedKind = recognise_kind(argv) if asked == "auto" else asked
     t.done()
-    target = AttachTarget(keys.how, keys.value, keys.cpus, keys.devices)
     return ProcessConfig((), {}, kind=kind, attach=target)
 
 

@@ -195,16 +195,25 @@ def pci_addresses(
 
 
 @dataclass(frozen=True, slots=True)
-class AttachKeys:
-    """What `[engine] attach = {...}` says, checked (config.AttachTarget holds it)."""
+class AttachTarget:
+    """`[engine] attach = { unit = "vllm.service" }`, `{ cgroup = "/x.slice/y" }` or
+    `{ match = "vllm serve" }`: how the supervisor finds an engine it did not start."""
 
     how: AttachHow
     value: str
-    cpus: frozenset[int] | None  # `cpus = "0-7"`
-    devices: tuple[str, ...] | None  # `devices = ["0000:41:00.0"]`
+    # `cpus = "0-7"`: the plan stays within these CPUs of the engine's cpuset (the
+    # node agent's share of a container whose CPUs other containers share too).
+    cpus: frozenset[int] | None = None
+    # `devices = ["0000:41:00.0", ...]`: the accelerators the engine can reach (the
+    # node agent: its container's device nodes); the plan has these and none of the
+    # host's others, not even hidden (docs/attach.md). None: every one of the host's.
+    devices: tuple[str, ...] | None = None
+
+    def __str__(self) -> str:
+        return f"{self.how} = {self.value!r}"
 
 
-def load_attach(engine: Table, hows: tuple[AttachHow, ...]) -> AttachKeys:
+def load_attach(engine: Table, hows: tuple[AttachHow, ...]) -> AttachTarget:
     """`[engine] attach = { unit | cgroup | match = "...", cpus = "0-7", devices = [...] }`:
     exactly one of `hows`, and the optional CPUs and accelerators the plan is
     narrowed to, checked."""
@@ -236,4 +245,4 @@ def load_attach(engine: Table, hows: tuple[AttachHow, ...]) -> AttachKeys:
     if sub.has("devices"):
         devices = pci_addresses(sub, "devices", distinct=True)
     sub.done()
-    return AttachKeys(how, value, cpus, devices)
+    return AttachTarget(how, value, cpus, devices)

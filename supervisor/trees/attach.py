@@ -28,7 +28,8 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 
 from supervisor.bind.binder import Binder
-from supervisor.config import AttachTarget, Config
+from supervisor.config import Config
+from supervisor.config_sections import AttachTarget
 from supervisor.cpulist import format_cpulist
 from supervisor.engines.kind_rules import ENGINE_ENV_NAMES
 from supervisor.errors import KernelError, SupervisorError

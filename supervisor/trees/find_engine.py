@@ -16,7 +16,7 @@ import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from supervisor.config import AttachTarget
+from supervisor.config_sections import AttachTarget
 from supervisor.errors import KernelError
 from supervisor.hostfs import HostFS
 from supervisor.procfs.files import read_cmdline

@@ -199,7 +199,7 @@ def test_another_user_s_container_read_without_ptrace_is_listed_with_a_reason() 
 
 FIND = """
 import json, sys
-from supervisor.config import AttachTarget
+from supervisor.config_sections import AttachTarget
 from supervisor.hostfs import HostFS
 from supervisor.trees.attach import engine_cgroup_lines
 from supervisor.trees.find_engine import find_engine

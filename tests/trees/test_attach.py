@@ -25,7 +25,8 @@ from typing import Any
 
 import pytest
 
-from supervisor.config import AttachTarget, Config, parse_config
+from supervisor.config import Config, parse_config
+from supervisor.config_sections import AttachTarget
 from supervisor.cpulist import format_cpulist, parse_cpulist
 from supervisor.daemon.reload import restart_reasons
 from supervisor.daemon.root import prepare
