@@ -400,10 +400,13 @@ class NodeAgent:
             await self.stop_child(m)
         readable = {cg: c.cpus for cg, (c, _) in by_cgroup.items() if c.cpus is not None}
         shares = compute_shares(readable)
-        containers = [c for c, _ in by_cgroup.values()]
-        new = [c for c in containers if c.main not in self.reaches]
-        allotted = await self.ask_kubelet() if new else None
-        await asyncio.to_thread(self.read_reaches, containers, allotted)
+        mains = {c.main for c, _ in by_cgroup.values()}
+        self.reaches = {p: r for p, r in self.reaches.items() if p in mains}
+        self.allotted = {p: a for p, a in self.allotted.items() if p in mains}
+        new = [c for c, _ in by_cgroup.values() if c.main not in self.reaches]
+        if new:  # most passes: none, and no kubelet call, no thread
+            allotted = await self.ask_kubelet()
+            await asyncio.to_thread(self.read_reaches, new, allotted)
         for cgroup, (c, kind) in sorted(by_cgroup.items()):
             if cgroup not in self.managed:
                 self.managed[cgroup] = Managed(c, kind)
@@ -450,18 +453,12 @@ class NodeAgent:
         return got
 
     def read_reaches(
-        self, containers: Sequence[Container], allotted: Sequence[Allotted] | None = None
+        self, new: Sequence[Container], allotted: Sequence[Allotted] | None = None
     ) -> None:
-        """The reach of each main process not read yet; the gone ones forgotten. The
-        kubelet's allotment where it lists the container (by its names) with device
-        ids that all resolve; else its device nodes. The host's device numbers are
-        read only when a new one is (once per container)."""
-        mains = {c.main: c for c in containers}
-        self.reaches = {p: r for p, r in self.reaches.items() if p in mains}
-        self.allotted = {p: a for p, a in self.allotted.items() if p in mains}
-        new = [c for p, c in mains.items() if p not in self.reaches]
-        if not new:
-            return
+        """The reach of each `new` container's main process: the kubelet's allotment
+        where it lists the container (by its names) with device ids that all
+        resolve; else its device nodes. Once per container (the pass forgets the
+        gone), so the host's device numbers are read only when one is new."""
         fs = HostFS(self.options.root)
         numbers = read_char_devices(fs)
         by_name = {(a.namespace, a.pod, a.container): a for a in allotted or ()}

@@ -59,7 +59,7 @@ def with_engine_visibility(
 ) -> Mapping[str, str]:
     """`env` (the supervisor's) with the engine's visibility variables where `env`
     sets none (pure but for the log line)."""
-    if engine is None or not engine or visibility_env(env):
+    if not engine or visibility_env(env):
         return env
     log.info(
         "engine visibility %s action=plan the devices it sees",
