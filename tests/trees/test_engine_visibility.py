@@ -34,6 +34,8 @@ CHROOTED = "import os, sys, time; os.chroot(sys.argv[1]); time.sleep(600)"
 def engine(env: dict[str, str], code: str = SLEEP, *args: str) -> Iterator[subprocess.Popen[bytes]]:
     proc = subprocess.Popen([sys.executable, "-c", code, *args], env={"PATH": "/usr/bin", **env})
     try:
+        # Until its exec: the forked child has the test's environment before it.
+        poll(lambda: code in Path(f"/proc/{proc.pid}/cmdline").read_text(), 10, what="exec")
         yield proc
     finally:
         proc.kill()
